@@ -1,0 +1,214 @@
+"""megatron-core 0.16.1 on a machine without CUDA (CPU tensors, gloo process groups).
+
+megatron-core assumes CUDA: it asks for the current CUDA device, tracks the CUDA RNG, and
+creates small bookkeeping tensors with device="cuda". Each patch below names the megatron-core
+file and line(s) it stands in for. `apply()` is called by entry points only (the CLI, tests,
+bench scripts); the model never imports this module. It does nothing when CUDA is present and
+refuses any megatron-core version it was not tested against.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import types
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+TESTED_MEGATRON_CORE = "0.16.1"
+
+
+class _CudaOnCPU(types.SimpleNamespace):
+    """`torch.cuda` as seen by a patched module: the CPU generator, no-op synchronize."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+_CUDA_ON_CPU = _CudaOnCPU(
+    current_device=lambda: "cpu",
+    synchronize=lambda *a, **k: None,
+    get_rng_state=lambda *a, **k: torch.get_rng_state(),
+    set_rng_state=lambda state, *a, **k: torch.set_rng_state(state),
+    manual_seed=lambda seed: torch.default_generator.manual_seed(seed),
+)
+
+
+def _on_cpu(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class _TorchOnCPU(types.ModuleType):
+    """Stands in for `torch` inside one megatron-core module: device="cuda" becomes "cpu"."""
+
+    cuda = _CUDA_ON_CPU
+    zeros, ones, empty, full, tensor, empty_like = (
+        staticmethod(_on_cpu(f)) for f in (torch.zeros, torch.ones, torch.empty, torch.full,
+                                           torch.tensor, torch.empty_like))
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+@contextlib.contextmanager
+def _cpu_tensors_pass_as_cuda():
+    """Inside: `t.type()` of a CPU tensor reads 'torch.cuda.*Tensor' and `t.cuda()` is `t`."""
+    type_, cuda = torch.Tensor.type, torch.Tensor.cuda
+
+    def spoofed_type(self, *args, **kwargs):
+        name = type_(self, *args, **kwargs)
+        if args or kwargs or self.is_cuda:
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = spoofed_type
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    try:
+        yield
+    finally:
+        torch.Tensor.type, torch.Tensor.cuda = type_, cuda
+
+
+@dataclass(frozen=True)
+class Patch:
+    where: str
+    """megatron-core file:line(s) the patch stands in for."""
+    replaces: str
+    apply: Callable[[], None]
+
+
+def _module_torch(module: str) -> Callable[[], None]:
+    def apply():
+        mod = importlib.import_module(f"megatron.core.{module}")
+        mod.torch = _TorchOnCPU("torch")
+
+    return apply
+
+
+def _run_with_cpu_tensors_as_cuda(module: str, qualname: str) -> Callable[[], None]:
+    def apply():
+        owner = importlib.import_module(f"megatron.core.{module}")
+        *path, name = qualname.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        original = getattr(owner, name)
+        if getattr(original, "_megaloop_cpu", False):
+            return
+
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            with _cpu_tensors_pass_as_cuda():
+                return original(*args, **kwargs)
+
+        wrapper._megaloop_cpu = True
+        setattr(owner, name, wrapper)
+
+    return apply
+
+
+def _cpu_autocast_functions(*names: str) -> Callable[[], None]:
+    """Re-decorate megatron-core's autograd Functions for CPU autocast (they are for CUDA's)."""
+
+    def apply():
+        layers = importlib.import_module("megatron.core.tensor_parallel.layers")
+        for name in names:
+            fn = getattr(layers, name)
+            fwd, bwd = fn.forward, fn.backward
+            fn.forward = staticmethod(torch.amp.custom_fwd(fwd.__wrapped__, device_type="cpu"))
+            fn.backward = staticmethod(torch.amp.custom_bwd(bwd.__wrapped__, device_type="cpu"))
+
+    return apply
+
+
+def _set(target, name: str, value) -> Callable[[], None]:
+    """Set `name` on an object, or on a megatron-core module given by its dotted name."""
+
+    def apply():
+        owner = importlib.import_module(f"megatron.core.{target}") if isinstance(target, str) else target
+        setattr(owner, name, value)
+
+    return apply
+
+
+PATCHES = [
+    Patch("~175 call sites, e.g. models/common/embeddings/rotary_pos_embedding.py:162, "
+          "tensor_parallel/layers.py:261, pipeline_parallel/p2p_communication.py:190",
+          "device=torch.cuda.current_device()",
+          _set(torch.cuda, "current_device", _CUDA_ON_CPU.current_device)),
+    Patch("pipeline_parallel/p2p_communication.py:242,398; distributed/distributed_data_parallel.py:588",
+          "torch.cuda.synchronize()", _set(torch.cuda, "synchronize", _CUDA_ON_CPU.synchronize)),
+    Patch("tensor_parallel/random.py:41-111 (_get_cuda_rng_state, _set_cuda_rng_state), "
+          "235-240 and 422 (torch.cuda.get_rng_state/manual_seed)",
+          "the CUDA RNG tracker: it tracks the CPU generator instead",
+          _module_torch("tensor_parallel.random")),
+    Patch("tensor_parallel/random.py:41", "_get_cuda_rng_state(...)",
+          _set("tensor_parallel.random", "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())),
+    Patch("tensor_parallel/random.py:72", "_set_cuda_rng_state(new_state, ...)",
+          _set("tensor_parallel.random", "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))),
+    Patch("pipeline_parallel/schedules.py:596,983,2138", "total_num_tokens = torch.zeros(..., device='cuda')",
+          _module_torch("pipeline_parallel.schedules")),
+    Patch("optimizer/optimizer.py:473,481,485,907", "torch.tensor(..., device='cuda')",
+          _module_torch("optimizer.optimizer")),
+    Patch("optimizer/clip_grads.py:90,103,115,174,207", "torch.tensor/zeros(..., device='cuda')",
+          _module_torch("optimizer.clip_grads")),
+    Patch("tensor_parallel/layers.py:68-69 (applied at 335, 347, 447, 494)",
+          "custom_fwd = partial(torch.amp.custom_fwd, device_type='cuda'), same for custom_bwd",
+          _cpu_autocast_functions("LinearWithFrozenWeight",
+                                  "LinearWithGradAccumulationAndAsyncCommunication")),
+    Patch("utils.py:1207 (local_multi_tensor_l2_norm, used for the gradient norm)",
+          "l2_cuda = torch.tensor([...], device='cuda')", _module_torch("utils")),
+    Patch("optimizer/grad_scaler.py:15,88,91,94", "torch.tensor(..., device='cuda')",
+          _module_torch("optimizer.grad_scaler")),
+    Patch("distributed/param_and_grad_buffer.py:768", "torch.zeros([1], device='cuda')",
+          _module_torch("distributed.param_and_grad_buffer")),
+    Patch("transformer/utils.py:35,40", "torch.ones(sq, sq, device='cuda') (causal masks)",
+          _module_torch("transformer.utils")),
+    Patch("rerun_state_machine.py:261,265", "torch.tensor(value, device='cuda')",
+          _module_torch("rerun_state_machine")),
+    Patch("dist_checkpointing/strategies/state_dict_saver.py:204", "torch.tensor(..., device='cuda')",
+          _module_torch("dist_checkpointing.strategies.state_dict_saver")),
+    Patch("dist_checkpointing/exchange_utils.py:98-110,326,336,499",
+          "init_data('cuda') / torch.empty(..., device='cuda') / .cuda()",
+          _module_torch("dist_checkpointing.exchange_utils")),
+    Patch("models/common/language_module/language_module.py:244", "weight.data = weight.data.cuda()",
+          _run_with_cpu_tensors_as_cuda("models.common.language_module.language_module",
+                                        "LanguageModule.setup_embeddings_and_output_layer")),
+    Patch("optimizer/optimizer.py:671,690", "param.type() == 'torch.cuda.FloatTensor'",
+          _run_with_cpu_tensors_as_cuda("optimizer.optimizer",
+                                        "Float16OptimizerWithFloat16Params.__init__")),
+    Patch("optimizer/clip_grads.py:167 (as imported by optimizer/optimizer.py:50)", "assert param.grad.type() == 'torch.cuda.FloatTensor'",
+          _run_with_cpu_tensors_as_cuda("optimizer.optimizer", "clip_grad_by_total_norm_fp32")),
+    Patch("optimizer/distrib_optimizer.py:361,420", "model_param.type() == 'torch.cuda.FloatTensor'",
+          _run_with_cpu_tensors_as_cuda("optimizer.distrib_optimizer",
+                                        "DistributedOptimizer._build_model_and_main_param_groups")),
+]
+
+_applied = False
+
+
+def apply() -> None:
+    """Make megatron-core run on the CPU; a no-op when CUDA is available or already applied."""
+    global _applied
+    if _applied or torch.cuda.is_available():
+        return
+    import megatron.core
+
+    version = megatron.core.__version__
+    if version != TESTED_MEGATRON_CORE:
+        raise RuntimeError(
+            f"megaloop's CPU compatibility layer was tested with megatron-core "
+            f"{TESTED_MEGATRON_CORE}, but {version} is installed; its patches name that "
+            f"version's lines. Install megatron-core=={TESTED_MEGATRON_CORE} (see requirements.txt), "
+            f"or run on a CUDA machine.")
+    for patch in PATCHES:
+        patch.apply()
+    _applied = True

@@ -1,0 +1,154 @@
+"""The config language: typed dataclasses are the truth, YAML files are data mapped onto them.
+
+A YAML file may start with `defaults: [other.yaml, ...]`; those files are merged first (in
+order, later wins), then the file's own keys, then `key=value` overrides from the command line.
+Every key must name a dataclass field: a typo fails loudly with the key, the value and what is
+allowed, before any compute starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A bad config value: the message names the key, the value and what is allowed."""
+
+
+def fail(key: str, value: Any, allowed: str) -> typing.NoReturn:
+    raise ConfigError(f"config key '{key}': got {value!r}; {allowed}")
+
+
+@dataclasses.dataclass
+class Config:
+    """Base for every config section: strict construction from dicts, and `validate()`."""
+
+    @classmethod
+    def from_dict(cls, data: dict, prefix: str = "") -> "Config":
+        if not isinstance(data, dict):
+            fail(prefix.rstrip(".") or "<root>", data, "expected a mapping of keys to values")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        hints = typing.get_type_hints(cls)
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            fail(prefix + unknown[0], data[unknown[0]],
+                 f"unknown key; allowed keys here: {', '.join(sorted(fields))}")
+        kwargs = {name: _coerce(hints[name], value, prefix + name) for name, value in data.items()}
+        cfg = cls(**kwargs)
+        cfg.validate(prefix)
+        return cfg
+
+    def validate(self, prefix: str = "") -> None:
+        """Cross-field checks of this section (nested sections validate themselves first);
+        sections override this and call `check`/`fail` with the full key."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(inner, value, key)
+    if origin is Literal:
+        if value not in args:
+            fail(key, value, f"allowed: {', '.join(map(str, args))}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            fail(key, value, f"expected a list of {args[0].__name__}")
+        return [_coerce(args[0], v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if isinstance(hint, type) and issubclass(hint, Config):
+        return hint.from_dict(value if value is not None else {}, key + ".")
+    if hint is bool:
+        if not isinstance(value, bool):
+            fail(key, value, "expected true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            fail(key, value, "expected an integer")
+        return value
+    if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            fail(key, value, "expected a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            fail(key, value, "expected a string")
+        return str(value)
+    raise TypeError(f"config field {key} has an unsupported type {hint}")
+
+
+def check(cond: bool, key: str, value: Any, allowed: str) -> None:
+    if not cond:
+        fail(key, value, allowed)
+
+
+def _deep_merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for k, v in update.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _resolve(ref: str, relative_to: Path) -> Path:
+    for candidate in (relative_to / ref, CONFIG_ROOT / ref, Path(ref)):
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(f"config file '{ref}' (from {relative_to}) not found; looked beside it, "
+                      f"in {CONFIG_ROOT} and in the working directory")
+
+
+def read_yaml(path: Path, _seen: tuple = ()) -> dict:
+    """Read a YAML file with its `defaults` merged in (recursively)."""
+    path = path.resolve()
+    if path in _seen:
+        raise ConfigError(f"config file {path} includes itself through 'defaults'")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(data).__name__}")
+    merged: dict = {}
+    defaults = data.pop("defaults", []) or []
+    if not isinstance(defaults, list):
+        raise ConfigError(f"config file {path}: 'defaults' must be a list of YAML files")
+    for ref in defaults:
+        merged = _deep_merge(merged, read_yaml(_resolve(str(ref), path.parent), _seen + (path,)))
+    return _deep_merge(merged, data)
+
+
+def parse_override(text: str) -> dict:
+    """`a.b.c=value` → {"a": {"b": {"c": value}}}; the value is parsed as YAML."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r} is not of the form key=value (e.g. train.steps=100)")
+    value = yaml.safe_load(raw) if raw != "" else ""
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
+
+
+def load(cls: type[Config], path: str | Path | None, overrides: list[str] = ()) -> Config:
+    data = read_yaml(_resolve(str(path), Path.cwd())) if path is not None else {}
+    for text in overrides:
+        data = _deep_merge(data, parse_override(text))
+    return cls.from_dict(data)

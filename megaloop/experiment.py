@@ -1,0 +1,58 @@
+"""The root config of a run: one section per component, checked together before any compute.
+
+    model:     ModelConfig       (megaloop/model/looped.py)
+    objective: ObjectiveConfig   (megaloop/objectives.py)
+    data:      DataConfig        (megaloop/data/__init__.py)
+    optim:     OptimConfig       (megaloop/train/optim.py)
+    train:     TrainConfig       (megaloop/train/trainer.py)
+    wandb:     WandbConfig       (megaloop/train/metrics.py)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megaloop import config as config_lib
+from megaloop.config import Config, check
+from megaloop.data import DataConfig
+from megaloop.model import ModelConfig
+from megaloop.objectives import ObjectiveConfig
+from megaloop.train.metrics import WandbConfig
+from megaloop.train.optim import OptimConfig
+from megaloop.train.trainer import TrainConfig
+
+
+@dataclass
+class ExperimentConfig(Config):
+    model: ModelConfig = field(default_factory=ModelConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def validate(self, prefix: str = "") -> None:
+        check(self.objective.kind != "exit_weighted" or self.model.exit_gate,
+              "model.exit_gate", self.model.exit_gate,
+              "objective.kind=exit_weighted needs the exit gate: set model.exit_gate=true")
+        check(self.data.seq_len <= self.model.max_seq_len, "data.seq_len", self.data.seq_len,
+              f"must be <= model.max_seq_len={self.model.max_seq_len}")
+
+
+def load(path, overrides=()) -> ExperimentConfig:
+    return config_lib.load(ExperimentConfig, path, list(overrides))
+
+
+def build_trainer(cfg: ExperimentConfig, log: bool = True):
+    """The chain: process groups → data → engine (model + parallelism) → trainer."""
+    from megaloop.parallel import distributed
+    from megaloop.parallel.megatron import Engine
+    from megaloop.train.trainer import Trainer
+
+    dataset = cfg.data.build(cfg.train.seed)
+    vocab = dataset.tokenizer.vocab_size
+    check(cfg.model.vocab_size >= vocab, "model.vocab_size", cfg.model.vocab_size,
+          f"must be >= the tokenizer's {vocab} tokens (data.tokenizer={cfg.data.tokenizer})")
+    distributed.init(cfg.train.seed)
+    engine = Engine(cfg.model, cfg.data.seq_len, cfg.train.micro_batch_size)
+    return Trainer(cfg, engine, dataset, log=log and distributed.is_main())

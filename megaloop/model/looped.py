@@ -1,0 +1,195 @@
+"""The looped language model: embedding → a shared stack of L layers applied K times → an exit
+after every loop.
+
+    H_0 = Embed(x)
+    H_k = Stack(R(H_{k-1}))          k = 1..K, R = recurrence (identity for k = 1)
+    logits_k = Readout_k(H_k)        one shared W_out
+
+The stack is megatron-core's own transformer layers (see specs.py), tensors are sequence-first
+([s, b, d]) as in megatron-core. This file is single-device code: parallelism is applied
+elsewhere (megaloop.parallel), and it never imports the CPU compatibility layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.transformer.enums import ModelType
+from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megaloop.config import Config, check
+from megaloop.model.exit_gate import ExitGate
+from megaloop.model.readout import Readout, ReadoutMode
+from megaloop.model.recurrence import Recurrence, RecurrenceMode, clamp_to, rms
+from megaloop.model.specs import layer_spec
+
+
+@dataclass
+class ModelConfig(Config):
+    vocab_size: int = 20480
+    hidden_size: int = 512
+    num_heads: int = 8
+    num_query_groups: Optional[int] = None
+    """Key/value heads (grouped-query attention); None = one per query head."""
+    num_layers: int = 8
+    """L: layers in the shared stack (applied num_loops times)."""
+    ffn_hidden_size: Optional[int] = None
+    """SwiGLU hidden size; None = 4 * hidden_size."""
+    num_loops: int = 4
+    """K at training time; any K >= 1 can be asked for at inference."""
+    max_seq_len: int = 1024
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    tie_embeddings: bool = True
+    """Tie W_out to the token embedding."""
+    readout: ReadoutMode = "norm"
+    recurrence: RecurrenceMode = "none"
+    damping_init: float = 0.9
+    """Initial per-channel factor of the `damping` recurrence, in (0, 1)."""
+    exit_gate: bool = False
+    """Ouro's per-token exit gate λ_k (needed by the exit-weighted objective)."""
+    attention: Literal["sdpa", "megatron"] = "sdpa"
+    """Core attention: torch SDPA, or megatron-core's local DotProductAttention."""
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    def validate(self, prefix: str = "") -> None:
+        for name in ("vocab_size", "hidden_size", "num_heads", "num_layers", "num_loops",
+                     "max_seq_len"):
+            check(getattr(self, name) >= 1, prefix + name, getattr(self, name), "must be >= 1")
+        check(self.hidden_size % self.num_heads == 0, prefix + "num_heads", self.num_heads,
+              f"must divide hidden_size={self.hidden_size}")
+        groups = self.num_query_groups or self.num_heads
+        check(groups >= 1 and self.num_heads % groups == 0, prefix + "num_query_groups",
+              self.num_query_groups, f"must divide num_heads={self.num_heads}")
+        check((self.hidden_size // self.num_heads) % 2 == 0, prefix + "num_heads", self.num_heads,
+              "head dimension hidden_size/num_heads must be even for RoPE")
+        check(self.ffn_hidden_size is None or self.ffn_hidden_size >= 1,
+              prefix + "ffn_hidden_size", self.ffn_hidden_size, "must be >= 1 or null")
+        check(0.0 < self.damping_init < 1.0, prefix + "damping_init", self.damping_init,
+              "must lie in (0, 1)")
+        check(self.norm_eps > 0, prefix + "norm_eps", self.norm_eps, "must be > 0")
+        check(self.init_std > 0, prefix + "init_std", self.init_std, "must be > 0")
+
+
+@dataclass
+class LoopOutput:
+    """Everything the objectives and diagnostics need, one entry per loop k = 1..K."""
+
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    """H_k, [s, b, d]."""
+    logits: list[torch.Tensor] = field(default_factory=list)
+    """Vocab-parallel logits [s, b, V/tp] (only when no labels are given)."""
+    token_ce: list[torch.Tensor] = field(default_factory=list)
+    """Per-token cross-entropy [b, s] (only when labels are given)."""
+    gates: list[torch.Tensor] = field(default_factory=list)
+    """Exit-gate λ_k, [b, s] (only with an exit gate)."""
+
+
+class LoopedLM(LanguageModule):
+    """A looped decoder. `pre_process`/`post_process` and `layer_ids` let a pipeline stage hold
+    the embedding, the exits, or a slice of the shared stack; one process holds everything."""
+
+    def __init__(self, cfg: ModelConfig, config: TransformerConfig, pre_process: bool = True,
+                 post_process: bool = True, layer_ids: Optional[range] = None, vp_stage=None):
+        super().__init__(config=config)
+        self.cfg = cfg
+        self.model_type = ModelType.encoder_or_decoder
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.share_embeddings_and_output_weights = cfg.tie_embeddings
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(
+                config, vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_seq_len,
+                position_embedding_type="rope")
+        self.rotary_pos_emb = RotaryEmbedding(
+            kv_channels=config.kv_channels, rotary_percent=1.0, rotary_base=cfg.rope_base,
+            use_cpu_initialization=config.use_cpu_initialization)
+        spec = layer_spec(cfg.attention)
+        layer_ids = layer_ids if layer_ids is not None else range(cfg.num_layers)
+        self.layers = torch.nn.ModuleList(
+            build_module(spec, config=config, layer_number=i + 1, vp_stage=vp_stage)
+            for i in layer_ids)
+        self.recurrence = Recurrence(cfg.recurrence, cfg.hidden_size, cfg.norm_eps,
+                                     cfg.damping_init)
+        self.exit_gate = ExitGate(cfg.hidden_size) if cfg.exit_gate else None
+        if post_process:
+            self.readout = Readout(cfg.readout, config, cfg.vocab_size, tied=cfg.tie_embeddings)
+        self.setup_embeddings_and_output_layer()
+
+    @property
+    def output_layer(self):
+        return self.readout.output_layer
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Pipeline stages after the first receive H from the previous stage (megatron-core API)."""
+        self.input_tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
+
+    def stack(self, h: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """One application of this module's layers of the shared stack."""
+        for layer in self.layers:
+            h, _ = layer(h, attention_mask=None, rotary_pos_emb=rope)
+        return h
+
+    def logits(self, h: torch.Tensor, loop: int, num_loops: int) -> torch.Tensor:
+        weight = self.shared_embedding_or_output_weight() if self.cfg.tie_embeddings else None
+        return self.readout(h, loop, num_loops, weight=weight)
+
+    def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                num_loops: Optional[int] = None, clamp: bool = False) -> LoopOutput:
+        """tokens, labels: [b, s]. `num_loops` overrides K; `clamp` holds every token's RMS at
+        its loop-1 value (inference-time recurrent-scale clamp)."""
+        num_loops = num_loops or self.cfg.num_loops
+        h = self.embedding(tokens, position_ids=None)
+        rope = self.rotary_pos_emb(h.shape[0])
+        out = LoopOutput()
+        for k in range(1, num_loops + 1):
+            h = self.stack(h if k == 1 else self.recurrence(h), rope)
+            if clamp and k == 1:
+                reference = rms(h)
+            elif clamp:
+                h = clamp_to(h, reference)
+            out.hidden.append(h)
+            self.exit(out, h, k, num_loops, labels)
+        return out
+
+    def exit(self, out: LoopOutput, h: torch.Tensor, loop: int, num_loops: int,
+             labels: Optional[torch.Tensor]) -> None:
+        """Read out loop `loop`'s hidden state into `out` (logits or per-token CE, and the gate)."""
+        logits = self.logits(h, loop, num_loops)
+        if labels is None:
+            out.logits.append(logits)
+        else:
+            ce = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous())
+            out.token_ce.append(ce.t())
+        if self.exit_gate is not None:
+            out.gates.append(self.exit_gate(h).t())
+
+    def num_parameters(self) -> dict[str, int]:
+        """Embedding and non-embedding parameter counts (a tied W_out counts once)."""
+        seen, total, embedding = set(), 0, 0
+        for name, p in self.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            total += p.numel()
+            if name.startswith(("embedding.", "readout.output_layer.")):
+                embedding += p.numel()
+        return {"embedding": embedding, "non_embedding": total - embedding, "total": total}
+
+
+def build_model(cfg: ModelConfig, **transformer_overrides) -> LoopedLM:
+    """The whole model on one device; parallelism builds its stages from the same class."""
+    from megaloop.model.specs import transformer_config
+
+    return LoopedLM(cfg, transformer_config(cfg, **transformer_overrides))

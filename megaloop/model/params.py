@@ -1,0 +1,16 @@
+"""Parameter counts of a model config, from the real model built on the meta device (no memory)."""
+
+from __future__ import annotations
+
+import torch
+
+from megaloop.model.looped import ModelConfig, build_model
+
+
+def count_parameters(cfg: ModelConfig) -> dict[str, int]:
+    from megaloop.parallel import distributed
+
+    distributed.init(seed=0)
+    with torch.device("meta"):
+        model = build_model(cfg, use_cpu_initialization=True, perform_initialization=False)
+    return model.num_parameters()

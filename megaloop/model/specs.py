@@ -1,0 +1,108 @@
+"""What a layer of the shared stack is made of, as megatron-core specs.
+
+The stack uses megatron-core's local (non-Transformer-Engine) GPT layer: pre-norm RMSNorm,
+causal self-attention with RoPE, SwiGLU MLP, no biases. The only slot we change is core
+attention: `sdpa` (torch's scaled_dot_product_attention) instead of megatron-core's
+`DotProductAttention`, which materialises the score matrix (1.25x slower steps on CPU here;
+bench/attention.py measures it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+
+
+class SDPAttention(MegatronModule):
+    """Core attention through `F.scaled_dot_product_attention`, in megatron-core's slot.
+
+    Same constructor and call signature as `DotProductAttention`: q, k, v arrive as
+    [s, b, heads_per_partition, head_dim] and the output is [s, b, heads_per_partition*head_dim].
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"SDPAttention supports causal masks only, got {attn_mask_type}")
+        tp = pg_collection.tp.size() if pg_collection is not None else (
+            tensor_parallel.get_tensor_model_parallel_world_size())
+        self.heads = divide(config.num_attention_heads, tp)
+        self.groups = divide(config.num_query_groups or config.num_attention_heads, tp)
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
+            raise ValueError("SDPAttention takes no mask, bias or packed sequences (causal only)")
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+        dropout = self.dropout if self.training else 0.0
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=dropout, scale=self.softmax_scale,
+                enable_gqa=self.groups != self.heads)
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def layer_spec(attention: str = "sdpa") -> ModuleSpec:
+    """megatron-core's local GPT layer with RMSNorm; `attention` picks the core-attention slot."""
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if attention == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
+def transformer_config(model, **overrides) -> TransformerConfig:
+    """megatron-core's TransformerConfig for a `ModelConfig` (one source of truth for the shape).
+
+    `overrides` carries what parallelism decides (tensor/pipeline sizes, dtypes); the model's
+    own choices (no biases, SwiGLU, RMSNorm, no dropout, no CUDA fusions) are fixed here.
+    """
+    kwargs = dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_heads,
+        num_query_groups=model.num_query_groups,
+        ffn_hidden_size=model.ffn_size,
+        kv_channels=model.hidden_size // model.num_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_std,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        params_dtype=torch.float32,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)

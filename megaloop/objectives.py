@@ -1,0 +1,81 @@
+"""Training objectives over the K exits, and the norm penalty that combines with any of them.
+
+    terminal       CE_K
+    per_loop       (1/K)·Σ_k CE_k
+    exit_weighted  Σ_k p_k·CE_k − β·H(p),  p_k = λ_k·Π_{j<k}(1 − λ_j), p_K the remaining mass
+    norm_penalty   λ·(1/K)·Σ_k E_tokens ‖H_k‖²_rms          (added when λ > 0)
+
+CE_k and the exit-weighted terms are token means under the loss mask. Every term is also
+returned per loop, detached, for logging.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+
+from megaloop.config import Config, check
+from megaloop.model.exit_gate import exit_probabilities
+from megaloop.model.looped import LoopOutput
+
+
+@dataclass
+class ObjectiveConfig(Config):
+    kind: Literal["terminal", "per_loop", "exit_weighted"] = "per_loop"
+    entropy_beta: float = 0.0
+    """β: weight of the exit-distribution entropy bonus (exit_weighted only)."""
+    norm_penalty: float = 0.0
+    """λ: weight of the hidden-norm penalty (1/K)·Σ_k E‖H_k‖²_rms; 0 turns it off."""
+
+    def validate(self, prefix: str = "") -> None:
+        check(self.entropy_beta >= 0, prefix + "entropy_beta", self.entropy_beta, "must be >= 0")
+        check(self.entropy_beta == 0 or self.kind == "exit_weighted", prefix + "entropy_beta",
+              self.entropy_beta, "is only used by kind=exit_weighted; set it to 0")
+        check(self.norm_penalty >= 0, prefix + "norm_penalty", self.norm_penalty, "must be >= 0")
+
+
+def masked_mean(x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    if mask is None:
+        return x.mean()
+    return (x * mask).sum() / mask.sum().clamp_min(1)
+
+
+def mean_square(h: torch.Tensor) -> torch.Tensor:
+    """‖H‖²_rms per token: the mean over the hidden dimension of H², [s, b, d] → [b, s]."""
+    return h.float().pow(2).mean(dim=-1).t()
+
+
+def compute(cfg: ObjectiveConfig, out: LoopOutput, loss_mask: Optional[torch.Tensor] = None
+            ) -> tuple[torch.Tensor, dict[str, list[float] | float]]:
+    """The scalar loss and its terms per loop (`ce`, `hidden_rms`, `norm_penalty`, `exit_prob`)."""
+    num_loops = len(out.token_ce)
+    ce = torch.stack([masked_mean(c, loss_mask) for c in out.token_ce])
+    if cfg.kind == "terminal":
+        loss = ce[-1]
+    elif cfg.kind == "per_loop":
+        loss = ce.mean()
+    else:
+        if len(out.gates) != num_loops:
+            raise ValueError("the exit_weighted objective needs the model's exit gate "
+                             "(model.exit_gate=true)")
+        probs = exit_probabilities(out.gates)  # [K, b, s]
+        token_ce = torch.stack(out.token_ce)
+        entropy = -(probs * probs.clamp_min(1e-12).log()).sum(0)
+        loss = masked_mean((probs * token_ce).sum(0), loss_mask) - cfg.entropy_beta * masked_mean(
+            entropy, loss_mask)
+    ms = torch.stack([masked_mean(mean_square(h), loss_mask) for h in out.hidden])
+    if cfg.norm_penalty > 0:
+        loss = loss + cfg.norm_penalty * ms.mean()
+    terms: dict = {
+        "ce": ce.tolist(),
+        "hidden_rms": [masked_mean(mean_square(h).sqrt(), loss_mask).item() for h in out.hidden],
+        "norm_penalty": (cfg.norm_penalty / num_loops * ms).tolist(),
+    }
+    if cfg.kind == "exit_weighted":
+        terms["exit_prob"] = [masked_mean(p, loss_mask).item() for p in probs]
+        terms["weighted_ce"] = [masked_mean(p * c, loss_mask).item()
+                                for p, c in zip(probs, token_ce)]
+        terms["exit_entropy"] = masked_mean(entropy, loss_mask).item()
+    return loss, terms

@@ -1,0 +1,53 @@
+"""AdamW with warmup + cosine decay and gradient clipping, through megatron-core's optimizer
+(so the same code path serves DDP and the distributed optimizer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megaloop.config import Config, check
+
+
+@dataclass
+class OptimConfig(Config):
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    """The floor of the cosine decay."""
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    """Decoupled (AdamW); norms and other 1-D parameters are not decayed."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this; 0 turns clipping off."""
+
+    def validate(self, prefix: str = "") -> None:
+        check(self.lr > 0, prefix + "lr", self.lr, "must be > 0")
+        check(0 <= self.min_lr <= self.lr, prefix + "min_lr", self.min_lr,
+              f"must lie in [0, lr={self.lr}]")
+        check(self.warmup_steps >= 0, prefix + "warmup_steps", self.warmup_steps, "must be >= 0")
+        check(self.weight_decay >= 0, prefix + "weight_decay", self.weight_decay, "must be >= 0")
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            check(0 <= value < 1, prefix + name, value, "must lie in [0, 1)")
+        check(self.eps > 0, prefix + "eps", self.eps, "must be > 0")
+        check(self.clip_grad >= 0, prefix + "clip_grad", self.clip_grad, "must be >= 0")
+
+    def build(self, model_chunks: list, steps: int, distributed: bool = False):
+        """(optimizer, scheduler) for `steps` optimizer steps."""
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=self.lr, min_lr=self.min_lr, weight_decay=self.weight_decay,
+                adam_beta1=self.beta1, adam_beta2=self.beta2, adam_eps=self.eps,
+                clip_grad=self.clip_grad, use_distributed_optimizer=distributed),
+            model_chunks)
+        scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=0.0, max_lr=self.lr, min_lr=self.min_lr,
+            lr_warmup_steps=self.warmup_steps, lr_decay_steps=max(steps, self.warmup_steps + 1),
+            lr_decay_style="cosine", start_wd=self.weight_decay, end_wd=self.weight_decay,
+            wd_incr_steps=max(steps, 1), wd_incr_style="constant")
+        return optimizer, scheduler

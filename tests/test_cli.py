@@ -1,0 +1,36 @@
+"""The command line: every subcommand is listed, and options change only on purpose."""
+
+import subprocess
+import sys
+
+from megaloop.cli import build_parser
+
+# Frozen on purpose: changing the CLI means changing this list (and the README).
+SUBCOMMANDS = {
+    "train": ["config", "overrides"],
+    "params": ["config", "overrides"],
+    "demo": ["text", "tokenizer", "steps", "out"],
+}
+
+
+def test_help_lists_every_subcommand():
+    out = subprocess.run([sys.executable, "-m", "megaloop", "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    for name in SUBCOMMANDS:
+        assert name in out
+
+
+def test_subcommand_options_are_frozen():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    assert set(sub.choices) == set(SUBCOMMANDS)
+    for name, dests in SUBCOMMANDS.items():
+        found = [a.dest for a in sub.choices[name]._actions if a.dest != "help"]
+        assert found == dests, name
+
+
+def test_missing_config_file_is_one_clear_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "megaloop", "train", "nope.yaml"],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "config file 'nope.yaml'" in proc.stderr and "Traceback" not in proc.stderr

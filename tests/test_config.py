@@ -1,0 +1,93 @@
+"""Configs: YAML composition, overrides, every shipped file, and one clear error per bad value."""
+
+from pathlib import Path
+
+import pytest
+
+from megaloop import experiment
+from megaloop.config import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = sorted(p.relative_to(ROOT) for p in (ROOT / "configs").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=str)
+def test_every_shipped_config_loads_and_validates(path):
+    cfg = experiment.load(ROOT / path)
+    assert cfg.model.num_loops >= 1
+
+
+def test_composition_and_overrides():
+    cfg = experiment.load(ROOT / "configs/experiments/wikitext103/44m/per_loop_norm_penalty.yaml",
+                          ["train.steps=1200", "model.readout=raw", "optim.lr=1e-3"])
+    assert (cfg.model.hidden_size, cfg.model.num_layers) == (512, 8)   # from model/44m.yaml
+    assert cfg.optim.warmup_steps == 500                                 # from ../base.yaml
+    assert cfg.objective.norm_penalty == pytest.approx(1e-3)             # from the row file
+    assert (cfg.train.steps, cfg.model.readout, cfg.optim.lr) == (1200, "raw", 1e-3)
+
+
+def test_ablation_table_has_one_file_per_row_for_both_sizes():
+    rows = {"terminal_norm", "terminal_raw", "per_loop_norm", "per_loop_raw",
+            "per_loop_norm_penalty", "terminal_norm_penalty", "final_norm", "exit_weighted",
+            "spectral_damping", "interloop_rmsnorm"}
+    for size, d in (("44m", 512), ("129m", 768)):
+        files = {p.stem for p in (ROOT / f"configs/experiments/wikitext103/{size}").glob("*.yaml")}
+        assert files == rows
+        for row in rows:
+            cfg = experiment.load(ROOT / f"configs/experiments/wikitext103/{size}/{row}.yaml")
+            assert (cfg.model.hidden_size, cfg.model.num_loops) == (d, 4)
+
+
+TINY = str(ROOT / "configs/experiments/tiny.yaml")
+
+BAD = [
+    # (overrides, words the one error message must contain)
+    (["model.readuot=raw"], ["model.readuot", "unknown key", "readout"]),
+    (["model.readout=nrom"], ["model.readout", "'nrom'", "norm, raw, final_norm"]),
+    (["model.recurrence=layernorm"], ["model.recurrence", "none, rmsnorm, damping"]),
+    (["objective.kind=halting"], ["objective.kind", "terminal, per_loop, exit_weighted"]),
+    (["train.steps=ten"], ["train.steps", "'ten'", "integer"]),
+    (["model.num_loops=0"], ["model.num_loops", "0", ">= 1"]),
+    (["model.num_heads=3"], ["model.num_heads", "3", "divide hidden_size=128"]),
+    (["optim.lr=-1"], ["optim.lr", "-1", "> 0"]),
+    (["objective.norm_penalty=-0.1"], ["objective.norm_penalty", "-0.1", ">= 0"]),
+    (["objective.kind=exit_weighted"], ["model.exit_gate", "set model.exit_gate=true"]),
+    (["train.global_batch_size=20"], ["train.global_batch_size", "20", "multiple of"]),
+    (["model.damping_init=1.5"], ["model.damping_init", "(0, 1)"]),
+    (["data.seq_len=512"], ["data.seq_len", "512", "model.max_seq_len=256"]),
+    (["train.micro_batch_size=0"], ["train.micro_batch_size", "0", ">= 1"]),
+    (["data.kind=text"], ["data.path", "data.path=PATH"]),
+    (["train.steps"], ["train.steps", "key=value"]),
+]
+
+
+@pytest.mark.parametrize("overrides, words", BAD, ids=[b[0][0] for b in BAD])
+def test_bad_config_fails_with_one_clear_error(overrides, words):
+    with pytest.raises(ConfigError) as err:
+        experiment.load(TINY, overrides)
+    message = str(err.value)
+    for word in words:
+        assert word in message, message
+
+
+def test_bad_yaml_files(tmp_path):
+    (tmp_path / "a.yaml").write_text("defaults: [missing.yaml]\n")
+    with pytest.raises(ConfigError, match="missing.yaml.*not found"):
+        experiment.load(tmp_path / "a.yaml")
+    (tmp_path / "b.yaml").write_text("model: [1, 2]\n")
+    with pytest.raises(ConfigError, match="'model'.*mapping"):
+        experiment.load(tmp_path / "b.yaml")
+    (tmp_path / "c.yaml").write_text("model: {hidden_size: 64\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        experiment.load(tmp_path / "c.yaml")
+
+
+def test_cli_reports_a_bad_config_before_any_compute(tmp_path, capsys):
+    from megaloop.cli import main
+
+    run_dir = tmp_path / "run"
+    code = main(["train", TINY, f"train.dir={run_dir}", "model.readout=nrom"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "model.readout" in err
+    assert not run_dir.exists()

@@ -1,0 +1,109 @@
+"""The looped model: variable depth, the clamp, recurrence modes, and the K=1 baseline."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import build
+from megaloop.model.recurrence import rms
+
+
+def tokens(cfg, b=2, s=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.vocab_size, (b, s), generator=g)
+
+
+def test_model_trained_at_k4_runs_at_k1_and_k8(tiny_cfg):
+    model = build(tiny_cfg)
+    x = tokens(tiny_cfg)
+    with torch.no_grad():
+        out1, out4, out8 = (model(x, num_loops=k) for k in (1, 4, 8))
+    assert [len(o.logits) for o in (out1, out4, out8)] == [1, 4, 8]
+    assert out8.logits[0].shape == (16, 2, tiny_cfg.vocab_size)
+    # the first loops do not depend on how many follow (the norm readout is the same at every k)
+    torch.testing.assert_close(out8.logits[3], out4.logits[3])
+    torch.testing.assert_close(out8.logits[0], out1.logits[0])
+
+
+def test_clamp_holds_every_loop_at_the_loop1_rms(tiny_cfg):
+    model = build(tiny_cfg)
+    x = tokens(tiny_cfg)
+    with torch.no_grad():
+        free = model(x, num_loops=6)
+        clamped = model(x, num_loops=6, clamp=True)
+    ref = rms(clamped.hidden[0])
+    for h in clamped.hidden[1:]:
+        torch.testing.assert_close(rms(h), ref, rtol=1e-5, atol=0)
+    # without the clamp the recurrence changes the scale
+    assert (rms(free.hidden[-1]) / rms(free.hidden[0])).mean() > 1.5
+
+
+@pytest.mark.parametrize("mode", ["none", "rmsnorm", "damping"])
+def test_recurrence_modes_feed_back_what_they_say(tiny_cfg, mode):
+    model = build(dataclasses.replace(tiny_cfg, recurrence=mode, damping_init=0.5))
+    h = 5.0 * torch.randn(16, 2, tiny_cfg.hidden_size)
+    fed = model.recurrence(h)
+    if mode == "none":
+        assert torch.equal(fed, h)
+    elif mode == "rmsnorm":
+        torch.testing.assert_close(rms(fed), torch.ones_like(rms(fed)), rtol=1e-4, atol=1e-4)
+    else:
+        torch.testing.assert_close(fed, 0.5 * h)
+        assert model.recurrence.damping_logit.requires_grad
+
+
+def test_exit_gate_gives_one_lambda_per_token_and_loop(tiny_cfg):
+    model = build(dataclasses.replace(tiny_cfg, exit_gate=True))
+    x = tokens(tiny_cfg)
+    out = model(x, labels=x)
+    assert len(out.gates) == 4 and out.gates[0].shape == x.shape
+    assert ((out.gates[0] > 0) & (out.gates[0] < 1)).all()
+
+
+def test_labels_give_per_token_ce_equal_to_torch_cross_entropy(tiny_cfg):
+    model = build(tiny_cfg)
+    x = tokens(tiny_cfg)
+    with torch.no_grad():
+        logits = model(x).logits
+        ce = model(x, labels=x).token_ce
+    for lg, c in zip(logits, ce):
+        ref = F.cross_entropy(lg.transpose(0, 1).flatten(0, 1), x.flatten(), reduction="none")
+        torch.testing.assert_close(c.flatten(), ref, rtol=1e-5, atol=1e-5)
+
+
+def gpt_reference(cfg, looped):
+    """megatron-core's own GPTModel (local spec, DotProductAttention) with the looped model's
+    weights: at K=1 with a norm readout the looped model is exactly this pre-norm GPT."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    gpt = GPTModel(looped.config, get_gpt_layer_local_spec(normalization="RMSNorm"),
+                   vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_seq_len,
+                   position_embedding_type="rope",
+                   share_embeddings_and_output_weights=cfg.tie_embeddings)
+    state = {}
+    for k, v in looped.state_dict().items():
+        if "_extra_state" in k:
+            continue
+        k = k.replace("layers.", "decoder.layers.", 1) if k.startswith("layers.") else k
+        k = k.replace("readout.norm.", "decoder.final_layernorm.")
+        k = k.replace("readout.output_layer.", "output_layer.")
+        state[k] = v
+    missing, unexpected = gpt.load_state_dict(state, strict=False)
+    assert not unexpected and not [m for m in missing if "_extra_state" not in m]
+    return gpt
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "megatron"])
+@pytest.mark.parametrize("tie", [True, False])
+def test_k1_norm_readout_is_an_ordinary_pre_norm_gpt(tiny_cfg, attention, tie):
+    cfg = dataclasses.replace(tiny_cfg, num_loops=1, tie_embeddings=tie, attention=attention)
+    looped = build(cfg)
+    gpt = gpt_reference(cfg, looped)
+    x = tokens(cfg)
+    with torch.no_grad():
+        ours = looped(x).logits[0]
+        ref = gpt(x, position_ids=None, attention_mask=None)  # [b, s, V]
+    torch.testing.assert_close(ours.transpose(0, 1), ref, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,74 @@
+"""Each objective equals a hand computation on small tensors."""
+
+import math
+
+import pytest
+import torch
+
+from megaloop.model.exit_gate import exit_probabilities
+from megaloop.model.looped import LoopOutput
+from megaloop.objectives import ObjectiveConfig, compute
+
+CE = [[[2.0, 4.0]], [[1.0, 3.0]], [[0.5, 1.5]]]  # K=3 loops, b=1, s=2
+GATES = [[[0.5, 0.2]], [[0.4, 0.9]], [[0.7, 0.1]]]
+
+
+def output(hidden_scale=(1.0, 2.0, 3.0), gates=False):
+    hidden = [torch.full((2, 1, 4), s) for s in hidden_scale]  # [s, b, d], every entry = s
+    return LoopOutput(hidden=hidden, token_ce=[torch.tensor(c) for c in CE],
+                      gates=[torch.tensor(g) for g in GATES] if gates else [])
+
+
+def test_terminal():
+    loss, terms = compute(ObjectiveConfig(kind="terminal"), output())
+    assert loss.item() == pytest.approx(1.0)
+    assert terms["ce"] == pytest.approx([3.0, 2.0, 1.0])
+
+
+def test_per_loop():
+    loss, _ = compute(ObjectiveConfig(kind="per_loop"), output())
+    assert loss.item() == pytest.approx((3.0 + 2.0 + 1.0) / 3)
+
+
+def test_norm_penalty_adds_mean_square_over_loops():
+    loss, terms = compute(ObjectiveConfig(kind="per_loop", norm_penalty=0.1), output())
+    # ‖H_k‖²_rms = s² for H filled with s: (1 + 4 + 9) / 3
+    assert loss.item() == pytest.approx(2.0 + 0.1 * 14.0 / 3)
+    assert terms["norm_penalty"] == pytest.approx([0.1 / 3, 0.4 / 3, 0.9 / 3])
+    assert terms["hidden_rms"] == pytest.approx([1.0, 2.0, 3.0])
+
+
+def test_exit_weighted_matches_hand_computation():
+    beta = 0.3
+    loss, terms = compute(ObjectiveConfig(kind="exit_weighted", entropy_beta=beta),
+                          output(gates=True))
+    expected, entropies = 0.0, 0.0
+    for t in range(2):
+        lam = [GATES[k][0][t] for k in range(3)]
+        p = [lam[0], (1 - lam[0]) * lam[1], (1 - lam[0]) * (1 - lam[1])]
+        expected += sum(p[k] * CE[k][0][t] for k in range(3)) / 2
+        entropies += -sum(q * math.log(q) for q in p) / 2
+    assert loss.item() == pytest.approx(expected - beta * entropies)
+    assert terms["exit_entropy"] == pytest.approx(entropies)
+    assert sum(terms["exit_prob"]) == pytest.approx(1.0)
+
+
+def test_exit_probabilities_sum_to_one():
+    torch.manual_seed(0)
+    gates = [torch.rand(3, 5) for _ in range(6)]
+    probs = exit_probabilities(gates)
+    assert probs.shape == (6, 3, 5)
+    torch.testing.assert_close(probs.sum(0), torch.ones(3, 5))
+    assert (probs >= 0).all()
+
+
+def test_loss_mask_restricts_the_token_mean():
+    mask = torch.tensor([[1.0, 0.0]])
+    loss, terms = compute(ObjectiveConfig(kind="per_loop"), output(), loss_mask=mask)
+    assert loss.item() == pytest.approx((2.0 + 1.0 + 0.5) / 3)
+    assert terms["ce"] == pytest.approx([2.0, 1.0, 0.5])
+
+
+def test_exit_weighted_without_gate_is_refused():
+    with pytest.raises(ValueError, match="exit_gate"):
+        compute(ObjectiveConfig(kind="exit_weighted"), output(gates=False))

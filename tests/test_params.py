@@ -1,0 +1,35 @@
+"""`megaloop params` reports the study's shapes exactly."""
+
+import pytest
+
+from megaloop import experiment
+from megaloop.model.params import count_parameters
+
+
+@pytest.mark.parametrize("path, overrides, total", [
+    ("configs/model/44m.yaml", [], 44_048_896),
+    ("configs/model/129m.yaml", [], 128_994_048),
+    # Ouro-1.4B's shape; the shipped config adds its inter-loop norm (d) and exit gate (d + 1)
+    ("configs/model/1p4b.yaml", ["model.recurrence=none", "model.exit_gate=false"], 1_434_552_320),
+    ("configs/model/1p4b.yaml", [], 1_434_552_320 + 2048 + 2049),
+])
+def test_parameter_counts(path, overrides, total):
+    counts = count_parameters(experiment.load(path, overrides).model)
+    assert counts["total"] == total
+    assert counts["embedding"] + counts["non_embedding"] == total
+
+
+def test_embedding_counts_tied_once_and_untied_twice():
+    tied = count_parameters(experiment.load("configs/model/44m.yaml").model)
+    assert tied["embedding"] == 20480 * 512
+    untied = count_parameters(experiment.load("configs/model/1p4b.yaml").model)
+    assert untied["embedding"] == 2 * 49152 * 2048
+
+
+def test_params_cli_prints_the_counts(capsys):
+    from megaloop.cli import cmd_params, build_parser
+
+    args = build_parser().parse_args(["params", "configs/model/129m.yaml"])
+    assert cmd_params(args) == 0
+    out = capsys.readouterr().out
+    assert "128,994,048" in out and "15,728,640" in out

@@ -1,0 +1,58 @@
+"""The readout blind spot: a `norm` readout cannot see hidden-state scale, a `raw` one can."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import build
+
+
+def exit_logits(model, h, loop=4, num_loops=4):
+    return model.logits(h, loop, num_loops)
+
+
+@pytest.mark.parametrize("c", [0.1, 10.0, 1e3])
+def test_norm_readout_is_scale_invariant_and_raw_is_not(tiny_cfg, c):
+    torch.manual_seed(0)
+    h = 3.0 * torch.randn(8, 2, tiny_cfg.hidden_size)  # per-token RMS ~3, so eps=1e-5 is negligible
+    norm = build(dataclasses.replace(tiny_cfg, readout="norm"))
+    raw = build(dataclasses.replace(tiny_cfg, readout="raw"))
+    with torch.no_grad():
+        base, scaled = exit_logits(norm, h), exit_logits(norm, c * h)
+        # RMSNorm(cH) = cH / sqrt(c^2 ms + eps): relative error <= eps / (c^2 ms) = 1.1e-4 at c=0.1.
+        torch.testing.assert_close(scaled, base, rtol=2e-4, atol=2e-4 * base.abs().max().item())
+        raw_base, raw_scaled = exit_logits(raw, h), exit_logits(raw, c * h)
+        torch.testing.assert_close(raw_scaled, c * raw_base, rtol=1e-5,
+                                   atol=1e-5 * c * raw_base.abs().max().item())
+        assert (raw_scaled - raw_base).abs().max() > 0.05 * raw_base.abs().max()
+
+
+def test_final_norm_reads_raw_before_the_last_loop(tiny_cfg):
+    model = build(dataclasses.replace(tiny_cfg, readout="final_norm"))
+    h = torch.randn(8, 2, tiny_cfg.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(model.logits(2 * h, 1, 4), 2 * model.logits(h, 1, 4))
+        torch.testing.assert_close(model.logits(2 * h, 4, 4), model.logits(h, 4, 4),
+                                   rtol=1e-4, atol=1e-4)
+
+
+def dce_dlog_scale(model, h, labels):
+    """d CE / d log‖H_K‖ at the current scale, i.e. <∇_H CE, H>, and ‖∇_H CE‖·‖H‖ as its scale."""
+    h = h.clone().requires_grad_(True)
+    logits = model.logits(h, 4, 4)
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    (grad,) = torch.autograd.grad(ce, h)
+    return (grad * h).sum().item(), (grad.norm() * h.norm()).item()
+
+
+def test_ce_gradient_has_no_radial_component_under_norm(tiny_cfg):
+    torch.manual_seed(1)
+    h = 3.0 * torch.randn(8, 2, tiny_cfg.hidden_size, dtype=torch.float64)
+    labels = torch.randint(0, tiny_cfg.vocab_size, (8, 2))
+    norm = build(dataclasses.replace(tiny_cfg, readout="norm")).double()
+    raw = build(dataclasses.replace(tiny_cfg, readout="raw")).double()
+    radial, scale = dce_dlog_scale(norm, h, labels)
+    assert abs(radial) < 1e-5 * scale, (radial, scale)
+    radial, scale = dce_dlog_scale(raw, h, labels)
+    assert abs(radial) > 1e-2 * scale, (radial, scale)
