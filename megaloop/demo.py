@@ -80,6 +80,37 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(results: dict, out_dir: Path, path: Path) -> None:
+    """Left: hidden RMS of the last loop over training; right: CE per loop after training."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_rms, ax_ce) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for i, (readout, r) in enumerate(results.items()):
+        color = f"C{i}"
+        steps = json.loads((out_dir / readout / "metrics.json").read_text())["steps"]
+        ax_rms.plot([s["step"] for s in steps], [s["hidden_rms"][-1] for s in steps],
+                    color=color, label=f"{readout} readout")
+        loops = range(1, len(r["ce"]) + 1)
+        ax_ce.plot(loops, r["ce"], marker="o", color=color,
+                   label=f"{readout}: all tokens")
+        if "answer_ce" in r:
+            ax_ce.plot(loops, r["answer_ce"], marker="s", ls="--", color=color,
+                       label=f"{readout}: answer digits")
+    ax_rms.set(xlabel="step", ylabel="hidden RMS ||H_K||, last loop", yscale="log",
+               title="hidden-state scale during training")
+    ax_ce.set(xlabel="loop k", ylabel="validation CE (nats)", xticks=list(loops),
+              title="CE per exit after training")
+    for ax in (ax_rms, ax_ce):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def run_demo(text: Optional[str] = None, steps: Optional[int] = None, out: str = "runs/demo",
              tokenizer: str = "bytes") -> dict:
     out_dir = Path(out)
@@ -95,4 +126,6 @@ def run_demo(text: Optional[str] = None, steps: Optional[int] = None, out: str =
     print()
     print(table(results))
     write_json_atomic(out_dir / "summary.json", results)
+    plot(results, out_dir, out_dir / "demo.png")
+    print(f"\nplot: {out_dir / 'demo.png'}")
     return results

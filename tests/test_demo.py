@@ -16,6 +16,7 @@ def test_demo_prints_the_table_for_both_readouts(tmp_path, capsys):
     for r in results.values():
         assert len(r["ce"]) == len(r["hidden_rms"]) == len(r["answer_ce"]) == 4
     assert json.loads((tmp_path / "summary.json").read_text()) == results
+    assert (tmp_path / "demo.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_demo_trains_on_a_text_file(tmp_path):
