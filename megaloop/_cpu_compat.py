@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import types
 from dataclasses import dataclass
 from typing import Callable
@@ -100,17 +101,16 @@ def _run_with_cpu_tensors_as_cuda(module: str, qualname: str) -> Callable[[], No
         *path, name = qualname.split(".")
         for part in path:
             owner = getattr(owner, part)
-        original = getattr(owner, name)
-        if getattr(original, "_megaloop_cpu", False):
-            return
+        original = inspect.getattr_static(owner, name)
+        descriptor = type(original) if isinstance(original, (staticmethod, classmethod)) else None
+        function = original.__func__ if descriptor else original
 
-        @functools.wraps(original)
+        @functools.wraps(function)
         def wrapper(*args, **kwargs):
             with _cpu_tensors_pass_as_cuda():
-                return original(*args, **kwargs)
+                return function(*args, **kwargs)
 
-        wrapper._megaloop_cpu = True
-        setattr(owner, name, wrapper)
+        setattr(owner, name, descriptor(wrapper) if descriptor else wrapper)
 
     return apply
 

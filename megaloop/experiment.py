@@ -5,6 +5,7 @@
     data:      DataConfig        (megaloop/data/__init__.py)
     optim:     OptimConfig       (megaloop/train/optim.py)
     train:     TrainConfig       (megaloop/train/trainer.py)
+    parallel:  ParallelConfig    (megaloop/parallel/layout.py)
     wandb:     WandbConfig       (megaloop/train/metrics.py)
 """
 
@@ -17,6 +18,7 @@ from megaloop.config import Config, check
 from megaloop.data import DataConfig
 from megaloop.model import ModelConfig
 from megaloop.objectives import ObjectiveConfig
+from megaloop.parallel.layout import ParallelConfig
 from megaloop.train.metrics import WandbConfig
 from megaloop.train.optim import OptimConfig
 from megaloop.train.trainer import TrainConfig
@@ -30,6 +32,7 @@ class ExperimentConfig(Config):
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self, prefix: str = "") -> None:
         check(self.objective.kind != "exit_weighted" or self.model.exit_gate,
@@ -45,7 +48,7 @@ def load(path, overrides=()) -> ExperimentConfig:
 
 def build_trainer(cfg: ExperimentConfig, log: bool = True):
     """The chain: process groups → data → engine (model + parallelism) → trainer."""
-    from megaloop.parallel import distributed
+    from megaloop.parallel import distributed, layout
     from megaloop.parallel.megatron import Engine
     from megaloop.train.trainer import Trainer
 
@@ -53,6 +56,8 @@ def build_trainer(cfg: ExperimentConfig, log: bool = True):
     vocab = dataset.tokenizer.vocab_size
     check(cfg.model.vocab_size >= vocab, "model.vocab_size", cfg.model.vocab_size,
           f"must be >= the tokenizer's {vocab} tokens (data.tokenizer={cfg.data.tokenizer})")
-    distributed.init(cfg.train.seed)
-    engine = Engine(cfg.model, cfg.data.seq_len, cfg.train.micro_batch_size)
+    layout.data_parallel_size(cfg, distributed.world_size())
+    distributed.init(cfg.train.seed, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
+                     virtual_pp=cfg.model.num_loops if cfg.parallel.pp > 1 else None)
+    engine = Engine(cfg, cfg.data.seq_len, cfg.train.micro_batch_size)
     return Trainer(cfg, engine, dataset, log=log and distributed.is_main())

@@ -47,35 +47,53 @@ def mean_square(h: torch.Tensor) -> torch.Tensor:
     return h.float().pow(2).mean(dim=-1).t()
 
 
-def compute(cfg: ObjectiveConfig, out: LoopOutput, loss_mask: Optional[torch.Tensor] = None
-            ) -> tuple[torch.Tensor, dict[str, list[float] | float]]:
-    """The scalar loss and its terms per loop (`ce`, `hidden_rms`, `norm_penalty`, `exit_prob`)."""
-    num_loops = len(out.token_ce)
-    ce = torch.stack([masked_mean(c, loss_mask) for c in out.token_ce])
+@dataclass
+class ExitTerms:
+    """Per-token quantities of each exit that the objectives are functions of ([b, s] each)."""
+
+    ce: list[torch.Tensor]
+    mean_square: list[torch.Tensor]
+    gates: list[torch.Tensor]
+
+    @classmethod
+    def from_output(cls, out: LoopOutput) -> "ExitTerms":
+        return cls(out.token_ce, [mean_square(h) for h in out.hidden], out.gates)
+
+
+def compute(cfg: ObjectiveConfig, exits: ExitTerms | LoopOutput,
+            loss_mask: Optional[torch.Tensor] = None
+            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The scalar loss and its terms per loop (`ce`, `hidden_rms`, `norm_penalty`, ...), the
+    terms as detached tensors (converted to numbers once per step, not per micro-batch)."""
+    if isinstance(exits, LoopOutput):
+        exits = ExitTerms.from_output(exits)
+    num_loops = len(exits.ce)
+    ce = torch.stack([masked_mean(c, loss_mask) for c in exits.ce])
     if cfg.kind == "terminal":
         loss = ce[-1]
     elif cfg.kind == "per_loop":
         loss = ce.mean()
     else:
-        if len(out.gates) != num_loops:
+        if len(exits.gates) != num_loops:
             raise ValueError("the exit_weighted objective needs the model's exit gate "
                              "(model.exit_gate=true)")
-        probs = exit_probabilities(out.gates)  # [K, b, s]
-        token_ce = torch.stack(out.token_ce)
+        probs = exit_probabilities(exits.gates)  # [K, b, s]
+        token_ce = torch.stack(exits.ce)
         entropy = -(probs * probs.clamp_min(1e-12).log()).sum(0)
         loss = masked_mean((probs * token_ce).sum(0), loss_mask) - cfg.entropy_beta * masked_mean(
             entropy, loss_mask)
-    ms = torch.stack([masked_mean(mean_square(h), loss_mask) for h in out.hidden])
+    ms = torch.stack([masked_mean(m, loss_mask) for m in exits.mean_square])
     if cfg.norm_penalty > 0:
         loss = loss + cfg.norm_penalty * ms.mean()
     terms: dict = {
-        "ce": ce.tolist(),
-        "hidden_rms": [masked_mean(mean_square(h).sqrt(), loss_mask).item() for h in out.hidden],
-        "norm_penalty": (cfg.norm_penalty / num_loops * ms).tolist(),
+        "ce": ce.detach(),
+        "hidden_rms": torch.stack([masked_mean(m.sqrt(), loss_mask) for m in exits.mean_square]
+                                  ).detach(),
+        "norm_penalty": (cfg.norm_penalty / num_loops * ms).detach(),
     }
     if cfg.kind == "exit_weighted":
-        terms["exit_prob"] = [masked_mean(p, loss_mask).item() for p in probs]
-        terms["weighted_ce"] = [masked_mean(p * c, loss_mask).item()
-                                for p, c in zip(probs, token_ce)]
-        terms["exit_entropy"] = masked_mean(entropy, loss_mask).item()
+        terms["exit_prob"] = torch.stack([masked_mean(p, loss_mask) for p in probs]).detach()
+        terms["weighted_ce"] = torch.stack([masked_mean(p * c, loss_mask)
+                                            for p, c in zip(probs, token_ce)]).detach()
+        terms["exit_entropy"] = masked_mean(entropy, loss_mask).detach()
     return loss, terms

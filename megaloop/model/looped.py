@@ -108,6 +108,10 @@ class LoopedLM(LanguageModule):
         self.pre_process = pre_process
         self.post_process = post_process
         self.share_embeddings_and_output_weights = cfg.tie_embeddings
+        if vp_stage is not None:
+            # megatron-core ties the embedding copies of the first and the last virtual stage;
+            # under the circular pipeline this one module is every lap of its rank.
+            self.vp_stage = config.virtual_pipeline_model_parallel_size - 1 if post_process else 0
         if pre_process:
             self.embedding = LanguageModelEmbedding(
                 config, vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_seq_len,
@@ -116,20 +120,32 @@ class LoopedLM(LanguageModule):
             kv_channels=config.kv_channels, rotary_percent=1.0, rotary_base=cfg.rope_base,
             use_cpu_initialization=config.use_cpu_initialization)
         spec = layer_spec(cfg.attention)
-        layer_ids = layer_ids if layer_ids is not None else range(cfg.num_layers)
+        self.layer_ids = list(layer_ids if layer_ids is not None else range(cfg.num_layers))
         self.layers = torch.nn.ModuleList(
             build_module(spec, config=config, layer_number=i + 1, vp_stage=vp_stage)
-            for i in layer_ids)
-        self.recurrence = Recurrence(cfg.recurrence, cfg.hidden_size, cfg.norm_eps,
-                                     cfg.damping_init)
-        self.exit_gate = ExitGate(cfg.hidden_size) if cfg.exit_gate else None
+            for i in range(len(self.layer_ids)))
+        # H_k re-enters the stack where the embedding does; exits are read where W_out lives.
+        if pre_process:
+            self.recurrence = Recurrence(cfg.recurrence, cfg.hidden_size, cfg.norm_eps,
+                                         cfg.damping_init)
+        self.exit_gate = ExitGate(cfg.hidden_size) if cfg.exit_gate and post_process else None
         if post_process:
-            self.readout = Readout(cfg.readout, config, cfg.vocab_size, tied=cfg.tie_embeddings)
+            self.readout = Readout(cfg.readout, config, cfg.vocab_size,
+                                   tied=cfg.tie_embeddings and pre_process)
         self.setup_embeddings_and_output_layer()
 
     @property
     def output_layer(self):
         return self.readout.output_layer
+
+    def global_name(self, name: str) -> str:
+        """This module's parameter name → its name in the whole one-device model."""
+        if name.startswith("layers."):
+            _, index, rest = name.split(".", 2)
+            return f"layers.{self.layer_ids[int(index)]}.{rest}"
+        if name == "readout.output_layer.weight" and self.cfg.tie_embeddings:
+            return "embedding.word_embeddings.weight"  # the last stage's copy of the tied weight
+        return name
 
     def set_input_tensor(self, input_tensor) -> None:
         """Pipeline stages after the first receive H from the previous stage (megatron-core API)."""
@@ -188,8 +204,12 @@ class LoopedLM(LanguageModule):
         return {"embedding": embedding, "non_embedding": total - embedding, "total": total}
 
 
-def build_model(cfg: ModelConfig, **transformer_overrides) -> LoopedLM:
-    """The whole model on one device; parallelism builds its stages from the same class."""
+def build_model(cfg: ModelConfig, seed: int = 0, **transformer_overrides) -> LoopedLM:
+    """The whole model on one device, initialised from `seed`; parallelism builds its stages
+    from the same class and the same initialisation (megaloop.model.init)."""
+    from megaloop.model.init import init_weights
     from megaloop.model.specs import transformer_config
 
-    return LoopedLM(cfg, transformer_config(cfg, **transformer_overrides))
+    model = LoopedLM(cfg, transformer_config(cfg, **transformer_overrides))
+    init_weights(model, seed)
+    return model

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from megaloop.model.looped import ModelConfig, build_model
+from megaloop.model.looped import LoopedLM, ModelConfig
+from megaloop.model.specs import transformer_config
 
 
 def count_parameters(cfg: ModelConfig) -> dict[str, int]:
@@ -12,5 +13,5 @@ def count_parameters(cfg: ModelConfig) -> dict[str, int]:
 
     distributed.init(seed=0)
     with torch.device("meta"):
-        model = build_model(cfg, use_cpu_initialization=True, perform_initialization=False)
+        model = LoopedLM(cfg, transformer_config(cfg, use_cpu_initialization=True))
     return model.num_parameters()

@@ -38,5 +38,10 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def world_size() -> int:
+    """The world this process belongs to (before or after init)."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
 def is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0

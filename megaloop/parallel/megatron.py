@@ -1,41 +1,143 @@
-"""The megatron engine: wraps the model for megatron-core's DDP and runs its schedules.
+"""The megatron engine: builds this rank's part of the model, wraps it in megatron-core DDP
+(with the distributed optimizer over data-parallel ranks), and runs megatron-core's schedules.
 
-This is where parallelism is applied; the model and the train loop only see `Engine`.
+This is the one place parallelism is applied; the trainer sees `step` and `reduce`, the model
+sees nothing of it.
 """
 
 from __future__ import annotations
 
+import contextlib
+from functools import partial
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megaloop.model import ModelConfig
+from megaloop import objectives
+from megaloop.model.init import init_weights
 from megaloop.model.looped import LoopedLM
 from megaloop.model.specs import transformer_config
+from megaloop.parallel.pipeline import ExitStore, LapChunk
 
 
 class Engine:
-    """Model chunks wrapped in megatron-core DDP, and the forward-backward schedule for them."""
-
-    def __init__(self, model_cfg: ModelConfig, seq_len: int, micro_batch_size: int):
-        self.config = transformer_config(model_cfg)
-        self.module = LoopedLM(model_cfg, self.config)
-        self.ddp = DistributedDataParallel(
-            self.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), self.module)
-        self.config.no_sync_func = self.ddp.no_sync
-        self.config.finalize_model_grads_func = finalize_model_grads
-        self.chunks = [self.ddp]
+    def __init__(self, cfg, seq_len: int, micro_batch_size: int):
+        model_cfg, par = cfg.model, cfg.parallel
+        self.objective = cfg.objective
+        self.bf16 = cfg.train.bf16
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.pp_size = par.pp
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+        pipelined = par.pp > 1
+        K, L = model_cfg.num_loops, model_cfg.num_layers
+        self.config = transformer_config(
+            model_cfg,
+            tensor_model_parallel_size=par.tp,
+            pipeline_model_parallel_size=par.pp,
+            # the ring is K·L layer applications: K virtual stages of L/PP layers per rank
+            virtual_pipeline_model_parallel_size=K if pipelined else None,
+            num_layers=K * L if pipelined else L,
+            pipeline_dtype=torch.float32,
+            batch_p2p_comm=False,
+        )
+        per_rank = L // par.pp
+        self.module = LoopedLM(
+            model_cfg, self.config, pre_process=self.pp_rank == 0,
+            post_process=self.pp_rank == par.pp - 1,
+            layer_ids=range(self.pp_rank * per_rank, (self.pp_rank + 1) * per_rank),
+            vp_stage=0 if pipelined else None)
+        init_weights(self.module, cfg.train.seed)
+        self.distributed_optimizer = par.distributed_optimizer and self.dp_size > 1
+        self.ddp = DistributedDataParallel(
+            self.config,
+            DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                          use_distributed_optimizer=self.distributed_optimizer),
+            self.module)
+        self.config.no_sync_func = self.ddp.no_sync
+        self.config.finalize_model_grads_func = (
+            lambda _chunks, *args, **kwargs: finalize_model_grads([self.ddp], *args, **kwargs))
+        self.store = ExitStore()
+        if pipelined:
+            self.chunks = [LapChunk(self.module, lap, self.objective, self.store, self.pp_rank,
+                                    par.pp) for lap in range(K)]
+        else:
+            self.chunks = [self.ddp]
 
-    def forward_backward(self, forward_step, microbatches: list, forward_only: bool = False):
-        """Run the schedule over `microbatches`; returns the loss_func outputs of this rank."""
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def autocast(self):
+        if not self.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16)
+
+    def train(self, mode: bool = True) -> None:
+        self.module.train(mode)
+
+    def step(self, microbatches: list, forward_only: bool = False,
+             num_loops: Optional[int] = None) -> list[dict]:
+        """Forward (and backward) over this rank's micro-batches ([b, s+1] tokens each); returns
+        the objective's terms per micro-batch on last-stage ranks, [] elsewhere."""
         if not forward_only:
             self.ddp.zero_grad_buffer()
+        self.store.reset(len(microbatches))
+        if self.pp_size > 1:
+            if num_loops not in (None, self.module.cfg.num_loops):
+                raise ValueError("a pipelined model runs exactly model.num_loops laps; evaluate "
+                                 "other depths on one process (or an exported model)")
+            for chunk in self.chunks:
+                chunk.microbatch = 0
+            step_fn, data = self._pipelined_step, [iter(microbatches) for _ in self.chunks]
+        else:
+            step_fn, data = partial(self._whole_step, num_loops=num_loops), iter(microbatches)
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(microbatches), model=self.chunks,
+            forward_step_func=step_fn, data_iterator=data, model=self.chunks,
             num_microbatches=len(microbatches), seq_length=self.seq_len,
             micro_batch_size=self.micro_batch_size, forward_only=forward_only)
 
-    def train(self, mode: bool = True) -> None:
-        for chunk in self.chunks:
-            chunk.train(mode)
+    def _whole_step(self, data_iterator, model, num_loops=None):
+        batch = next(data_iterator)
+        with self.autocast():
+            out = model(batch[:, :-1], labels=batch[:, 1:], num_loops=num_loops)
+        return out, self._loss_of_output
+
+    def _loss_of_output(self, out):
+        loss, terms = objectives.compute(self.objective, out)
+        return loss, {"loss": loss.detach().clone(), **terms}
+
+    def _pipelined_step(self, data_iterator, chunk):
+        batch = next(data_iterator)
+        with self.autocast():
+            out = chunk(batch[:, :-1], batch[:, 1:])
+        return out, partial(self._loss_of_chunk, chunk)
+
+    @staticmethod
+    def _loss_of_chunk(chunk, loss):
+        return loss, {"loss": loss.detach().clone(), **chunk.terms}
+
+    def reduce(self, outputs: list[dict]) -> dict:
+        """Mean of the logged terms over micro-batches and data-parallel replicas, on every rank
+        (the terms live on the last pipeline stage; tensor-parallel ranks hold equal copies)."""
+        local = None
+        if outputs and ps.get_tensor_model_parallel_rank() == 0:
+            local = {key: torch.stack([o[key] for o in outputs]).double().mean(0).tolist()
+                     for key in outputs[0]}
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        replicas = [g for g in gathered if g is not None]
+        out = {}
+        for key in replicas[0]:
+            values = torch.tensor([r[key] for r in replicas], dtype=torch.float64).mean(0)
+            out[key] = values.tolist()
+        return out
+
+    def parameter_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.module.parameters())

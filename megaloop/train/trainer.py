@@ -6,17 +6,13 @@ schedule; it never touches parallelism itself.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 
-from megaloop import objectives
 from megaloop.config import Config, check
 from megaloop.data import Batches
 from megaloop.train import checkpoint
@@ -53,24 +49,16 @@ class TrainConfig(Config):
               f"must be a multiple of train.micro_batch_size={self.micro_batch_size}")
 
 
-def _reduce_terms(terms: list[dict]) -> dict:
-    """Mean over micro-batches of each logged term (lists elementwise)."""
-    out = {}
-    for key in terms[0]:
-        values = np.asarray([t[key] for t in terms], dtype=np.float64)
-        mean = values.mean(axis=0)
-        out[key] = mean.tolist() if mean.ndim else float(mean)
-    return out
-
-
 class Trainer:
     def __init__(self, cfg, engine, dataset, log: bool = True):
         self.cfg = cfg
         self.engine = engine
         self.dataset = dataset
         self.run_dir = Path(cfg.train.dir)
-        self.optimizer, self.scheduler = cfg.optim.build(engine.chunks, cfg.train.steps)
-        self.batches = Batches(dataset, cfg.train.global_batch_size, cfg.train.micro_batch_size)
+        self.optimizer, self.scheduler = cfg.optim.build(
+            [engine.ddp], cfg.train.steps, distributed=engine.distributed_optimizer)
+        self.batches = Batches(dataset, cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                               dp_rank=engine.dp_rank, dp_size=engine.dp_size)
         self.step = 0
         self.log_enabled = log
 
@@ -88,19 +76,19 @@ class Trainer:
 
     def loss_func(self, out):
         loss, terms = objectives.compute(self.cfg.objective, out)
-        return loss, {"loss": loss.item(), **terms}
+        return loss, {"loss": loss.detach(), **terms}
 
     def train_step(self) -> dict:
         start = time.perf_counter()
         self.engine.train()
-        microbatches = self.batches.next_step()
-        outputs = self.engine.forward_backward(self.forward_step, microbatches)
+        self.optimizer.zero_grad()  # param.grad aliases the DDP buffer after a step: unlink it
+        outputs = self.engine.step(self.batches.next_step())
         update_ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         self.step += 1
         elapsed = time.perf_counter() - start
         tokens = self.cfg.train.global_batch_size * self.dataset.seq_len
-        record = {"step": self.step, **_reduce_terms(outputs)}
+        record = {"step": self.step, **self.engine.reduce(outputs)}
         record.update(lr=self.optimizer.param_groups[0]["lr"], grad_norm=grad_norm,
                       tokens_per_s=tokens / elapsed, step_time_s=elapsed)
         return record
@@ -112,9 +100,8 @@ class Trainer:
         mbs = self.cfg.train.micro_batch_size
         microbatches = [self.dataset.batch(range(i * mbs, (i + 1) * mbs), split="valid")
                         for i in range(self.cfg.train.eval_batches)]
-        outputs = self.engine.forward_backward(
-            partial(self.forward_step, num_loops=num_loops), microbatches, forward_only=True)
-        return {"step": self.step, **_reduce_terms(outputs)}
+        outputs = self.engine.step(microbatches, forward_only=True, num_loops=num_loops)
+        return {"step": self.step, **self.engine.reduce(outputs)}
 
     def save(self) -> Path:
         meta = {"consumed_samples": self.batches.consumed_samples, "config": self.cfg.to_dict()}

@@ -1,0 +1,51 @@
+"""The parallel layout (TP × PP × DP) and its checks, made before any compute."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megaloop.config import Config, check, fail
+
+
+@dataclass
+class ParallelConfig(Config):
+    tp: int = 1
+    """Tensor parallel size (megatron-core column/row parallel layers)."""
+    pp: int = 1
+    """Pipeline parallel size: the circular pipeline, one lap of the ring per loop."""
+    distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (megatron-core DistributedOptimizer)."""
+
+    def validate(self, prefix: str = "") -> None:
+        check(self.tp >= 1, prefix + "tp", self.tp, "must be >= 1")
+        check(self.pp >= 1, prefix + "pp", self.pp, "must be >= 1")
+
+
+def data_parallel_size(cfg, world_size: int) -> int:
+    """Check the layout against the model, the batch and the world; return DP."""
+    par, model, train = cfg.parallel, cfg.model, cfg.train
+    if world_size % (par.tp * par.pp):
+        fail("parallel", f"tp={par.tp} pp={par.pp}",
+             f"world size {world_size} must be a multiple of tp*pp={par.tp * par.pp} "
+             f"(world size = TP*PP*DP); launch with a matching --nproc-per-node/--ntasks or "
+             f"change parallel.tp / parallel.pp")
+    dp = world_size // (par.tp * par.pp)
+    groups = model.num_query_groups or model.num_heads
+    check(model.num_heads % par.tp == 0 and groups % par.tp == 0, "parallel.tp", par.tp,
+          f"must divide model.num_heads={model.num_heads} and the key/value heads ({groups})")
+    check(model.ffn_size % par.tp == 0, "parallel.tp", par.tp,
+          f"must divide the SwiGLU hidden size {model.ffn_size}")
+    check(model.vocab_size % par.tp == 0, "parallel.tp", par.tp,
+          f"must divide model.vocab_size={model.vocab_size}")
+    check(model.num_layers % par.pp == 0, "parallel.pp", par.pp,
+          f"must divide model.num_layers={model.num_layers} (each rank holds L/PP layers)")
+    per_rank = train.global_batch_size // dp
+    check(train.global_batch_size % (train.micro_batch_size * dp) == 0,
+          "train.global_batch_size", train.global_batch_size,
+          f"must be a multiple of micro_batch_size*DP = {train.micro_batch_size}*{dp}")
+    microbatches = per_rank // train.micro_batch_size
+    check(par.pp == 1 or microbatches % par.pp == 0, "train.global_batch_size",
+          train.global_batch_size,
+          f"gives {microbatches} micro-batches per step on each pipeline; the circular pipeline "
+          f"(megatron-core's interleaved schedule) needs a multiple of parallel.pp={par.pp}")
+    return dp
