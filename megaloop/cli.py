@@ -20,9 +20,15 @@ def _config(args):
 def cmd_train(args) -> int:
     cfg = _config(args)
     from megaloop.experiment import build_trainer
+    from megaloop.train.preemption import EXIT_PREEMPTED, Preempted
 
     trainer = build_trainer(cfg)
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except Preempted as e:
+        print(f"megaloop: {e}; exiting with {EXIT_PREEMPTED} so the job can be requeued",
+              file=sys.stderr)
+        return EXIT_PREEMPTED
     print(json.dumps({"valid_ce": result["ce"], "hidden_rms": result["hidden_rms"]}))
     return 0
 
@@ -41,6 +47,22 @@ def cmd_demo(args) -> int:
     from megaloop.demo import run_demo
 
     run_demo(text=args.text, steps=args.steps, out=args.out, tokenizer=args.tokenizer)
+    return 0
+
+
+def cmd_ckpt_consolidate(args) -> int:
+    from pathlib import Path
+
+    from megaloop.parallel import distributed
+    from megaloop.train import checkpoint
+
+    distributed.init(seed=0)
+    try:
+        path = checkpoint.consolidate(Path(args.checkpoint), Path(args.out))
+    except ValueError as e:
+        print(f"megaloop: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}")
     return 0
 
 
@@ -63,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=None, help="training steps per variant")
     demo.add_argument("--out", default="runs/demo", help="run directories go here")
     demo.set_defaults(fn=cmd_demo)
+    ckpt = sub.add_parser("ckpt", help="checkpoint tools").add_subparsers(
+        dest="ckpt_command", required=True, metavar="ACTION")
+    consolidate = ckpt.add_parser("consolidate", help="one safetensors file of the whole model "
+                                                      "from a checkpoint of any layout")
+    consolidate.add_argument("checkpoint", help="a run directory or a checkpoints/step_* folder")
+    consolidate.add_argument("out", help="output folder (model.safetensors, config.json)")
+    consolidate.set_defaults(fn=cmd_ckpt_consolidate)
     return parser
 
 

@@ -10,7 +10,9 @@ SUBCOMMANDS = {
     "train": ["config", "overrides"],
     "params": ["config", "overrides"],
     "demo": ["text", "tokenizer", "steps", "out"],
+    "ckpt": ["ckpt_command"],
 }
+CKPT_ACTIONS = {"consolidate": ["checkpoint", "out"]}
 
 
 def test_help_lists_every_subcommand():
@@ -27,6 +29,10 @@ def test_subcommand_options_are_frozen():
     for name, dests in SUBCOMMANDS.items():
         found = [a.dest for a in sub.choices[name]._actions if a.dest != "help"]
         assert found == dests, name
+    ckpt = next(a for a in sub.choices["ckpt"]._actions if a.dest == "ckpt_command")
+    assert set(ckpt.choices) == set(CKPT_ACTIONS)
+    for name, dests in CKPT_ACTIONS.items():
+        assert [a.dest for a in ckpt.choices[name]._actions if a.dest != "help"] == dests
 
 
 def test_missing_config_file_is_one_clear_error(tmp_path):

@@ -48,10 +48,17 @@ def test_train_cli_writes_checkpoint_metrics_and_offline_wandb_run(tmp_path):
     ckpts = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
     assert ckpts == ["step_0000006"]          # keep_last=1 removed step 3
     assert (run / "checkpoints/latest").read_text() == "step_0000006"
-    weights = load_file(run / "checkpoints/step_0000006/model.safetensors")
-    assert "embedding.word_embeddings.weight" in weights
-    meta = json.loads((run / "checkpoints/step_0000006/meta.json").read_text())
-    assert meta["consumed_samples"] == 6 * 16
+    ckpt = run / "checkpoints/step_0000006"
+    assert {"meta.json", "manifest.json", "common.pt", ".metadata"} <= {p.name for p in ckpt.iterdir()}
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert meta["consumed_samples"] == 6 * 16 and meta["layout"] == {"tp": 1, "pp": 1, "dp": 1}
+    out = tmp_path / "consolidated"
+    proc = subprocess.run([sys.executable, "-m", "megaloop", "ckpt", "consolidate", str(run),
+                           str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    weights = load_file(out / "model.safetensors")
+    assert weights["embedding.word_embeddings.weight"].shape == (256, 128)
+    assert "readout.norm.weight" not in weights  # raw readout: no readout norm
     offline = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(offline) == 1 and offline[0].stat().st_size > 0
 

@@ -20,9 +20,14 @@ from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    sharded_state_dict_default,
+)
 
 from megaloop.config import Config, check
 from megaloop.model.exit_gate import ExitGate
@@ -190,6 +195,28 @@ class LoopedLM(LanguageModule):
             out.token_ce.append(ce.t())
         if self.exit_gate is not None:
             out.gates.append(self.exit_gate(h).t())
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> dict:
+        """megatron-core dist-checkpoint view: every tensor under its name in the one-device
+        model (layers by global index, a last stage's tied W_out as a replica of the
+        embedding), so a checkpoint loads into any parallel layout."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        state = {}
+        for name, child in self.named_children():
+            if name != "layers":
+                state.update(sharded_state_dict_default(child, f"{prefix}{name}.",
+                                                        sharded_offsets, metadata))
+        for i, layer in enumerate(self.layers):
+            local = f"{prefix}layers.{i}."
+            layer_state = layer.sharded_state_dict(local, sharded_offsets, metadata)
+            replace_prefix_for_sharding(layer_state, local, f"{prefix}layers.{self.layer_ids[i]}.")
+            state.update(layer_state)
+        if self.share_embeddings_and_output_weights:
+            self.tie_embeddings_and_output_weights_state_dict(
+                state, f"{prefix}readout.output_layer.weight",
+                f"{prefix}embedding.word_embeddings.weight", metadata)
+        return state
 
     def num_parameters(self) -> dict[str, int]:
         """Embedding and non-embedding parameter counts (a tied W_out counts once)."""

@@ -12,14 +12,15 @@ from typing import Literal, Optional
 
 import torch
 from megatron.core import tensor_parallel
+from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 ReadoutMode = Literal["norm", "raw", "final_norm"]
 
 
-class Readout(torch.nn.Module):
+class Readout(MegatronModule):
     def __init__(self, mode: ReadoutMode, config: TransformerConfig, vocab_size: int, tied: bool):
-        super().__init__()
+        super().__init__(config=config)
         self.mode = mode
         self.norm = (torch.nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
                      if mode != "raw" else None)

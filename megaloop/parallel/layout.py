@@ -13,8 +13,6 @@ class ParallelConfig(Config):
     """Tensor parallel size (megatron-core column/row parallel layers)."""
     pp: int = 1
     """Pipeline parallel size: the circular pipeline, one lap of the ring per loop."""
-    distributed_optimizer: bool = True
-    """Shard optimizer state over data-parallel ranks (megatron-core DistributedOptimizer)."""
 
     def validate(self, prefix: str = "") -> None:
         check(self.tp >= 1, prefix + "tp", self.tp, "must be >= 1")

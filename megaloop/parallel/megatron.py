@@ -54,11 +54,9 @@ class Engine:
             layer_ids=range(self.pp_rank * per_rank, (self.pp_rank + 1) * per_rank),
             vp_stage=0 if pipelined else None)
         init_weights(self.module, cfg.train.seed)
-        self.distributed_optimizer = par.distributed_optimizer and self.dp_size > 1
         self.ddp = DistributedDataParallel(
             self.config,
-            DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                          use_distributed_optimizer=self.distributed_optimizer),
+            DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True),
             self.module)
         self.config.no_sync_func = self.ddp.no_sync
         self.config.finalize_model_grads_func = (
@@ -139,5 +137,20 @@ class Engine:
             out[key] = values.tolist()
         return out
 
-    def parameter_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.module.parameters())
+    def memory_report(self) -> dict:
+        """Parameters, gradients and optimizer state held by each rank (gathered on every rank):
+        what a layout costs, and a check that PP really splits the stack."""
+        params = list(self.module.parameters())
+        layer = sum(p.numel() for n, p in self.module.named_parameters() if n.startswith("layers."))
+        grads = sum(buf.grad_data.numel() * buf.grad_data.element_size() for buf in self.ddp.buffers)
+        # DistributedOptimizer: fp32 main params + Adam's two moments for this rank's shard
+        optim = 3 * 4 * sum(p.numel() for p in params) // self.dp_size
+        mine = {"rank": dist.get_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
+                "pp_rank": self.pp_rank, "dp_rank": self.dp_rank,
+                "params": sum(p.numel() for p in params), "layer_params": layer,
+                "param_bytes": sum(p.numel() * p.element_size() for p in params),
+                "grad_bytes": grads, "optimizer_bytes": optim}
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+        return {"tp": self.config.tensor_model_parallel_size, "pp": self.pp_size,
+                "dp": self.dp_size, "ranks": ranks}

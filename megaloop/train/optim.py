@@ -37,13 +37,15 @@ class OptimConfig(Config):
         check(self.eps > 0, prefix + "eps", self.eps, "must be > 0")
         check(self.clip_grad >= 0, prefix + "clip_grad", self.clip_grad, "must be >= 0")
 
-    def build(self, model_chunks: list, steps: int, distributed: bool = False):
-        """(optimizer, scheduler) for `steps` optimizer steps."""
+    def build(self, model_chunks: list, steps: int):
+        """(optimizer, scheduler) for `steps` optimizer steps. Always megatron-core's
+        DistributedOptimizer (state sharded over data-parallel ranks; with one rank it is the
+        plain optimizer), so every layout writes the same reshardable checkpoint format."""
         optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam", lr=self.lr, min_lr=self.min_lr, weight_decay=self.weight_decay,
                 adam_beta1=self.beta1, adam_beta2=self.beta2, adam_eps=self.eps,
-                clip_grad=self.clip_grad, use_distributed_optimizer=distributed),
+                clip_grad=self.clip_grad, use_distributed_optimizer=True),
             model_chunks)
         scheduler = OptimizerParamScheduler(
             optimizer, init_lr=0.0, max_lr=self.lr, min_lr=self.min_lr,

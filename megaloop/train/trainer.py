@@ -6,6 +6,7 @@ schedule; it never touches parallelism itself.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from megaloop.config import Config, check
 from megaloop.data import Batches
 from megaloop.train import checkpoint
 from megaloop.train.metrics import MetricsLogger
+from megaloop.train.preemption import Preempted, PreemptionWatch
 
 
 @dataclass
@@ -55,28 +57,11 @@ class Trainer:
         self.engine = engine
         self.dataset = dataset
         self.run_dir = Path(cfg.train.dir)
-        self.optimizer, self.scheduler = cfg.optim.build(
-            [engine.ddp], cfg.train.steps, distributed=engine.distributed_optimizer)
+        self.optimizer, self.scheduler = cfg.optim.build([engine.ddp], cfg.train.steps)
         self.batches = Batches(dataset, cfg.train.global_batch_size, cfg.train.micro_batch_size,
                                dp_rank=engine.dp_rank, dp_size=engine.dp_size)
         self.step = 0
         self.log_enabled = log
-
-    def autocast(self):
-        if not self.cfg.train.bf16:
-            return contextlib.nullcontext()
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        return torch.autocast(device, dtype=torch.bfloat16)
-
-    def forward_step(self, data_iterator, model, num_loops: Optional[int] = None):
-        batch = next(data_iterator)
-        with self.autocast():
-            out = model(batch[:, :-1], labels=batch[:, 1:], num_loops=num_loops)
-        return out, partial(self.loss_func)
-
-    def loss_func(self, out):
-        loss, terms = objectives.compute(self.cfg.objective, out)
-        return loss, {"loss": loss.detach(), **terms}
 
     def train_step(self) -> dict:
         start = time.perf_counter()
@@ -103,16 +88,40 @@ class Trainer:
         outputs = self.engine.step(microbatches, forward_only=True, num_loops=num_loops)
         return {"step": self.step, **self.engine.reduce(outputs)}
 
+    @property
+    def checkpoints(self) -> Path:
+        return self.run_dir / "checkpoints"
+
     def save(self) -> Path:
         meta = {"consumed_samples": self.batches.consumed_samples, "config": self.cfg.to_dict()}
-        return checkpoint.save(self.run_dir / "checkpoints", self.step, self.engine.module, meta,
-                               self.cfg.train.keep_last)
+        return checkpoint.save(self.checkpoints, self.step, self.engine.module, self.optimizer,
+                               self.scheduler, meta, self.cfg.train.keep_last)
+
+    def resume(self) -> Optional[Path]:
+        """Continue from the newest complete checkpoint of the run directory, if any."""
+        folder = checkpoint.find_latest(self.checkpoints)
+        if folder is not None:
+            state = checkpoint.load(folder, self.engine.module, self.optimizer, self.scheduler)
+            self.step = state["step"]
+            self.batches.consumed_samples = state["consumed_samples"]
+        return folder
+
+    def _history(self) -> Optional[dict]:
+        path = self.run_dir / "metrics.json"
+        return json.loads(path.read_text()) if self.step and path.is_file() else None
 
     def fit(self) -> dict:
         t = self.cfg.train
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        resumed = self.resume()
+        if resumed is not None and self.log_enabled:
+            print(f"megaloop: resumed from {resumed} (step {self.step})", flush=True)
+        preemption = PreemptionWatch()
+        layout = self.engine.memory_report()
         logger = MetricsLogger(self.run_dir, self.cfg.to_dict(), self.cfg.wandb, t.steps,
-                               start_step=self.step, enabled=self.log_enabled)
+                               start_step=self.step, enabled=self.log_enabled,
+                               history=self._history() if self.log_enabled else None)
+        logger.data["layout"] = layout
         try:
             while self.step < t.steps:
                 record = self.train_step()
@@ -121,6 +130,9 @@ class Trainer:
                     logger.log(record)
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
                     logger.log(self.evaluate(), kind="evals")
+                if preemption.requested():
+                    self.save()
+                    raise Preempted(f"preempted at step {self.step}; checkpoint saved")
                 if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
                     self.save()
             final_eval = self.evaluate()
