@@ -42,3 +42,27 @@ def build(cfg, seed: int = 0):
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     return build_model(cfg)
+
+
+_MEMORY_REPORTS: list[tuple[str, dict]] = []
+
+
+@pytest.fixture
+def memory_report():
+    """Record a run's per-rank memory (printed at the end of the test session)."""
+    return lambda name, report: _MEMORY_REPORTS.append((name, report))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _MEMORY_REPORTS:
+        return
+    tr = terminalreporter
+    tr.section("memory per rank (parameters, gradient buffer, optimizer state)")
+    for name, report in _MEMORY_REPORTS:
+        for r in report["ranks"]:
+            tr.write_line(
+                f"{name:28s} rank {r['rank']} (tp {r['tp_rank']} pp {r['pp_rank']} "
+                f"dp {r['dp_rank']}): {r['params']:>7,} params ({r['layer_params']:>7,} in "
+                f"layers), {r['param_bytes'] / 1024:7.1f} KiB params, "
+                f"{r['grad_bytes'] / 1024:7.1f} KiB grads, "
+                f"{r['optimizer_bytes'] / 1024:7.1f} KiB optimizer")

@@ -206,7 +206,7 @@ class LoopedLM(LanguageModule):
         for name, child in self.named_children():
             if name != "layers":
                 state.update(sharded_state_dict_default(child, f"{prefix}{name}.",
-                                                        sharded_offsets, metadata))
+                                                        sharded_offsets, metadata, self.tp_group))
         for i, layer in enumerate(self.layers):
             local = f"{prefix}layers.{i}."
             layer_state = layer.sharded_state_dict(local, sharded_offsets, metadata)

@@ -46,4 +46,8 @@ def data_parallel_size(cfg, world_size: int) -> int:
           train.global_batch_size,
           f"gives {microbatches} micro-batches per step on each pipeline; the circular pipeline "
           f"(megatron-core's interleaved schedule) needs a multiple of parallel.pp={par.pp}")
+    check(train.eval_batches % dp == 0 and (train.eval_batches // dp) % par.pp == 0,
+          "train.eval_batches", train.eval_batches,
+          f"must split evenly over DP={dp} ranks into a multiple of parallel.pp={par.pp} "
+          f"micro-batches each")
     return dp

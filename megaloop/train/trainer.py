@@ -80,11 +80,12 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, num_loops: Optional[int] = None) -> dict:
-        """Validation CE per loop over `eval_batches` fixed batches (the same ones every time)."""
+        """Validation terms per loop over `eval_batches` fixed micro-batches (the same ones every
+        time), split over data-parallel ranks."""
         self.engine.train(False)
-        mbs = self.cfg.train.micro_batch_size
+        mbs, dp = self.cfg.train.micro_batch_size, self.engine.dp_size
         microbatches = [self.dataset.batch(range(i * mbs, (i + 1) * mbs), split="valid")
-                        for i in range(self.cfg.train.eval_batches)]
+                        for i in range(self.engine.dp_rank, self.cfg.train.eval_batches, dp)]
         outputs = self.engine.step(microbatches, forward_only=True, num_loops=num_loops)
         return {"step": self.step, **self.engine.reduce(outputs)}
 

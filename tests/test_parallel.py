@@ -1,0 +1,151 @@
+"""Tensor × pipeline × data parallel runs equal one process; checkpoints resume exactly, in any
+layout; a corrupt checkpoint is skipped; SIGTERM saves and exits for a requeue.
+
+Every run here is a real `megaloop train` under torchrun with gloo on the CPU.
+"""
+
+import shutil
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from multiproc import assert_same_curve, command, env, metrics, train, train_here
+
+pytestmark = pytest.mark.multiprocess
+
+OBJECTIVES = {
+    "per_loop+penalty": ["objective.kind=per_loop", "objective.norm_penalty=0.01"],
+    "exit_weighted": ["objective.kind=exit_weighted", "model.exit_gate=true",
+                      "objective.entropy_beta=0.1"],
+}
+LAYOUTS = {  # name: (processes, overrides)
+    "tp2": (2, ["parallel.tp=2"]),
+    "pp2": (2, ["parallel.pp=2"]),
+    "tp2xpp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
+    "dp2": (2, []),
+    "dp2xpp2": (4, ["parallel.pp=2"]),
+}
+REL = 1e-5  # fp32; measured differences are ~1e-7
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """run(objective, layout) → (run_dir, metrics), each trained once per test session."""
+    cache = {}
+
+    def get(objective: str, layout: str = "one"):
+        if (objective, layout) not in cache:
+            run_dir = tmp_path_factory.mktemp(f"{objective}-{layout}")
+            if layout == "one":
+                train_here(run_dir, OBJECTIVES[objective])
+            else:
+                nproc, overrides = LAYOUTS[layout]
+                train(nproc, run_dir, [*OBJECTIVES[objective], *overrides])
+            cache[objective, layout] = (run_dir, metrics(run_dir))
+        return cache[objective, layout]
+
+    return get
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("objective", list(OBJECTIVES))
+def test_layout_equals_one_process(run, objective, layout, memory_report):
+    _, reference = run(objective)
+    _, parallel = run(objective, layout)
+    assert len(parallel["steps"]) == 10
+    assert_same_curve(parallel, reference, REL)
+    report = parallel["layout"]
+    memory_report(f"{objective} {layout}", report)
+    if report["pp"] == 2:  # each stage holds its half of the shared stack, once
+        one = reference["layout"]["ranks"][0]["layer_params"]
+        per_stage = {r["pp_rank"]: r["layer_params"] for r in report["ranks"]}
+        assert per_stage[0] == per_stage[1]
+        assert per_stage[0] == one // 2 if report["tp"] == 1 else per_stage[0] < one // 2
+
+
+def copy_run(source, run_dir, drop_after: int):
+    """A copy of a finished run without its checkpoints after step `drop_after`."""
+    shutil.copytree(source, run_dir)
+    for folder in (run_dir / "checkpoints").glob("step_*"):
+        if int(folder.name.split("_")[1]) > drop_after:
+            shutil.rmtree(folder)
+
+
+def test_reshard_tp2xpp2_checkpoint_into_one_process(run, tmp_path, capsys):
+    source, _ = run("exit_weighted", "tp2xpp2")
+    _, reference = run("exit_weighted")
+    copy_run(source, tmp_path / "run", drop_after=5)
+    train_here(tmp_path / "run", OBJECTIVES["exit_weighted"])
+    assert f"resumed from {tmp_path}/run/checkpoints/step_0000005" in capsys.readouterr().out
+    assert_same_curve(metrics(tmp_path / "run"), reference, REL)
+
+
+def test_reshard_one_process_checkpoint_into_pp2(run, tmp_path):
+    source, reference = run("per_loop+penalty")
+    copy_run(source, tmp_path / "run", drop_after=5)
+    out = train(2, tmp_path / "run", [*OBJECTIVES["per_loop+penalty"], "parallel.pp=2"])
+    assert f"resumed from {tmp_path}/run/checkpoints/step_0000005" in out.stdout
+    assert_same_curve(metrics(tmp_path / "run"), reference, REL)
+
+
+def test_kill_9_then_resume_continues_exactly(run, tmp_path):
+    _, reference = run("per_loop+penalty", "pp2")
+    run_dir = tmp_path / "run"
+    overrides = [*OBJECTIVES["per_loop+penalty"], "parallel.pp=2", "train.save_every=1"]
+    proc = subprocess.Popen(command(2, run_dir, overrides), env=env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = run_dir / "checkpoints/latest"
+    deadline = time.time() + 240
+    while not (latest.exists() and latest.read_text() >= "step_0000007"):
+        assert proc.poll() is None and time.time() < deadline, "the run ended before step 7"
+        time.sleep(0.02)
+    for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+        p.kill()  # SIGKILL to torchrun and every rank, as when a node dies
+    proc.wait()
+    killed_at = int(latest.read_text().split("_")[1])
+    assert 7 <= killed_at < 10
+    out = train(2, run_dir, overrides)
+    assert f"resumed from {run_dir}/checkpoints/step_{killed_at:07d}" in out.stdout
+    # same layout, same arithmetic: the remaining steps repeat the uninterrupted run
+    assert_same_curve(metrics(run_dir), reference, 1e-12, steps=range(killed_at + 1, 11))
+
+
+def test_corrupt_or_partial_checkpoints_are_reported_and_skipped(run, tmp_path, capsys):
+    source, reference = run("per_loop+penalty")
+    run_dir = tmp_path / "run"
+    shutil.copytree(source, run_dir)
+    ckpts = run_dir / "checkpoints"
+    shard = next((ckpts / "step_0000010").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-100])                        # truncated
+    partial = ckpts / "step_0000009"
+    shutil.copytree(ckpts / "step_0000005", partial)
+    (partial / "manifest.json").unlink()                                 # never finished
+    (ckpts / ".tmp_step_0000011").mkdir()                                # an interrupted save
+    train_here(run_dir, OBJECTIVES["per_loop+penalty"])
+    out = capsys.readouterr().out
+    assert f"skipping checkpoint {ckpts}/step_0000010: {shard.name} has" in out
+    assert f"skipping checkpoint {partial}: no manifest.json" in out
+    assert f"resumed from {ckpts}/step_0000005" in out
+    assert_same_curve(metrics(run_dir), reference, 1e-12)
+
+
+def test_sigterm_saves_exits_75_and_resumes(run, tmp_path):
+    _, reference = run("per_loop+penalty")
+    run_dir = tmp_path / "run"
+    overrides = [*OBJECTIVES["per_loop+penalty"], "train.save_every=0"]
+    proc = subprocess.Popen(command(1, run_dir, overrides), env=env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 240
+    while not ((run_dir / "metrics.json").exists() and metrics(run_dir)["steps"]):
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 75, err[-3000:]
+    stopped = int((run_dir / "checkpoints/latest").read_text().split("_")[1])
+    assert f"preempted at step {stopped}" in err and stopped < 10
+    train_here(run_dir, overrides)
+    assert_same_curve(metrics(run_dir), reference, 1e-12)
