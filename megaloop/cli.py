@@ -40,6 +40,17 @@ def cmd_params(args) -> int:
     counts = count_parameters(cfg.model)
     for name in ("embedding", "non_embedding", "total"):
         print(f"{name:>14}: {counts[name]:>15,}")
+    if args.world:
+        from megaloop.parallel.layout import data_parallel_size, memory_per_rank
+
+        tp, pp = cfg.parallel.tp, cfg.parallel.pp
+        dp = data_parallel_size(cfg, args.world)
+        mem = memory_per_rank(cfg.model, tp, pp, dp)
+        gib = {k: v / 2**30 for k, v in mem.items() if k.endswith("bytes")}
+        print(f"per rank at TP={tp} PP={pp} DP={dp} (largest stage): {mem['params']:,} params; "
+              f"fp32 params {gib['param_bytes']:.2f} GiB + grads {gib['grad_bytes']:.2f} GiB + "
+              f"Adam {gib['optimizer_bytes']:.2f} GiB = {gib['total_bytes']:.2f} GiB "
+              f"(activations not included)")
     return 0
 
 
@@ -77,8 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     with_config(sub.add_parser("train", help="train a looped model")).set_defaults(fn=cmd_train)
-    with_config(sub.add_parser("params", help="print embedding / non-embedding parameter counts")
-                ).set_defaults(fn=cmd_params)
+    params = with_config(sub.add_parser(
+        "params", help="print embedding / non-embedding parameter counts (and memory per rank)"))
+    params.add_argument("--world", type=int, help="also show memory per rank for the config's "
+                        "parallel.tp/pp on this many ranks")
+    params.set_defaults(fn=cmd_params)
     demo = sub.add_parser("demo", help="train norm vs raw readouts on a tiny model, print a table")
     demo.add_argument("--text", help="train on this text file instead of the built-in corpus")
     demo.add_argument("--tokenizer", default="bytes", help="'bytes' or a tokenizer.json path")

@@ -8,7 +8,7 @@ from megaloop.cli import build_parser
 # Frozen on purpose: changing the CLI means changing this list (and the README).
 SUBCOMMANDS = {
     "train": ["config", "overrides"],
-    "params": ["config", "overrides"],
+    "params": ["config", "overrides", "world"],
     "demo": ["text", "tokenizer", "steps", "out"],
     "ckpt": ["ckpt_command"],
 }

@@ -12,7 +12,9 @@ import time
 import psutil
 import pytest
 
-from multiproc import assert_same_curve, command, env, metrics, train, train_here
+from megaloop import experiment
+from megaloop.parallel.layout import params_per_rank
+from multiproc import BASE, TINY, assert_same_curve, command, env, metrics, train, train_here
 
 pytestmark = pytest.mark.multiprocess
 
@@ -59,6 +61,9 @@ def test_layout_equals_one_process(run, objective, layout, memory_report):
     assert_same_curve(parallel, reference, REL)
     report = parallel["layout"]
     memory_report(f"{objective} {layout}", report)
+    model = experiment.load(TINY, [*BASE, *OBJECTIVES[objective]]).model
+    for r in report["ranks"]:  # the documented per-rank formula is what the ranks hold
+        assert r["params"] == params_per_rank(model, report["tp"], report["pp"], r["pp_rank"])
     if report["pp"] == 2:  # each stage holds its half of the shared stack, once
         one = reference["layout"]["ranks"][0]["layer_params"]
         per_stage = {r["pp_rank"]: r["layer_params"] for r in report["ranks"]}

@@ -4,6 +4,7 @@ import pytest
 
 from megaloop import experiment
 from megaloop.model.params import count_parameters
+from megaloop.parallel.layout import params_per_rank
 
 
 @pytest.mark.parametrize("path, overrides, total", [
@@ -14,9 +15,11 @@ from megaloop.model.params import count_parameters
     ("configs/model/1p4b.yaml", [], 1_434_552_320 + 2048 + 2049),
 ])
 def test_parameter_counts(path, overrides, total):
-    counts = count_parameters(experiment.load(path, overrides).model)
+    model = experiment.load(path, overrides).model
+    counts = count_parameters(model)
     assert counts["total"] == total
     assert counts["embedding"] + counts["non_embedding"] == total
+    assert params_per_rank(model, tp=1, pp=1, pp_rank=0) == total  # the layout formula agrees
 
 
 def test_embedding_counts_tied_once_and_untied_twice():
@@ -29,7 +32,10 @@ def test_embedding_counts_tied_once_and_untied_twice():
 def test_params_cli_prints_the_counts(capsys):
     from megaloop.cli import cmd_params, build_parser
 
-    args = build_parser().parse_args(["params", "configs/model/129m.yaml"])
+    args = build_parser().parse_args(["params", "configs/model/129m.yaml", "parallel.tp=2",
+                                      "train.global_batch_size=32", "train.eval_batches=4",
+                                      "--world", "8"])
     assert cmd_params(args) == 0
     out = capsys.readouterr().out
     assert "128,994,048" in out and "15,728,640" in out
+    assert "per rank at TP=2 PP=1 DP=4" in out

@@ -51,3 +51,32 @@ def data_parallel_size(cfg, world_size: int) -> int:
           f"must split evenly over DP={dp} ranks into a multiple of parallel.pp={par.pp} "
           f"micro-batches each")
     return dp
+
+
+def params_per_rank(model, tp: int, pp: int, pp_rank: int) -> int:
+    """Parameters held by one rank of pipeline stage `pp_rank` (any tensor-parallel rank):
+    the stage's L/PP layers once (not once per loop), plus the embedding on the first stage and
+    the readout on the last (a tied W_out is a copy there when PP > 1)."""
+    d, ffn, V = model.hidden_size, model.ffn_size, model.vocab_size
+    head = d // model.num_heads
+    kv = (model.num_query_groups or model.num_heads) * head
+    layer = (d * (d + 2 * kv) + d * d + 3 * ffn * d) // tp + 2 * d
+    count = layer * model.num_layers // pp
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    if first:
+        count += V * d // tp + (d if model.recurrence != "none" else 0)
+    if last:
+        count += d if model.readout != "raw" else 0
+        count += (d + 1) if model.exit_gate else 0
+        if not model.tie_embeddings or not first:
+            count += V * d // tp
+    return count
+
+
+def memory_per_rank(model, tp: int, pp: int, dp: int) -> dict:
+    """Bytes of the largest stage's rank: fp32 parameters, fp32 gradient buffer, and Adam's two
+    fp32 moments sharded over DP by the distributed optimizer (activations not included)."""
+    params = max(params_per_rank(model, tp, pp, r) for r in range(pp))
+    return {"params": params, "param_bytes": 4 * params, "grad_bytes": 4 * params,
+            "optimizer_bytes": 8 * params // dp,
+            "total_bytes": 8 * params + 8 * params // dp}
