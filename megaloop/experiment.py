@@ -6,18 +6,21 @@
     optim:     OptimConfig       (megaloop/train/optim.py)
     train:     TrainConfig       (megaloop/train/trainer.py)
     parallel:  ParallelConfig    (megaloop/parallel/layout.py)
+    engine:    megatron | deepspeed, with deepspeed: DeepSpeedConfig (megaloop/parallel/deepspeed.py)
     wandb:     WandbConfig       (megaloop/train/metrics.py)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from megaloop import config as config_lib
 from megaloop.config import Config, check
 from megaloop.data import DataConfig
 from megaloop.model import ModelConfig
 from megaloop.objectives import ObjectiveConfig
+from megaloop.parallel.deepspeed import DeepSpeedConfig
 from megaloop.parallel.layout import ParallelConfig
 from megaloop.train.metrics import WandbConfig
 from megaloop.train.optim import OptimConfig
@@ -33,8 +36,16 @@ class ExperimentConfig(Config):
     train: TrainConfig = field(default_factory=TrainConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    engine: Literal["megatron", "deepspeed"] = "megatron"
+    """megatron: megatron-core DDP/distributed optimizer, any TP x PP x DP; deepspeed: ZeRO
+    stage 0-3 over DP with megatron-core TP, no PP."""
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
     def validate(self, prefix: str = "") -> None:
+        check(self.engine == "megatron" or self.parallel.pp == 1, "parallel.pp", self.parallel.pp,
+              "engine=deepspeed runs ZeRO stage 0-3 over DP with megatron-core TP and no "
+              "pipeline (DeepSpeed refuses ZeRO-2/3 with pipelines). Supported: engine=megatron "
+              "with any parallel.tp x parallel.pp x DP, or engine=deepspeed with parallel.pp=1")
         check(self.objective.kind != "exit_weighted" or self.model.exit_gate,
               "model.exit_gate", self.model.exit_gate,
               "objective.kind=exit_weighted needs the exit gate: set model.exit_gate=true")
@@ -59,5 +70,8 @@ def build_trainer(cfg: ExperimentConfig, log: bool = True):
     layout.data_parallel_size(cfg, distributed.world_size())
     distributed.init(cfg.train.seed, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
                      virtual_pp=cfg.model.num_loops if cfg.parallel.pp > 1 else None)
-    engine = Engine(cfg, cfg.data.seq_len, cfg.train.micro_batch_size)
+    engine_class = Engine
+    if cfg.engine == "deepspeed":
+        from megaloop.parallel.deepspeed import DeepSpeedEngine as engine_class
+    engine = engine_class(cfg, cfg.data.seq_len, cfg.train.micro_batch_size)
     return Trainer(cfg, engine, dataset, log=log and distributed.is_main())

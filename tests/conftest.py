@@ -44,6 +44,24 @@ def build(cfg, seed: int = 0):
     return build_model(cfg)
 
 
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory):
+    """reference_run(objective) → (run_dir, metrics) of the one-process megatron-engine run of
+    the multi-process tests' tiny config, trained once per session."""
+    from multiproc import OBJECTIVES, metrics, train_here
+
+    cache = {}
+
+    def get(objective: str):
+        if objective not in cache:
+            run_dir = tmp_path_factory.mktemp(f"{objective}-one")
+            train_here(run_dir, OBJECTIVES[objective])
+            cache[objective] = (run_dir, metrics(run_dir))
+        return cache[objective]
+
+    return get
+
+
 _MEMORY_REPORTS: list[tuple[str, dict]] = []
 
 

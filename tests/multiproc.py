@@ -38,12 +38,28 @@ def env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 
 
+# A DeepSpeed launch occasionally aborts in a C++ destructor after all its work is done.
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def finished(run_dir: Path) -> bool:
+    """The run wrote its final validation record (metrics.json is rewritten atomically)."""
+    path = run_dir / "metrics.json"
+    if not path.is_file():
+        return False
+    data = json.loads(path.read_text())
+    steps = data["config"]["train"]["steps"]
+    return bool(data["evals"]) and data["evals"][-1]["step"] == steps
+
+
 def train(nproc: int, run_dir: Path, overrides: list[str], timeout: int = 300
           ) -> subprocess.CompletedProcess:
-    """Run to completion; the run is judged by its metrics.json, not by its exit alone."""
+    """Run to completion; a run is judged by its result file, so an abort at process exit
+    after the work is done does not fail the test (the abort is still required to be that)."""
     proc = subprocess.run(command(nproc, run_dir, overrides), capture_output=True, text=True,
                           env=env(), timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    ok = proc.returncode == 0 or (finished(run_dir) and EXIT_ABORT in proc.stderr)
+    assert ok and finished(run_dir), proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
 
 
@@ -61,6 +77,13 @@ def train_here(run_dir: Path, overrides: list[str]) -> None:
         experiment.build_trainer(cfg).fit()
     finally:
         torch.set_num_threads(threads)
+
+
+OBJECTIVES = {
+    "per_loop+penalty": ["objective.kind=per_loop", "objective.norm_penalty=0.01"],
+    "exit_weighted": ["objective.kind=exit_weighted", "model.exit_gate=true",
+                      "objective.entropy_beta=0.1"],
+}
 
 
 def metrics(run_dir: Path) -> dict:

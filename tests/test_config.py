@@ -58,6 +58,9 @@ BAD = [
     (["train.micro_batch_size=0"], ["train.micro_batch_size", "0", ">= 1"]),
     (["data.kind=text"], ["data.path", "data.path=PATH"]),
     (["train.steps"], ["train.steps", "key=value"]),
+    (["engine=deepspeed", "parallel.pp=2"], ["parallel.pp", "engine=megatron", "parallel.pp=1"]),
+    (["engine=deepspeed", "deepspeed.zero_stage=4"], ["deepspeed.zero_stage", "0, 1, 2, 3"]),
+    (["engine=fsdp"], ["engine", "megatron, deepspeed"]),
 ]
 
 

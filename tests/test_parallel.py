@@ -14,15 +14,11 @@ import pytest
 
 from megaloop import experiment
 from megaloop.parallel.layout import params_per_rank
-from multiproc import BASE, TINY, assert_same_curve, command, env, metrics, train, train_here
+from multiproc import (BASE, OBJECTIVES, TINY, assert_same_curve, command, env, metrics, train,
+                       train_here)
 
 pytestmark = pytest.mark.multiprocess
 
-OBJECTIVES = {
-    "per_loop+penalty": ["objective.kind=per_loop", "objective.norm_penalty=0.01"],
-    "exit_weighted": ["objective.kind=exit_weighted", "model.exit_gate=true",
-                      "objective.entropy_beta=0.1"],
-}
 LAYOUTS = {  # name: (processes, overrides)
     "tp2": (2, ["parallel.tp=2"]),
     "pp2": (2, ["parallel.pp=2"]),
@@ -34,18 +30,17 @@ REL = 1e-5  # fp32; measured differences are ~1e-7
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """run(objective, layout) → (run_dir, metrics), each trained once per test session."""
+def run(reference_run, tmp_path_factory):
+    """run(objective, layout) → (run_dir, metrics), each trained once per test module."""
     cache = {}
 
     def get(objective: str, layout: str = "one"):
+        if layout == "one":
+            return reference_run(objective)
         if (objective, layout) not in cache:
             run_dir = tmp_path_factory.mktemp(f"{objective}-{layout}")
-            if layout == "one":
-                train_here(run_dir, OBJECTIVES[objective])
-            else:
-                nproc, overrides = LAYOUTS[layout]
-                train(nproc, run_dir, [*OBJECTIVES[objective], *overrides])
+            nproc, overrides = LAYOUTS[layout]
+            train(nproc, run_dir, [*OBJECTIVES[objective], *overrides])
             cache[objective, layout] = (run_dir, metrics(run_dir))
         return cache[objective, layout]
 

@@ -45,3 +45,17 @@ def world_size() -> int:
 
 def is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def reduce_terms(outputs: list[dict], holds_terms: bool) -> dict:
+    """Mean of the logged terms over micro-batches and data-parallel replicas, on every rank.
+    Ranks that hold terms (last pipeline stage, one tensor-parallel rank) contribute them."""
+    local = None
+    if outputs and holds_terms:
+        local = {key: torch.stack([o[key] for o in outputs]).double().mean(0).tolist()
+                 for key in outputs[0]}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    replicas = [g for g in gathered if g is not None]
+    return {key: torch.tensor([r[key] for r in replicas], dtype=torch.float64).mean(0).tolist()
+            for key in replicas[0]}

@@ -13,19 +13,28 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from megaloop import objectives
 from megaloop.model.init import init_weights
 from megaloop.model.looped import LoopedLM
 from megaloop.model.specs import transformer_config
+from megaloop.parallel.distributed import reduce_terms
 from megaloop.parallel.pipeline import ExitStore, LapChunk
 
 
+OPTIMIZER_CHECKPOINT = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
 class Engine:
+    name = "megatron"
+
     def __init__(self, cfg, seq_len: int, micro_batch_size: int):
         model_cfg, par = cfg.model, cfg.parallel
         self.objective = cfg.objective
@@ -61,6 +70,7 @@ class Engine:
         self.config.no_sync_func = self.ddp.no_sync
         self.config.finalize_model_grads_func = (
             lambda _chunks, *args, **kwargs: finalize_model_grads([self.ddp], *args, **kwargs))
+        self.optimizer, self.scheduler = cfg.optim.build([self.ddp], cfg.train.steps)
         self.store = ExitStore()
         if pipelined:
             self.chunks = [LapChunk(self.module, lap, self.objective, self.store, self.pp_rank,
@@ -79,6 +89,19 @@ class Engine:
 
     def train(self, mode: bool = True) -> None:
         self.module.train(mode)
+
+    def layout(self) -> dict:
+        return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": self.pp_size,
+                "dp": self.dp_size}
+
+    def train_step(self, microbatches: list) -> tuple[list[dict], float, float]:
+        """One optimizer step over this rank's micro-batches: (terms, grad norm, lr used)."""
+        self.optimizer.zero_grad()  # param.grad aliases the DDP buffer after a step: unlink it
+        outputs = self.step(microbatches)
+        lr = self.optimizer.param_groups[0]["lr"]
+        _, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        return outputs, grad_norm, lr
 
     def step(self, microbatches: list, forward_only: bool = False,
              num_loops: Optional[int] = None) -> list[dict]:
@@ -122,20 +145,7 @@ class Engine:
         return loss, {"loss": loss.detach().clone(), **chunk.terms}
 
     def reduce(self, outputs: list[dict]) -> dict:
-        """Mean of the logged terms over micro-batches and data-parallel replicas, on every rank
-        (the terms live on the last pipeline stage; tensor-parallel ranks hold equal copies)."""
-        local = None
-        if outputs and ps.get_tensor_model_parallel_rank() == 0:
-            local = {key: torch.stack([o[key] for o in outputs]).double().mean(0).tolist()
-                     for key in outputs[0]}
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local)
-        replicas = [g for g in gathered if g is not None]
-        out = {}
-        for key in replicas[0]:
-            values = torch.tensor([r[key] for r in replicas], dtype=torch.float64).mean(0)
-            out[key] = values.tolist()
-        return out
+        return reduce_terms(outputs, holds_terms=ps.get_tensor_model_parallel_rank() == 0)
 
     def memory_report(self) -> dict:
         """Parameters, gradients and optimizer state held by each rank (gathered on every rank):
@@ -154,3 +164,63 @@ class Engine:
         dist.all_gather_object(ranks, mine)
         return {"tp": self.config.tensor_model_parallel_size, "pp": self.pp_size,
                 "dp": self.dp_size, "ranks": ranks}
+
+    # -- checkpoints: megatron-core dist_checkpointing (torch_dist) ----------------------------
+
+    def _sharded_state(self, loading: bool) -> dict:
+        model = self.module.sharded_state_dict()
+        return {"model": model,
+                "optimizer": self.optimizer.sharded_state_dict(model, is_loading=loading,
+                                                               metadata=OPTIMIZER_CHECKPOINT)}
+
+    def _rng_state(self) -> ShardedObject:
+        """This rank's RNG states; restored only into the same layout (the data order does not
+        depend on them: it is a function of the sample index)."""
+        layout = self.layout()
+        state = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states(),
+                 "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+        return ShardedObject("rng_state", state, (layout["pp"], layout["tp"], layout["dp"]),
+                             (self.pp_rank, ps.get_tensor_model_parallel_rank(), self.dp_rank),
+                             replica_id=0)
+
+    def save_state(self, folder, position: dict) -> None:
+        state = self._sharded_state(loading=False)
+        state.update(rng=self._rng_state(), scheduler=self.scheduler.state_dict(), **position)
+        dist_checkpointing.save(state, str(folder))
+
+    def load_state(self, folder, same_layout: bool) -> None:
+        """Load a checkpoint saved in any layout into this rank's model and optimizer."""
+        for opt in self.optimizer.chained_optimizers:
+            if not opt.optimizer.state:
+                # torch's AdamW has no state (no "step") before its first step; the dummy step
+                # is overwritten by what is loaded (megatron-core does the same for FSDP)
+                opt._init_optimizer_states_with_dummy_values()
+        state = self._sharded_state(loading=True)
+        state["scheduler"] = None
+        if same_layout:
+            state["rng"] = self._rng_state()
+        loaded = dist_checkpointing.load(state, str(folder))
+        self.module.load_state_dict(loaded["model"])
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        for opt in self.optimizer.chained_optimizers:
+            for param_state in opt.optimizer.state.values():
+                if "step" in param_state:
+                    # megatron-core hands every parameter the same "step" tensor, which torch's
+                    # AdamW then increments once per parameter on every step: give each its own
+                    param_state["step"] = param_state["step"].clone()
+        self.scheduler.load_state_dict(loaded["scheduler"])
+        if "rng" in loaded:
+            rng = loaded["rng"]
+            torch.set_rng_state(rng["cpu"])
+            get_cuda_rng_tracker().set_states(rng["tracker"])
+            if rng["cuda"] is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
+
+
+def consolidated_state(folder, cfg, layout: dict) -> dict[str, torch.Tensor]:
+    """The whole model's tensors from a megatron checkpoint of any layout (one process)."""
+    module = LoopedLM(cfg.model, transformer_config(cfg.model))
+    loaded = dist_checkpointing.load({"model": module.sharded_state_dict()}, str(folder))
+    module.load_state_dict(loaded["model"])
+    return {k: v.detach().contiguous() for k, v in module.state_dict().items()
+            if isinstance(v, torch.Tensor) and "_extra_state" not in k}

@@ -57,7 +57,6 @@ class Trainer:
         self.engine = engine
         self.dataset = dataset
         self.run_dir = Path(cfg.train.dir)
-        self.optimizer, self.scheduler = cfg.optim.build([engine.ddp], cfg.train.steps)
         self.batches = Batches(dataset, cfg.train.global_batch_size, cfg.train.micro_batch_size,
                                dp_rank=engine.dp_rank, dp_size=engine.dp_size)
         self.step = 0
@@ -66,16 +65,13 @@ class Trainer:
     def train_step(self) -> dict:
         start = time.perf_counter()
         self.engine.train()
-        self.optimizer.zero_grad()  # param.grad aliases the DDP buffer after a step: unlink it
-        outputs = self.engine.step(self.batches.next_step())
-        update_ok, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
+        outputs, grad_norm, lr = self.engine.train_step(self.batches.next_step())
         self.step += 1
         elapsed = time.perf_counter() - start
         tokens = self.cfg.train.global_batch_size * self.dataset.seq_len
         record = {"step": self.step, **self.engine.reduce(outputs)}
-        record.update(lr=self.optimizer.param_groups[0]["lr"], grad_norm=grad_norm,
-                      tokens_per_s=tokens / elapsed, step_time_s=elapsed)
+        record.update(lr=lr, grad_norm=grad_norm, tokens_per_s=tokens / elapsed,
+                      step_time_s=elapsed)
         return record
 
     @torch.no_grad()
@@ -94,17 +90,17 @@ class Trainer:
         return self.run_dir / "checkpoints"
 
     def save(self) -> Path:
-        meta = {"consumed_samples": self.batches.consumed_samples, "config": self.cfg.to_dict()}
-        return checkpoint.save(self.checkpoints, self.step, self.engine.module, self.optimizer,
-                               self.scheduler, meta, self.cfg.train.keep_last)
+        position = {"step": self.step, "consumed_samples": self.batches.consumed_samples}
+        return checkpoint.save(self.checkpoints, self.engine, position, self.cfg.to_dict(),
+                               self.cfg.train.keep_last)
 
     def resume(self) -> Optional[Path]:
         """Continue from the newest complete checkpoint of the run directory, if any."""
         folder = checkpoint.find_latest(self.checkpoints)
         if folder is not None:
-            state = checkpoint.load(folder, self.engine.module, self.optimizer, self.scheduler)
-            self.step = state["step"]
-            self.batches.consumed_samples = state["consumed_samples"]
+            position = checkpoint.load(folder, self.engine)
+            self.step = position["step"]
+            self.batches.consumed_samples = position["consumed_samples"]
         return folder
 
     def _history(self) -> Optional[dict]:
