@@ -77,6 +77,18 @@ def cmd_ckpt_consolidate(args) -> int:
     return 0
 
 
+def cmd_prep(args) -> int:
+    import data_prep
+    from data_prep.common import PrepError
+
+    try:
+        data_prep.run(args)
+    except PrepError as e:
+        print(f"megaloop prep: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megaloop", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -99,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=None, help="training steps per variant")
     demo.add_argument("--out", default="runs/demo", help="run directories go here")
     demo.set_defaults(fn=cmd_demo)
+    prep = sub.add_parser("prep", help="prepare a corpus with datatrove (wikitext103, fineweb)")
+    corpora = prep.add_subparsers(dest="corpus", required=True, metavar="CORPUS")
+    import data_prep
+
+    for recipe in data_prep.add_parsers(corpora):
+        recipe.set_defaults(fn=cmd_prep)
     ckpt = sub.add_parser("ckpt", help="checkpoint tools").add_subparsers(
         dest="ckpt_command", required=True, metavar="ACTION")
     consolidate = ckpt.add_parser("consolidate", help="one safetensors file of the whole model "

@@ -63,13 +63,18 @@ def build_trainer(cfg: ExperimentConfig, log: bool = True):
     from megaloop.parallel.megatron import Engine
     from megaloop.train.trainer import Trainer
 
-    dataset = cfg.data.build(cfg.train.seed)
-    vocab = dataset.tokenizer.vocab_size
-    check(cfg.model.vocab_size >= vocab, "model.vocab_size", cfg.model.vocab_size,
-          f"must be >= the tokenizer's {vocab} tokens (data.tokenizer={cfg.data.tokenizer})")
+    cfg.data.check_files()
+    if cfg.data.epochs:
+        cfg.train.steps = cfg.data.steps_for_epochs(cfg.train.global_batch_size)
     layout.data_parallel_size(cfg, distributed.world_size())
     distributed.init(cfg.train.seed, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
                      virtual_pp=cfg.model.num_loops if cfg.parallel.pp > 1 else None)
+    t = cfg.train
+    dataset = cfg.data.build(t.seed, train_samples=t.steps * t.global_batch_size,
+                             valid_samples=t.eval_batches * t.micro_batch_size)
+    vocab = dataset.tokenizer.vocab_size
+    check(cfg.model.vocab_size >= vocab, "model.vocab_size", cfg.model.vocab_size,
+          f"must be >= the tokenizer's {vocab} tokens (of data.kind={cfg.data.kind})")
     engine_class = Engine
     if cfg.engine == "deepspeed":
         from megaloop.parallel.deepspeed import DeepSpeedEngine as engine_class

@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "params": ["config", "overrides", "world"],
     "demo": ["text", "tokenizer", "steps", "out"],
     "ckpt": ["ckpt_command"],
+    "prep": ["corpus"],
 }
 CKPT_ACTIONS = {"consolidate": ["checkpoint", "out"]}
 

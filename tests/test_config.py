@@ -56,7 +56,7 @@ BAD = [
     (["model.damping_init=1.5"], ["model.damping_init", "(0, 1)"]),
     (["data.seq_len=512"], ["data.seq_len", "512", "model.max_seq_len=256"]),
     (["train.micro_batch_size=0"], ["train.micro_batch_size", "0", ">= 1"]),
-    (["data.kind=text"], ["data.path", "data.path=PATH"]),
+    (["data.kind=text"], ["data.path", "data.kind=text needs a text file"]),
     (["train.steps"], ["train.steps", "key=value"]),
     (["engine=deepspeed", "parallel.pp=2"], ["parallel.pp", "engine=megatron", "parallel.pp=1"]),
     (["engine=deepspeed", "deepspeed.zero_stage=4"], ["deepspeed.zero_stage", "0, 1, 2, 3"]),

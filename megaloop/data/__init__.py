@@ -1,8 +1,13 @@
-"""Training data as a pure function of (seed, sample index), sliced over data-parallel ranks.
+"""Training data: what `data.kind` names, built into something a step can read.
 
-A step takes the next `global_batch_size` sample indices; this rank takes its slice and splits
-it into micro-batches. The data position saved in checkpoints is the number of consumed samples,
-so resuming (in any layout) continues with exactly the next sample.
+    synthetic   built-in corpora (data/synthetic.py), a function of (seed, index)
+    text        a UTF-8 text file (data/text.py)
+    indexed     megatron-core indexed datasets via GPTDataset (data/indexed.py), from
+                `megaloop prep wikitext103`; `data.epochs` sets the training length
+    webdataset  packed sequences in tar shards (data/shards.py), from `megaloop prep fineweb`
+
+Every kind is sharded over data-parallel ranks (disjoint samples) and resumes from the number of
+consumed samples: exactly for the indexable kinds, at the next shard boundary for webdataset.
 """
 
 from __future__ import annotations
@@ -11,30 +16,34 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
-import numpy as np
-import torch
-
-from megaloop.config import Config, check
-from megaloop.data import synthetic
-from megaloop.data.tokenizer import Tokenizer, load_tokenizer
+from megaloop.config import Config, check, fail
+from megaloop.data.tokenizer import load_tokenizer
 
 
 @dataclass
 class DataConfig(Config):
-    kind: Literal["synthetic", "text"] = "synthetic"
-    """synthetic: a built-in corpus (see data/synthetic.py); text: a UTF-8 text file."""
+    kind: Literal["synthetic", "text", "indexed", "webdataset"] = "synthetic"
     task: Literal["addition", "lookup"] = "addition"
     """synthetic: fixed-width multi-digit addition, or multi-hop variable lookups."""
     depth: int = 4
     """synthetic: digits per operand (addition) or the longest chain of lookups (lookup)."""
     path: Optional[str] = None
-    """text: the training text file."""
+    """text: a text file; indexed: a dataset prefix (DIR/train); webdataset: the prep folder."""
     valid_path: Optional[str] = None
-    """text: a validation text file; None holds out the last `valid_fraction` of `path`."""
+    """text: a validation text file (else the last `valid_fraction` of `path`); indexed: the
+    validation prefix (DIR/valid; else samples of the training split)."""
     valid_fraction: float = 0.05
     tokenizer: str = "bytes"
-    """`bytes` (256 tokens) or a Hugging Face tokenizer.json path."""
+    """`bytes` (256 tokens) or a tokenizer.json path; indexed and webdataset data bring theirs."""
     seq_len: int = 128
+    epochs: Optional[int] = None
+    """indexed: train for exactly this many passes over the training split (sets train.steps)."""
+    cache_dir: Optional[str] = None
+    """indexed: where GPTDataset caches its shuffle indices (default: beside the data)."""
+    valid_shards: int = 1
+    """webdataset: shards held out (the last ones) for validation."""
+    resampled: bool = False
+    """webdataset: an endless stream drawing shards with replacement instead of epochs."""
 
     def validate(self, prefix: str = "") -> None:
         check(self.seq_len >= 2, prefix + "seq_len", self.seq_len, "must be >= 2")
@@ -42,95 +51,74 @@ class DataConfig(Config):
               self.depth, "must lie in [1, 12] for lookup and [1, 18] for addition")
         check(0 < self.valid_fraction < 1, prefix + "valid_fraction", self.valid_fraction,
               "must lie in (0, 1)")
-        check(self.kind != "text" or self.path is not None, prefix + "path", self.path,
-              "data.kind=text needs a text file (data.path=PATH)")
+        needs_path = {"text": "a text file", "indexed": "an indexed dataset prefix such as "
+                      "data/wt103/train", "webdataset": "the folder of `megaloop prep fineweb`"}
+        check(self.kind not in needs_path or self.path is not None, prefix + "path", self.path,
+              f"data.kind={self.kind} needs {needs_path.get(self.kind)} (data.path=...)")
+        check(self.epochs is None or (self.kind == "indexed" and self.epochs >= 1),
+              prefix + "epochs", self.epochs, "is for data.kind=indexed, and must be >= 1")
+        check(self.valid_shards >= 1, prefix + "valid_shards", self.valid_shards, "must be >= 1")
 
     def check_files(self) -> None:
-        """Input files exist (checked when a run is built, so shipped configs validate anywhere)."""
-        for key in ("path", "valid_path") if self.kind == "text" else ():
-            p = getattr(self, key)
-            check(p is None or Path(p).is_file(), "data." + key, p, "no such file")
+        """Inputs exist (checked when a run is built, so shipped configs validate anywhere)."""
+        if self.kind == "text":
+            for key in ("path", "valid_path"):
+                p = getattr(self, key)
+                check(p is None or Path(p).is_file(), "data." + key, p, "no such file")
+        if self.kind == "indexed":
+            for key in ("path", "valid_path"):
+                p = getattr(self, key)
+                check(p is None or Path(f"{p}.bin").is_file() and Path(f"{p}.idx").is_file(),
+                      "data." + key, p, "no PREFIX.bin/PREFIX.idx there; run `megaloop prep "
+                      "wikitext103` and give e.g. data.path=OUT/train")
+        if self.kind == "webdataset":
+            check(Path(self.path, "manifest.json").is_file(), "data.path", self.path,
+                  "no manifest.json there; run `megaloop prep fineweb` and give its --out folder")
         check(self.tokenizer == "bytes" or Path(self.tokenizer).is_file(), "data.tokenizer",
               self.tokenizer, "no such file; use 'bytes' or the path of a tokenizer.json file")
 
-    def build(self, seed: int) -> "Dataset":
+    def _tokenizer(self):
+        if self.kind in ("indexed", "webdataset"):
+            from megaloop.data.indexed import manifest
+            import json
+
+            info = (manifest(self.path) if self.kind == "indexed"
+                    else json.loads(Path(self.path, "manifest.json").read_text()))
+            if info.get("tokenizer") and Path(info["tokenizer"]).is_file():
+                return load_tokenizer(info["tokenizer"])
+        return load_tokenizer(self.tokenizer)
+
+    def build(self, seed: int, train_samples: int = 0, valid_samples: int = 0):
+        """The data for a run that reads `train_samples` training and `valid_samples`
+        validation samples (indexed data sizes its shuffle to them)."""
         self.check_files()
-        tokenizer = load_tokenizer(self.tokenizer)
+        tokenizer = self._tokenizer()
         if self.kind == "synthetic":
+            from megaloop.data.synthetic import SyntheticDataset
+
             return SyntheticDataset(self.task, seed, self.seq_len, self.depth, tokenizer)
-        return TextDataset.from_files(self, seed, tokenizer)
+        if self.kind == "text":
+            from megaloop.data.text import TextDataset
 
+            return TextDataset.from_files(self.path, self.valid_path, self.valid_fraction, seed,
+                                          self.seq_len, tokenizer)
+        if self.kind == "indexed":
+            from megaloop.data.indexed import IndexedData
 
-class Dataset:
-    """Samples of `seq_len + 1` tokens by index, for the train and valid splits."""
+            return IndexedData(self.path, self.valid_path, self.seq_len, seed,
+                               max(train_samples, 1), max(valid_samples, 1), tokenizer,
+                               self.cache_dir)
+        if self.kind == "webdataset":
+            from megaloop.data.shards import ShardData
 
-    tokenizer: Tokenizer
-    seq_len: int
+            return ShardData(self.path, self.seq_len, seed, self.valid_shards, self.resampled,
+                             tokenizer)
+        fail("data.kind", self.kind, "allowed: synthetic, text, indexed, webdataset")
 
-    def sample(self, index: int, split: str = "train") -> np.ndarray:
-        raise NotImplementedError
+    def steps_for_epochs(self, global_batch_size: int) -> int:
+        from megaloop.data.indexed import samples_for_epochs
 
-    def batch(self, indices, split: str = "train") -> torch.Tensor:
-        return torch.from_numpy(np.stack([self.sample(i, split) for i in indices]))
-
-
-class SyntheticDataset(Dataset):
-    def __init__(self, task: str, seed: int, seq_len: int, depth: int, tokenizer: Tokenizer):
-        self.task, self.seed, self.seq_len, self.depth = task, seed, seq_len, depth
-        self.tokenizer = tokenizer
-
-    def sample(self, index: int, split: str = "train") -> np.ndarray:
-        seed = self.seed if split == "train" else self.seed + 1_000_003
-        return synthetic.sample(self.task, seed, index, self.seq_len + 1, self.depth)
-
-
-class TextDataset(Dataset):
-    """Random windows of a tokenized text; window i starts at a position drawn from (seed, i)."""
-
-    def __init__(self, splits: dict[str, np.ndarray], seed: int, seq_len: int, tokenizer: Tokenizer):
-        self.splits, self.seed, self.seq_len, self.tokenizer = splits, seed, seq_len, tokenizer
-        for name, tokens in splits.items():
-            if len(tokens) < seq_len + 1:
-                raise ValueError(f"the {name} text has {len(tokens)} tokens, fewer than "
-                                 f"data.seq_len+1={seq_len + 1}; use a longer text or a shorter "
-                                 f"data.seq_len")
-
-    @classmethod
-    def from_files(cls, cfg: DataConfig, seed: int, tokenizer: Tokenizer) -> "TextDataset":
-        train = tokenizer.encode(Path(cfg.path).read_text(encoding="utf-8", errors="replace"))
-        if cfg.valid_path:
-            valid = tokenizer.encode(Path(cfg.valid_path).read_text(encoding="utf-8",
-                                                                   errors="replace"))
-        else:
-            cut = int(len(train) * (1 - cfg.valid_fraction))
-            train, valid = train[:cut], train[cut:]
-        return cls({"train": train, "valid": valid}, seed, cfg.seq_len, tokenizer)
-
-    def sample(self, index: int, split: str = "train") -> np.ndarray:
-        tokens = self.splits[split]
-        start = np.random.default_rng([self.seed, index, split == "valid"]).integers(
-            0, len(tokens) - self.seq_len)
-        return tokens[start:start + self.seq_len + 1].astype(np.int64)
-
-
-class Batches:
-    """Micro-batches of this data-parallel rank, resumable from `consumed_samples`."""
-
-    def __init__(self, dataset: Dataset, global_batch_size: int, micro_batch_size: int,
-                 dp_rank: int = 0, dp_size: int = 1, consumed_samples: int = 0):
-        self.dataset = dataset
-        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.consumed_samples = consumed_samples
-
-    @property
-    def num_microbatches(self) -> int:
-        return self.global_batch_size // (self.micro_batch_size * self.dp_size)
-
-    def next_step(self) -> list[torch.Tensor]:
-        """The micro-batches ([micro_batch_size, seq_len + 1] tokens) of the next step."""
-        per_rank = self.global_batch_size // self.dp_size
-        start = self.consumed_samples + self.dp_rank * per_rank
-        self.consumed_samples += self.global_batch_size
-        return [self.dataset.batch(range(s, s + self.micro_batch_size))
-                for s in range(start, start + per_rank, self.micro_batch_size)]
+        samples = samples_for_epochs(self.path, self.seq_len, self.epochs)
+        check(samples >= global_batch_size, "data.epochs", self.epochs,
+              f"gives {samples} samples, fewer than one global batch ({global_batch_size})")
+        return samples // global_batch_size

@@ -17,6 +17,9 @@ from __future__ import annotations
 import string
 
 import numpy as np
+import torch
+
+from megaloop.data.batches import Batches
 
 
 def addition(rng: np.random.Generator, digits: int) -> str:
@@ -68,3 +71,19 @@ def answer_mask(tokens: np.ndarray, task: str) -> np.ndarray:
         mask[eq:end - 1] = True  # predicting tokens eq+1 .. end-1, the answer characters
         pos = text.find(start, end)
     return mask
+
+
+class SyntheticDataset:
+    """A built-in corpus as indexable data; the valid split uses another seed."""
+
+    def __init__(self, task: str, seed: int, seq_len: int, depth: int, tokenizer):
+        self.task, self.seed, self.seq_len, self.depth = task, seed, seq_len, depth
+        self.tokenizer = tokenizer
+
+    def batch(self, indices, split: str = "train") -> torch.Tensor:
+        seed = self.seed if split == "train" else self.seed + 1_000_003
+        return torch.from_numpy(np.stack([sample(self.task, seed, i, self.seq_len + 1,
+                                                 self.depth) for i in indices]))
+
+    def batches(self, *args, **kwargs) -> Batches:
+        return Batches(self, *args, **kwargs)

@@ -7,6 +7,7 @@ import numpy as np
 
 class Tokenizer:
     vocab_size: int
+    eos_id: int | None = None
 
     def encode(self, text: str) -> np.ndarray:
         raise NotImplementedError
@@ -31,6 +32,7 @@ class HFTokenizer(Tokenizer):
 
         self._tok = _Tokenizer.from_file(path)
         self.vocab_size = self._tok.get_vocab_size()
+        self.eos_id = self._tok.token_to_id("<|endoftext|>")
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text).ids, dtype=np.int64)

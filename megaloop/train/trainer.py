@@ -15,7 +15,6 @@ from typing import Optional
 import torch
 
 from megaloop.config import Config, check
-from megaloop.data import Batches
 from megaloop.train import checkpoint
 from megaloop.train.metrics import MetricsLogger
 from megaloop.train.preemption import Preempted, PreemptionWatch
@@ -57,8 +56,8 @@ class Trainer:
         self.engine = engine
         self.dataset = dataset
         self.run_dir = Path(cfg.train.dir)
-        self.batches = Batches(dataset, cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                               dp_rank=engine.dp_rank, dp_size=engine.dp_size)
+        self.batches = dataset.batches(cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                                       dp_rank=engine.dp_rank, dp_size=engine.dp_size)
         self.step = 0
         self.log_enabled = log
 

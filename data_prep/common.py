@@ -1,0 +1,293 @@
+"""Pipeline steps shared by the corpora: reading that survives bad files, the bad-document guard,
+tokenizers, the megatron-core indexed-dataset writer, executors and manifests."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import time
+import re
+from pathlib import Path
+
+import numpy as np
+from datatrove.data import Document, DocumentsPipeline
+from datatrove.pipeline.base import PipelineStep
+from datatrove.pipeline.filters.base_filter import BaseFilter
+from datatrove.pipeline.readers.base import BaseDiskReader
+from datatrove.utils.tokenization import PipelineStepWithTokenizer
+from tqdm import tqdm
+
+from data_prep import DEFAULT_VOCAB, EOS  # noqa: F401  (re-exported for the corpora)
+
+
+class PrepError(ValueError):
+    """Bad input that leaves nothing to prepare, or a bad option: one message, no traceback."""
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# -- reading ---------------------------------------------------------------------------------
+
+class RobustReader(BaseDiskReader):
+    """JSONL (optionally .gz) and parquet files with a `text` field. A record that is not valid
+    UTF-8 or JSON is counted and skipped; a file that cannot be read at all is counted, logged
+    and skipped, and the rest of the task goes on."""
+
+    name = "📖 robust reader"
+
+    def read_file(self, filepath: str) -> DocumentsPipeline:
+        try:
+            if filepath.endswith(".parquet"):
+                yield from self._parquet(filepath)
+            else:
+                yield from self._jsonl(filepath)
+        except Exception as e:  # a corrupt gzip/parquet stream, a permission error, ...
+            self.stat_update("unreadable_files")
+            print(f"megaloop prep: skipping unreadable file {filepath}: {type(e).__name__}: {e}",
+                  flush=True)
+
+    def _jsonl(self, filepath: str):
+        with self.data_folder.open(filepath, "rb") as raw:
+            stream = gzip.GzipFile(fileobj=raw) if filepath.endswith(".gz") else raw
+            for i, line in enumerate(io.BufferedReader(stream)):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line.decode("utf-8"))
+                except UnicodeDecodeError:
+                    self.stat_update("non_utf8_records")
+                    continue
+                except json.JSONDecodeError:
+                    self.stat_update("invalid_json_records")
+                    continue
+                document = self.get_document_from_dict(record, filepath, i)
+                if document:
+                    yield document
+                else:
+                    self.stat_update("records_without_text")
+
+    def _parquet(self, filepath: str):
+        import pyarrow.parquet as pq
+
+        with self.data_folder.open(filepath, "rb") as f:
+            table = pq.read_table(f)
+        for i, record in enumerate(table.to_pylist()):
+            document = self.get_document_from_dict(record, filepath, i)
+            if document:
+                yield document
+            else:
+                self.stat_update("records_without_text")
+
+
+# control characters (but tab and newlines), surrogates and private-use code points
+CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff\ue000-\uf8ff]")
+
+
+class BadDocumentGuard(BaseFilter):
+    """Drops what no tokenizer should see: empty documents, binary junk (control characters),
+    and single documents larger than `max_bytes`. datatrove counts each reason."""
+
+    name = "🛡 bad-document guard"
+
+    def __init__(self, max_bytes: int = 10 * 2**20, max_control_fraction: float = 0.05):
+        super().__init__()
+        self.max_bytes, self.max_control_fraction = max_bytes, max_control_fraction
+
+    def filter(self, doc: Document) -> bool | tuple[bool, str]:
+        text = doc.text
+        if not text or not text.strip():
+            return False, "empty"
+        if len(text) * 4 > self.max_bytes and len(text.encode("utf-8")) > self.max_bytes:
+            return False, "too_long"
+        sample = text[:100_000]
+        control = len(CONTROL.findall(sample))
+        if control > self.max_control_fraction * len(sample) or "\ufffd" * 8 in sample:
+            return False, "binary"
+        return True
+
+
+# -- tokenizers ------------------------------------------------------------------------------
+
+def resolve_tokenizer(spec: str, out: Path, training_text=None) -> Path:
+    """A tokenizer.json path for `spec`: a local file, a Hugging Face hub name (downloaded), or
+    `train:N` (a byte-level BPE of N tokens trained on `training_text`, saved as
+    out/tokenizer.json)."""
+    out.mkdir(parents=True, exist_ok=True)
+    if spec.startswith("train:"):
+        try:
+            size = int(spec.split(":", 1)[1])
+        except ValueError:
+            raise PrepError(f"--tokenizer {spec!r}: use train:N with N an integer, e.g. "
+                            f"train:{DEFAULT_VOCAB}") from None
+        if training_text is None:
+            raise PrepError(f"--tokenizer {spec}: training a tokenizer needs the training split; "
+                            f"give a source with wiki.train.raw or pass a tokenizer.json")
+        return train_bpe(training_text, size, out / "tokenizer.json")
+    if Path(spec).is_file():
+        return Path(spec)
+    if Path(spec).is_dir():
+        if (Path(spec) / "tokenizer.json").is_file():
+            return Path(spec) / "tokenizer.json"
+        raise PrepError(f"--tokenizer {spec}: a folder without tokenizer.json; pass the file")
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(spec, "tokenizer.json"))
+    except Exception as e:
+        raise PrepError(f"--tokenizer {spec!r} is not a file and could not be fetched from the "
+                        f"Hugging Face hub ({type(e).__name__}); pass a tokenizer.json path or "
+                        f"train:N") from None
+
+
+def train_bpe(texts, vocab_size: int, path: Path) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer.save(str(path))
+    return path
+
+
+def eos_id(tokenizer_path: Path, eos: str = EOS) -> int:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    token = tok.token_to_id(eos)
+    if token is None:
+        raise PrepError(f"tokenizer {tokenizer_path} has no {eos!r} token to end documents with; "
+                        f"pass --eos-token with one it has")
+    return token
+
+
+def token_dtype(vocab_size: int):
+    return np.uint16 if vocab_size <= 65536 else np.int32
+
+
+# -- tokenize and write ----------------------------------------------------------------------
+
+class TokenizingStep(PipelineStepWithTokenizer):
+    """Tokenizes documents in batches (each followed by EOS) and counts documents and tokens on
+    a progress bar; subclasses decide where the tokens go."""
+
+    def __init__(self, tokenizer_path: str, eos_token: str = EOS, batch_size: int = 256):
+        super().__init__(tokenizer_path, eos_token)
+        self.batch_size = batch_size
+
+    def token_batches(self, data: DocumentsPipeline, rank: int, desc: str):
+        from datatrove.utils.batching import batched
+
+        start, docs, tokens = time.perf_counter(), 0, 0
+        with tqdm(desc=f"{desc} [task {rank}]", unit="doc", position=rank, leave=True,
+                  mininterval=1.0) as bar:
+            for batch in batched(data, self.batch_size):
+                with self.track_time(unit="batch"):
+                    encoded = self.tokenizer.encode_batch([d.text for d in batch])
+                ids = [np.asarray(e.ids, dtype=np.int64) for e in encoded]
+                docs += len(batch)
+                tokens += sum(len(i) for i in ids)
+                self.stat_update("documents", value=len(batch))
+                self.stat_update("tokens", value=sum(len(i) for i in ids))
+                elapsed = max(time.perf_counter() - start, 1e-9)
+                bar.update(len(batch))
+                bar.set_postfix_str(f"{docs / elapsed:,.0f} docs/s, {tokens / elapsed:,.0f} tok/s")
+                yield batch, ids
+
+
+class IndexedDatasetWriter(TokenizingStep):
+    """Writes this task's documents as a megatron-core indexed dataset (.bin/.idx, written with
+    megatron-core's own IndexedDatasetBuilder) named `{prefix}_{rank:05d}`."""
+
+    name = "💾 megatron indexed dataset"
+    type = "✍ WRITER"
+
+    def __init__(self, output_dir: str, prefix: str, tokenizer_path: str, dtype: str,
+                 eos_token: str = EOS):
+        super().__init__(tokenizer_path, eos_token)
+        self.output_dir, self.prefix, self.dtype = output_dir, prefix, dtype
+
+    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+        part = Path(self.output_dir) / f"{self.prefix}_{rank:05d}"
+        builder = IndexedDatasetBuilder(f"{part}.bin", dtype=np.dtype(self.dtype).type)
+        for _, ids in self.token_batches(data, rank, self.prefix):
+            for doc_ids in ids:
+                builder.add_document(doc_ids, [len(doc_ids)])
+        builder.finalize(f"{part}.idx")
+        yield from ()
+
+
+def merge_indexed(output_dir: Path, prefix: str, parts: int, dtype) -> Path:
+    """One `{prefix}.bin/.idx` from the tasks' parts (megatron-core's builder, in task order)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    final = output_dir / prefix
+    if parts == 1:
+        for ext in (".bin", ".idx"):
+            (output_dir / f"{prefix}_00000{ext}").replace(f"{final}{ext}")
+        return final
+    builder = IndexedDatasetBuilder(f"{final}.bin", dtype=np.dtype(dtype).type)
+    for rank in range(parts):
+        builder.add_index(str(output_dir / f"{prefix}_{rank:05d}"))
+    builder.finalize(f"{final}.idx")
+    for rank in range(parts):
+        for ext in (".bin", ".idx"):
+            (output_dir / f"{prefix}_{rank:05d}{ext}").unlink()
+    return final
+
+
+# -- executors and stats ---------------------------------------------------------------------
+
+def make_executor(pipeline: list[PipelineStep], logging_dir: Path, tasks: int, args):
+    """datatrove's local or Slurm executor; completion markers in `logging_dir` make a re-run
+    resume where the last one stopped (finished tasks are skipped)."""
+    if args.executor == "slurm":
+        from datatrove.executor.slurm import SlurmPipelineExecutor
+
+        return SlurmPipelineExecutor(
+            pipeline, tasks=tasks, time=args.time, partition=args.partition,
+            cpus_per_task=args.cpus_per_task, job_name=args.job_name,
+            logging_dir=str(logging_dir), max_array_size=args.max_array_size,
+            workers=args.workers)
+    from datatrove.executor.local import LocalPipelineExecutor
+
+    return LocalPipelineExecutor(pipeline, tasks=tasks, workers=min(args.workers, tasks),
+                                 logging_dir=str(logging_dir))
+
+
+def read_stats(logging_dir: Path) -> list:
+    path = logging_dir / "stats.json"
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
+def stat(stats: list, step_name_part: str, key: str) -> int:
+    """The total of `key` in the stats of the step whose name contains `step_name_part`."""
+    for step in stats:
+        if step_name_part in step["name"]:
+            value = step["stats"].get(key, 0)
+            return int(value["total"] if isinstance(value, dict) else value)
+    return 0
+
+
+def write_manifest(path: Path, manifest: dict) -> None:
+    path.write_text(json.dumps(manifest, indent=1))
+
+
+def check_executor_options(args) -> None:
+    if args.executor == "slurm" and not args.partition:
+        raise PrepError("--executor slurm needs --partition")
+    if args.workers == 0 or args.workers < -1:
+        raise PrepError(f"--workers {args.workers}: use a positive number (or -1 on slurm)")

@@ -1,0 +1,202 @@
+"""`megaloop prep fineweb`: web text → quality filters → packed token sequences in webdataset
+shards, locally or as a Slurm job array.
+
+    megaloop prep fineweb --source HuggingFaceFW/fineweb/sample/10BT --tokenizer TOK \\
+        --out data/fineweb --seq-len 4096 --executor slurm --partition cpu --workers 64
+
+Source: a hub dataset path (`HuggingFaceFW/fineweb/sample/10BT`, read as parquet through
+hf://) or a local folder of parquet or JSONL(.gz) files with a `text` field. Pipeline: reader
+→ bad-document guard → Gopher repetition, Gopher quality, C4 and FineWeb quality filters (and
+fastText language ID with a local model, `--lang-model`) → tokenize (EOS after each document) →
+pack into sequences of seq_len+1 tokens → `shards/{task:05d}-{n:06d}.tar`, each sample a
+`tokens.npy`. Work is split by input file (one datatrove task per file), so a single file keeps
+one worker busy: split big files to use more. A re-run resumes: finished tasks are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+from datatrove.data import DocumentsPipeline
+
+from data_prep.common import (
+    EOS,
+    BadDocumentGuard,
+    PrepError,
+    RobustReader,
+    TokenizingStep,
+    check_executor_options,
+    eos_id,
+    make_executor,
+    read_stats,
+    resolve_tokenizer,
+    sha256_file,
+    stat,
+    token_dtype,
+    write_manifest,
+)
+
+FILTERS = ("gopher_repetition", "gopher_quality", "c4_quality", "fineweb_quality")
+
+
+class PackedShardWriter(TokenizingStep):
+    """Packs this task's token stream (documents joined by EOS) into sequences of seq_len+1
+    tokens and writes them as webdataset tar shards of `shard_size` samples. The tail that does
+    not fill a sequence is dropped and counted."""
+
+    name = "📦 packed webdataset shards"
+    type = "✍ WRITER"
+
+    def __init__(self, output_dir: str, tokenizer_path: str, seq_len: int, shard_size: int,
+                 dtype: str, eos_token: str = EOS):
+        super().__init__(tokenizer_path, eos_token)
+        self.output_dir, self.seq_len, self.shard_size, self.dtype = (
+            output_dir, seq_len, shard_size, dtype)
+
+    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        import webdataset as wds
+
+        folder = Path(self.output_dir) / "shards"
+        folder.mkdir(parents=True, exist_ok=True)
+        for stale in folder.glob(f"{rank:05d}-*.tar"):  # a rerun of an unfinished task
+            stale.unlink()
+        size, buffer, n = self.seq_len + 1, np.empty(0, dtype=np.int64), 0
+        counts: dict[str, int] = {}
+        with wds.ShardWriter(str(folder / f"{rank:05d}-%06d.tar"), maxcount=self.shard_size,
+                             verbose=0) as sink:
+            for _, ids in self.token_batches(data, rank, "fineweb"):
+                buffer = np.concatenate([buffer, *ids])
+                whole = len(buffer) // size
+                for seq in buffer[:whole * size].reshape(whole, size):
+                    sink.write({"__key__": f"{rank:05d}-{n:09d}",
+                                "tokens.npy": seq.astype(self.dtype)})
+                    shard = Path(sink.fname).name
+                    counts[shard] = counts.get(shard, 0) + 1
+                    n += 1
+                buffer = buffer[whole * size:]
+        self.stat_update("sequences", value=n)
+        self.stat_update("tail_tokens_dropped", value=len(buffer))
+        (folder / f"{rank:05d}.json").write_text(json.dumps(counts))
+        yield from ()
+
+
+def quality_filters(lang_model: str | None, threshold: float) -> list:
+    from datatrove.pipeline.filters import (
+        C4QualityFilter,
+        FineWebQualityFilter,
+        GopherQualityFilter,
+        GopherRepetitionFilter,
+    )
+
+    steps = []
+    if lang_model:
+        from datatrove.pipeline.filters import FastTextClassifierFilter
+
+        if not Path(lang_model).is_file():
+            raise PrepError(f"--lang-model {lang_model}: no such file (a fastText language-ID "
+                            f"model, e.g. lid.176.bin)")
+        steps.append(FastTextClassifierFilter(lang_model, keep_labels=[("en", threshold)]))
+    return steps + [GopherRepetitionFilter(), GopherQualityFilter(),
+                    C4QualityFilter(filter_no_terminal_punct=False), FineWebQualityFilter()]
+
+
+def resolve_source(source: str) -> tuple[str, list[str]]:
+    """(datatrove data folder, its input files) for a local folder or a hub dataset path."""
+    from datatrove.io import get_datafolder
+
+    local = Path(source)
+    if local.exists():
+        if local.is_file():
+            raise PrepError(f"--source {source} is a file; give the folder that holds it")
+        folder = str(local)
+    elif source.startswith("hf://") or source.count("/") >= 1:
+        folder = source if source.startswith("hf://") else f"hf://datasets/{source}"
+    else:
+        raise PrepError(f"--source {source}: no such folder (or give a hub dataset path such as "
+                        f"HuggingFaceFW/fineweb/sample/10BT)")
+    try:
+        files = [f for f in get_datafolder(folder).list_files(recursive=True)
+                 if f.endswith((".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet"))]
+    except Exception as e:
+        raise PrepError(f"--source {source}: cannot list it ({type(e).__name__}: {e})") from None
+    if not files:
+        raise PrepError(f"--source {source} holds no .parquet, .jsonl or .jsonl.gz files")
+    return folder, sorted(files)
+
+
+def prepare(args) -> dict:
+    check_executor_options(args)
+    if args.seq_len < 1 or args.shard_size < 1:
+        raise PrepError("--seq-len and --shard-size must be >= 1")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    folder, files = resolve_source(args.source)
+    if args.tokenizer.startswith("train:"):
+        raise PrepError("--tokenizer train:N is for WikiText; pass a tokenizer.json or hub name")
+    tokenizer = resolve_tokenizer(args.tokenizer, out)
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(tokenizer)).get_vocab_size()
+    eos = eos_id(tokenizer, args.eos_token)
+    dtype = token_dtype(vocab)
+    if len(files) == 1 and args.workers > 1:
+        print(f"megaloop prep: {files[0]} is the only input file: datatrove splits work by file, "
+              f"so one of the {args.workers} workers will be busy; split it into several files "
+              f"to use them all", flush=True)
+    start = time.perf_counter()
+    logs = out / "logs"
+    pipeline = [RobustReader(folder, paths_file=None, glob_pattern=None, text_key="text"),
+                BadDocumentGuard(args.max_doc_bytes),
+                *quality_filters(args.lang_model, args.lang_threshold),
+                PackedShardWriter(str(out), str(tokenizer), args.seq_len, args.shard_size,
+                                  dtype.__name__, args.eos_token)]
+    executor = make_executor(pipeline, logs, tasks=len(files), args=args)
+    executor.run()
+    if args.executor == "slurm":
+        print(f"megaloop prep: submitted {len(files)} tasks to Slurm; logs in {logs}. Run the "
+              f"same command again when they are done to write the manifest.", flush=True)
+        if not all(executor.is_rank_completed(r) for r in range(len(files))):
+            return {}
+    stats = read_stats(logs)
+    shards = {}
+    for counts in sorted((out / "shards").glob("*.json")):
+        shards.update(json.loads(counts.read_text()))
+    kept = stat(stats, "packed webdataset", "documents")
+    if not shards or kept == 0:
+        raise PrepError(f"nothing usable in --source {args.source}: "
+                        f"{stat(stats, 'reader', 'documents')} documents read, none kept (or too "
+                        f"few tokens for one sequence of {args.seq_len + 1})")
+    manifest = {
+        "source": args.source, "files": files, "seq_len": args.seq_len,
+        "documents_read": stat(stats, "reader", "documents"),
+        "unreadable_files": stat(stats, "reader", "unreadable_files"),
+        "non_utf8_records": stat(stats, "reader", "non_utf8_records"),
+        "invalid_json_records": stat(stats, "reader", "invalid_json_records"),
+        "records_without_text": stat(stats, "reader", "records_without_text"),
+        "dropped": _dropped(stats), "documents_kept": kept,
+        "tokens": stat(stats, "packed webdataset", "tokens"),
+        "sequences": sum(shards.values()),
+        "tail_tokens_dropped": stat(stats, "packed webdataset", "tail_tokens_dropped"),
+        "shards": dict(sorted(shards.items())), "dtype": dtype.__name__, "vocab_size": vocab,
+        "eos_token": args.eos_token, "eos_id": eos, "tokenizer": str(tokenizer),
+        "tokenizer_sha256": sha256_file(tokenizer),
+        "seconds": round(time.perf_counter() - start, 2), "datatrove_stats": stats}
+    write_manifest(out / "manifest.json", manifest)
+    return manifest
+
+
+def _dropped(stats: list) -> dict:
+    """Documents each filter removed, by filter (and by reason where the filter gives one)."""
+    dropped = {}
+    for step in stats:
+        if "FILTER" not in step["name"]:
+            continue
+        name = step["name"].split(":", 1)[1].strip()
+        values = {k: (v["total"] if isinstance(v, dict) else v) for k, v in step["stats"].items()}
+        dropped[name] = {"total": int(values.get("dropped", 0)),
+                         **{k[len("dropped_"):]: int(v) for k, v in values.items()
+                            if k.startswith("dropped_")}}
+    return dropped

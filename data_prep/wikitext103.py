@@ -1,0 +1,196 @@
+"""`megaloop prep wikitext103`: WikiText-103 → one megatron-core indexed dataset per split.
+
+    megaloop prep wikitext103 --source DIR_OR_HUB --tokenizer train:20480 --out data/wt103
+
+Source: a folder with any of wiki.train.raw, wiki.valid.raw, wiki.test.raw, or the Hugging Face
+dataset `Salesforce/wikitext` (config `wikitext-103-raw-v1`) where a hub is reachable.
+Documents are articles: the text from one top-level ` = Title = ` heading to the next, kept as
+is. Output: `{split}.bin/.idx` (uint16 when the vocabulary fits) and `{split}.manifest.json`,
+plus `tokenizer.json` when it was trained here (`train:N`, a byte-level BPE on the train split).
+A re-run resumes: finished splits are kept, finished datatrove tasks are skipped.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+from datatrove.data import Document, DocumentsPipeline
+from datatrove.pipeline.base import PipelineStep
+
+from data_prep.common import (
+    DEFAULT_VOCAB,
+    EOS,
+    BadDocumentGuard,
+    IndexedDatasetWriter,
+    PrepError,
+    check_executor_options,
+    eos_id,
+    make_executor,
+    merge_indexed,
+    read_stats,
+    resolve_tokenizer,
+    sha256_file,
+    stat,
+    token_dtype,
+    write_manifest,
+)
+
+SPLITS = ("train", "valid", "test")
+HUB_DATASET, HUB_CONFIG = "Salesforce/wikitext", "wikitext-103-raw-v1"
+HEADING = re.compile(r"^ = (?!=).*(?<!=) = $")
+
+
+def _blank(lines: list[str], i: int) -> bool:
+    return i < 0 or i >= len(lines) or not lines[i].strip()
+
+
+def split_articles(text: str) -> list[str]:
+    """Articles of a raw WikiText file: from each top-level heading line (` = Title = ` between
+    blank lines; a formula such as ` = 1 rad / s = ` inside a paragraph is not one) to the
+    next; text before the first heading is kept only if it is not blank."""
+    lines = text.splitlines(keepends=True)
+    starts = [i for i, line in enumerate(lines) if HEADING.match(line.rstrip("\r\n"))
+              and _blank(lines, i - 1) and _blank(lines, i + 1)]
+    if not starts:
+        return [text] if text.strip() else []
+    articles = ["".join(lines[a:b]) for a, b in zip(starts, starts[1:] + [len(lines)])]
+    head = "".join(lines[:starts[0]])
+    return ([head] if head.strip() else []) + articles
+
+
+def read_raw(path: Path) -> str:
+    """The file's text; bytes that are not UTF-8 become lone surrogates, so the documents that
+    hold them can be found and skipped without losing the rest of the file."""
+    return path.read_bytes().decode("utf-8", errors="surrogateescape")
+
+
+class WikiTextReader(PipelineStep):
+    """Articles of one raw split file as datatrove Documents."""
+
+    name = "📖 wikitext articles"
+    type = "📖 - READER"
+
+    def __init__(self, path: str, split: str):
+        super().__init__()
+        self.path, self.split = path, split
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1
+            ) -> DocumentsPipeline:
+        for i, article in enumerate(split_articles(read_raw(Path(self.path)))):
+            try:
+                article.encode("utf-8")
+            except UnicodeEncodeError:
+                self.stat_update("non_utf8_documents")
+                print(f"megaloop prep: skipping {self.split} article {i}: not valid UTF-8",
+                      flush=True)
+                continue
+            self.stat_update("documents")
+            title = article.strip().splitlines()[0].strip(" =") if article.strip() else ""
+            yield Document(text=article, id=f"{self.split}-{i:06d}", metadata={"title": title})
+
+
+def fetch_from_hub(out: Path) -> Path:
+    """The hub dataset's parquet files, joined back into raw split files under out/source."""
+    try:
+        import pyarrow.parquet as pq
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(HUB_DATASET, repo_type="dataset",
+                                        allow_patterns=f"{HUB_CONFIG}/*"))
+    except Exception as e:
+        raise PrepError(f"could not fetch {HUB_DATASET} ({HUB_CONFIG}) from the Hugging Face hub "
+                        f"({type(e).__name__}: {e}); pass --source with a folder holding "
+                        f"wiki.train.raw / wiki.valid.raw / wiki.test.raw") from None
+    source = out / "source"
+    source.mkdir(parents=True, exist_ok=True)
+    names = {"train": "train", "valid": "validation", "test": "test"}
+    for split, hub_split in names.items():
+        files = sorted((folder / HUB_CONFIG).glob(f"{hub_split}-*.parquet"))
+        if files:
+            with open(source / f"wiki.{split}.raw", "w", encoding="utf-8") as f:
+                for file in files:
+                    f.writelines(pq.read_table(file, columns=["text"]).column("text").to_pylist())
+    return source
+
+
+def source_files(source: str, out: Path) -> dict[str, Path]:
+    folder = Path(source)
+    if not folder.exists():
+        if source != HUB_DATASET:
+            raise PrepError(f"--source {source}: no such folder (or use {HUB_DATASET} for the "
+                            f"hub)")
+        folder = fetch_from_hub(out)
+    if folder.is_file():
+        raise PrepError(f"--source {source} is a file; give the folder that holds wiki.*.raw")
+    files = {s: folder / f"wiki.{s}.raw" for s in SPLITS if (folder / f"wiki.{s}.raw").is_file()}
+    if not files:
+        raise PrepError(f"--source {folder} holds none of wiki.train.raw, wiki.valid.raw, "
+                        f"wiki.test.raw")
+    return files
+
+
+def prepare(args) -> dict:
+    check_executor_options(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = source_files(args.source, out)
+    training_text = None
+    if args.tokenizer.startswith("train:") and "train" in files:
+        training_text = (a for a in split_articles(read_raw(files["train"]))
+                         if _is_utf8(a) and a.strip())
+    if args.tokenizer.startswith("train:") and (out / "tokenizer.json").is_file():
+        tokenizer = out / "tokenizer.json"  # trained by an earlier run: resume with it
+    else:
+        tokenizer = resolve_tokenizer(args.tokenizer, out, training_text)
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(tokenizer)).get_vocab_size()
+    eos_id(tokenizer, args.eos_token)
+    dtype = token_dtype(vocab)
+    manifests = {}
+    for split, path in files.items():
+        manifest_path = out / f"{split}.manifest.json"
+        if manifest_path.is_file() and (out / f"{split}.bin").is_file():
+            print(f"megaloop prep: {split} is already prepared ({manifest_path})", flush=True)
+            continue
+        start = time.perf_counter()
+        logs = out / "logs" / split
+        pipeline = [WikiTextReader(str(path), split), BadDocumentGuard(args.max_doc_bytes),
+                    IndexedDatasetWriter(str(out), split, str(tokenizer), dtype.__name__,
+                                         args.eos_token)]
+        make_executor(pipeline, logs, tasks=1, args=args).run()
+        stats = read_stats(logs)
+        kept = stat(stats, "indexed dataset", "documents")
+        if kept == 0:
+            for ext in (".bin", ".idx"):
+                (out / f"{split}_00000{ext}").unlink(missing_ok=True)
+            print(f"megaloop prep: {split}: no usable documents in {path}; skipped", flush=True)
+            continue
+        prefix = merge_indexed(out, split, parts=1, dtype=dtype) if (
+            out / f"{split}_00000.bin").is_file() else out / split
+        manifests[split] = manifest = {
+            "split": split, "prefix": str(prefix), "documents": kept,
+            "tokens": stat(stats, "indexed dataset", "tokens"),
+            "dropped": {k: stat(stats, "guard", f"dropped_{k}")
+                        for k in ("empty", "too_long", "binary")},
+            "non_utf8_documents": stat(stats, "wikitext articles", "non_utf8_documents"),
+            "dtype": dtype.__name__, "vocab_size": vocab,
+            "eos_token": args.eos_token, "eos_id": eos_id(tokenizer, args.eos_token),
+            "tokenizer": str(tokenizer), "tokenizer_sha256": sha256_file(tokenizer),
+            "source": str(path), "source_sha256": sha256_file(path),
+            "seconds": round(time.perf_counter() - start, 2), "datatrove_stats": stats}
+        write_manifest(manifest_path, manifest)
+    if not manifests and not any((out / f"{s}.manifest.json").is_file() for s in files):
+        raise PrepError(f"nothing usable in --source {args.source}: every split was empty or "
+                        f"all its documents were dropped")
+    return manifests
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
