@@ -4,7 +4,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test install clean
+# The Slurm tests bring up a real local cluster (slurm/local/up.sh): Debian's packages, ~13 MB.
+SLURM_PACKAGES := slurmctld slurmd slurm-client munge
+
+.PHONY: demo test install slurm clean
 
 install: $(STAMP)
 
@@ -19,7 +22,18 @@ $(STAMP): requirements.txt pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/megaloop demo
 
-test: $(STAMP)
+slurm:
+	@if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends $(SLURM_PACKAGES) >/dev/null; \
+	  else \
+	    echo "make: Slurm is not installed and this is not a root Debian shell; the cluster" \
+	         "tests in tests/test_slurm.py will be skipped (apt-get install $(SLURM_PACKAGES))"; \
+	  fi; \
+	fi
+
+test: $(STAMP) slurm
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q
 
 clean:

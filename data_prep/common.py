@@ -7,9 +7,11 @@ import gzip
 import hashlib
 import io
 import json
-import time
 import re
+import sys
+import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 from datatrove.data import Document, DocumentsPipeline
@@ -261,16 +263,46 @@ def make_executor(pipeline: list[PipelineStep], logging_dir: Path, tasks: int, a
             pipeline, tasks=tasks, time=args.time, partition=args.partition,
             cpus_per_task=args.cpus_per_task, job_name=args.job_name,
             logging_dir=str(logging_dir), max_array_size=args.max_array_size,
-            workers=args.workers)
+            workers=args.workers, venv_path=_venv_activate())
     from datatrove.executor.local import LocalPipelineExecutor
 
     return LocalPipelineExecutor(pipeline, tasks=tasks, workers=min(args.workers, tasks),
                                  logging_dir=str(logging_dir))
 
 
+def run_pipeline(pipeline: list[PipelineStep], logging_dir: Path, tasks: int, args) -> bool:
+    """Run (locally) or submit (Slurm) the pipeline; true when all its tasks have completed,
+    false while submitted Slurm tasks are still to finish (run the command again then)."""
+    executor = make_executor(pipeline, logging_dir, tasks, args)
+    executor.run()
+    if args.executor == "slurm" and not all(executor.is_rank_completed(r) for r in range(tasks)):
+        print(f"megaloop prep: {tasks} task(s) are queued or running on Slurm (logs in "
+              f"{logging_dir}); run the same command again when they are done to finish",
+              flush=True)
+        return False
+    return True
+
+
+def _venv_activate() -> Optional[str]:
+    """This venv's activate script, so array tasks find datatrove's `launch_pickled_pipeline`."""
+    script = Path(sys.prefix, "bin", "activate")
+    return str(script) if sys.prefix != sys.base_prefix and script.is_file() else None
+
+
 def read_stats(logging_dir: Path) -> list:
+    """The merged stats of all tasks. On Slurm datatrove merges them in a job that runs after
+    the array; a re-run that comes first merges the per-task files itself."""
     path = logging_dir / "stats.json"
-    return json.loads(path.read_text()) if path.is_file() else []
+    if not path.is_file():
+        from datatrove.utils.stats import PipelineStats
+
+        parts = [PipelineStats.from_json(json.loads(p.read_text()))
+                 for p in sorted((logging_dir / "stats").glob("*.json"))]
+        if not parts:
+            return []
+        with open(path, "w") as f:
+            sum(parts, start=PipelineStats()).save_to_disk(f)
+    return json.loads(path.read_text())
 
 
 def stat(stats: list, step_name_part: str, key: str) -> int:

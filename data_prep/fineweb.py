@@ -30,9 +30,9 @@ from data_prep.common import (
     TokenizingStep,
     check_executor_options,
     eos_id,
-    make_executor,
     read_stats,
     resolve_tokenizer,
+    run_pipeline,
     sha256_file,
     stat,
     token_dtype,
@@ -153,13 +153,8 @@ def prepare(args) -> dict:
                 *quality_filters(args.lang_model, args.lang_threshold),
                 PackedShardWriter(str(out), str(tokenizer), args.seq_len, args.shard_size,
                                   dtype.__name__, args.eos_token)]
-    executor = make_executor(pipeline, logs, tasks=len(files), args=args)
-    executor.run()
-    if args.executor == "slurm":
-        print(f"megaloop prep: submitted {len(files)} tasks to Slurm; logs in {logs}. Run the "
-              f"same command again when they are done to write the manifest.", flush=True)
-        if not all(executor.is_rank_completed(r) for r in range(len(files))):
-            return {}
+    if not run_pipeline(pipeline, logs, tasks=len(files), args=args):
+        return {}
     stats = read_stats(logs)
     shards = {}
     for counts in sorted((out / "shards").glob("*.json")):

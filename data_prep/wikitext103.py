@@ -27,10 +27,10 @@ from data_prep.common import (
     PrepError,
     check_executor_options,
     eos_id,
-    make_executor,
     merge_indexed,
     read_stats,
     resolve_tokenizer,
+    run_pipeline,
     sha256_file,
     stat,
     token_dtype,
@@ -149,7 +149,7 @@ def prepare(args) -> dict:
     vocab = Tokenizer.from_file(str(tokenizer)).get_vocab_size()
     eos_id(tokenizer, args.eos_token)
     dtype = token_dtype(vocab)
-    manifests = {}
+    manifests, pending = {}, []
     for split, path in files.items():
         manifest_path = out / f"{split}.manifest.json"
         if manifest_path.is_file() and (out / f"{split}.bin").is_file():
@@ -160,7 +160,9 @@ def prepare(args) -> dict:
         pipeline = [WikiTextReader(str(path), split), BadDocumentGuard(args.max_doc_bytes),
                     IndexedDatasetWriter(str(out), split, str(tokenizer), dtype.__name__,
                                          args.eos_token)]
-        make_executor(pipeline, logs, tasks=1, args=args).run()
+        if not run_pipeline(pipeline, logs, tasks=1, args=args):
+            pending.append(split)
+            continue
         stats = read_stats(logs)
         kept = stat(stats, "indexed dataset", "documents")
         if kept == 0:
@@ -182,7 +184,8 @@ def prepare(args) -> dict:
             "source": str(path), "source_sha256": sha256_file(path),
             "seconds": round(time.perf_counter() - start, 2), "datatrove_stats": stats}
         write_manifest(manifest_path, manifest)
-    if not manifests and not any((out / f"{s}.manifest.json").is_file() for s in files):
+    if not manifests and not pending and not any((out / f"{s}.manifest.json").is_file()
+                                                 for s in files):
         raise PrepError(f"nothing usable in --source {args.source}: every split was empty or "
                         f"all its documents were dropped")
     return manifests

@@ -9,6 +9,7 @@ import sys
 import warnings
 
 from megaloop.config import ConfigError
+from megaloop.slurm import LaunchError
 
 
 def _config(args):
@@ -89,6 +90,27 @@ def cmd_prep(args) -> int:
     return 0
 
 
+def cmd_slurm_submit(args) -> int:
+    from megaloop import slurm
+
+    job = slurm.TrainJob(
+        config=args.config, overrides=args.overrides, nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node, tasks_per_node=args.tasks_per_node,
+        cpus_per_task=args.cpus_per_task, time=args.time, warning_seconds=args.warning_seconds,
+        partition=args.partition, account=args.account, gpu_memory_gib=args.gpu_memory_gib,
+        sbatch_args=tuple(args.sbatch_arg), job_name=args.job_name)
+    script, run_dir, layout = slurm.prepare(job)
+    summary = (f"layout: TP={layout.tp} PP={layout.pp} DP={layout.dp} on {job.nodes} node(s) x "
+               f"{job.ranks_per_node} rank(s): {layout.why}")
+    if args.dry_run:
+        print(script, end="")
+        print(f"# {summary}", file=sys.stderr)
+        return 0
+    job_id = slurm.submit(script, run_dir)
+    print(f"{summary}\nsubmitted job {job_id}; logs in {run_dir / 'logs'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megaloop", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -124,6 +146,32 @@ def build_parser() -> argparse.ArgumentParser:
     consolidate.add_argument("checkpoint", help="a run directory or a checkpoints/step_* folder")
     consolidate.add_argument("out", help="output folder (model.safetensors, config.json)")
     consolidate.set_defaults(fn=cmd_ckpt_consolidate)
+
+    slurm = sub.add_parser("slurm", help="Slurm jobs (slurm/*.sbatch)").add_subparsers(
+        dest="slurm_command", required=True, metavar="ACTION")
+    submit = with_config(slurm.add_parser(
+        "submit", help="render slurm/train.sbatch for this config and sbatch it",
+        description="One srun task per rank; the layout (parallel.tp/pp) is chosen to fit the "
+                    "GPUs unless given as overrides. See docs/slurm.md."))
+    submit.add_argument("--nodes", type=int, required=True)
+    submit.add_argument("--gpus-per-node", type=int, required=True,
+                        help="GPUs per node, one rank each (0: CPU nodes)")
+    submit.add_argument("--tasks-per-node", type=int, help="ranks per node on CPU nodes")
+    submit.add_argument("--cpus-per-task", type=int,
+                        help="CPUs (and OMP threads) per rank (default: 8 with GPUs, else 1)")
+    submit.add_argument("--time", default="24:00:00", help="Slurm time limit of each attempt")
+    submit.add_argument("--warning-seconds", type=int, default=300,
+                        help="USR1 this long before the limit: checkpoint and requeue")
+    submit.add_argument("--partition")
+    submit.add_argument("--account")
+    submit.add_argument("--gpu-memory-gib", type=float, default=80.0,
+                        help="memory per GPU, for choosing the layout")
+    submit.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
+                        help="extra #SBATCH line, e.g. --sbatch-arg=--exclusive (repeatable)")
+    submit.add_argument("--job-name")
+    submit.add_argument("--dry-run", action="store_true",
+                        help="print the script (and the layout, on stderr); submit nothing")
+    submit.set_defaults(fn=cmd_slurm_submit)
     return parser
 
 
@@ -131,13 +179,20 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed")
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
-    args = build_parser().parse_args(argv)
-    from megaloop import _cpu_compat
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and (not hasattr(args, "overrides") or any(a.startswith("-") or "=" not in a
+                                                        for a in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:  # key=value overrides may also follow the options
+        args.overrides = [*args.overrides, *extra]
+    if args.command != "prep":  # datatrove pipelines do not touch megatron-core
+        from megaloop import _cpu_compat
 
-    _cpu_compat.apply()
+        _cpu_compat.apply()
     try:
         return args.fn(args)
-    except ConfigError as e:
+    except (ConfigError, LaunchError) as e:
         print(f"megaloop: error: {e}", file=sys.stderr)
         return 2
     finally:

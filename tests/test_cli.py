@@ -12,8 +12,12 @@ SUBCOMMANDS = {
     "demo": ["text", "tokenizer", "steps", "out"],
     "ckpt": ["ckpt_command"],
     "prep": ["corpus"],
+    "slurm": ["slurm_command"],
 }
 CKPT_ACTIONS = {"consolidate": ["checkpoint", "out"]}
+SLURM_ACTIONS = {"submit": ["config", "overrides", "nodes", "gpus_per_node", "tasks_per_node",
+                            "cpus_per_task", "time", "warning_seconds", "partition", "account",
+                            "gpu_memory_gib", "sbatch_arg", "job_name", "dry_run"]}
 
 
 def test_help_lists_every_subcommand():
@@ -30,10 +34,11 @@ def test_subcommand_options_are_frozen():
     for name, dests in SUBCOMMANDS.items():
         found = [a.dest for a in sub.choices[name]._actions if a.dest != "help"]
         assert found == dests, name
-    ckpt = next(a for a in sub.choices["ckpt"]._actions if a.dest == "ckpt_command")
-    assert set(ckpt.choices) == set(CKPT_ACTIONS)
-    for name, dests in CKPT_ACTIONS.items():
-        assert [a.dest for a in ckpt.choices[name]._actions if a.dest != "help"] == dests
+    for command, actions in (("ckpt", CKPT_ACTIONS), ("slurm", SLURM_ACTIONS)):
+        group = next(a for a in sub.choices[command]._actions if a.dest == f"{command}_command")
+        assert set(group.choices) == set(actions)
+        for name, dests in actions.items():
+            assert [a.dest for a in group.choices[name]._actions if a.dest != "help"] == dests
 
 
 def test_missing_config_file_is_one_clear_error(tmp_path):

@@ -1,7 +1,8 @@
 """Process groups: torch.distributed plus megatron-core's model-parallel state.
 
-Under torchrun (or srun, later) the rank and world size come from the environment; a plain
-`python`/`megaloop` process is a world of one, with an in-memory store (no port to pick).
+Under torchrun the rank and world size come from its environment; under srun (one task per
+rank, slurm/train.sbatch) from Slurm's (megaloop/slurm.py). A plain `megaloop` process is a
+world of one, with an in-memory store (no port to pick).
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+from megaloop import slurm
+
 
 def init(seed: int, tp: int = 1, pp: int = 1, virtual_pp: int | None = None) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    slurm.task_env()
     if not dist.is_initialized():
         if "WORLD_SIZE" in os.environ:
             if torch.cuda.is_available():
@@ -40,7 +44,10 @@ def shutdown() -> None:
 
 def world_size() -> int:
     """The world this process belongs to (before or after init)."""
-    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    if dist.is_initialized():
+        return dist.get_world_size()
+    slurm.task_env()
+    return int(os.environ.get("WORLD_SIZE", 1))
 
 
 def is_main() -> bool:

@@ -1,10 +1,15 @@
-"""Preemption: SIGTERM or SIGUSR1 (Slurm's warning signal) asks the trainer to finish the
-current step, save a checkpoint and exit with EXIT_PREEMPTED, which a job script turns into a
-requeue; the next start resumes from that checkpoint."""
+"""Preemption: SIGTERM or SIGUSR1 (Slurm's warning signal), or a `PREEMPT` file in the run
+directory, asks the trainer to finish the current step, save a checkpoint and exit with
+EXIT_PREEMPTED, which a job script turns into a requeue; the next start resumes from there.
+
+The file is how slurm/train.sbatch passes on the warning signal its shell receives: unlike a
+signal, it cannot arrive before a rank has installed its handler."""
 
 from __future__ import annotations
 
 import signal
+from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -17,7 +22,8 @@ class Preempted(Exception):
 
 
 class PreemptionWatch:
-    def __init__(self):
+    def __init__(self, stop_file: Optional[Path] = None):
+        self.stop_file = stop_file
         self._signal = 0
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handler)
@@ -27,7 +33,8 @@ class PreemptionWatch:
 
     def requested(self) -> bool:
         """Collective: true on every rank if any rank was signalled."""
-        flag = torch.tensor([self._signal], dtype=torch.int64)
+        asked = self._signal or (self.stop_file is not None and self.stop_file.exists())
+        flag = torch.tensor([int(bool(asked))], dtype=torch.int64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())

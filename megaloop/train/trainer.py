@@ -112,7 +112,7 @@ class Trainer:
         resumed = self.resume()
         if resumed is not None and self.log_enabled:
             print(f"megaloop: resumed from {resumed} (step {self.step})", flush=True)
-        preemption = PreemptionWatch()
+        preemption = PreemptionWatch(stop_file=self.run_dir / "PREEMPT")
         layout = self.engine.memory_report()
         logger = MetricsLogger(self.run_dir, self.cfg.to_dict(), self.cfg.wandb, t.steps,
                                start_step=self.step, enabled=self.log_enabled,
@@ -128,6 +128,8 @@ class Trainer:
                     logger.log(self.evaluate(), kind="evals")
                 if preemption.requested():
                     self.save()
+                    if self.log_enabled:
+                        (self.run_dir / "PREEMPT").unlink(missing_ok=True)
                     raise Preempted(f"preempted at step {self.step}; checkpoint saved")
                 if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
                     self.save()

@@ -1,0 +1,235 @@
+"""Slurm: the job scripts in slurm/, the layout a job gets, and the environment of its ranks.
+
+One launch path. `megaloop slurm submit` renders slurm/train.sbatch for N nodes x T tasks and
+submits it with sbatch; the script exports MASTER_ADDR (the first node's NodeAddr) and
+MASTER_PORT (from the job id), and its srun starts one `megaloop train` per rank. Each rank
+reads its place from Slurm's task environment (`task_env`), so no launcher sits in between.
+Kept free of torch imports: `megaloop slurm submit` runs on login nodes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "slurm"
+
+
+class LaunchError(RuntimeError):
+    """The job request or the launcher's environment does not describe a consistent world."""
+
+
+# -- the ranks' side ----------------------------------------------------------------------------
+
+def task_env(environ=os.environ) -> None:
+    """Set RANK/LOCAL_RANK/WORLD_SIZE from Slurm's task environment for ranks started by srun
+    (SLURM_STEP_ID is set) rather than torchrun (which sets RANK itself)."""
+    if "RANK" in environ or "SLURM_STEP_ID" not in environ:
+        return
+    try:
+        rank, world = int(environ["SLURM_PROCID"]), int(environ["SLURM_NTASKS"])
+        local = int(environ.get("SLURM_LOCALID", 0))
+    except (KeyError, ValueError) as e:
+        raise LaunchError(f"srun task without a usable {e} in its environment; start ranks with "
+                          f"srun inside an sbatch/salloc allocation (slurm/train.sbatch)") from None
+    if not 0 <= rank < world:
+        raise LaunchError(f"SLURM_PROCID={rank} is not below SLURM_NTASKS={world}")
+    if world > 1:
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not environ.get(k)]
+        if missing:
+            raise LaunchError(f"{' and '.join(missing)} not set for a {world}-task srun step; "
+                              f"export them in the job script from the first node's NodeAddr "
+                              f"(as slurm/train.sbatch does)")
+    environ.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world))
+
+
+# -- the layout a job gets ----------------------------------------------------------------------
+
+def activation_bytes(model, seq_len: int, micro_batch: int, tp: int, pp: int) -> int:
+    """A rough per-rank estimate for bf16 training with SDPA/flash attention (no s x s scores
+    stored) and no recomputation: s·b·d·(10 + 24/TP) bytes per layer application (Korthikanti
+    et al. 2022) for the L/PP layers of a stage at each of the K loops, with PP micro-batches in
+    flight in the 1F1B schedule, plus fp32 logits and their softmax at each of the K exits."""
+    s, b, d = seq_len, micro_batch, model.hidden_size
+    layers = s * b * d * (10 + 24 / tp) * model.num_layers * model.num_loops
+    exits = model.num_loops * s * b * model.vocab_size / tp * 6
+    return int(layers + exits)
+
+
+@dataclass
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    bytes_per_rank: int
+    why: str
+
+
+def choose_layout(cfg, world: int, gpus_per_node: int, gpu_memory_gib: float) -> Layout:
+    """The largest data-parallel degree whose per-rank memory fits the GPU (Megatron's advice:
+    model parallelism only as far as memory needs it), tensor parallel within a node before
+    pipeline stages. Without GPUs there is no memory to fit: pure DP."""
+    from megaloop.config import ConfigError
+    from megaloop.parallel.layout import data_parallel_size, memory_per_rank
+
+    budget = 0.9 * gpu_memory_gib * 2**30
+    tps = [t for t in (1, 2, 4, 8) if t <= max(gpus_per_node, 1)]
+    pps = [p for p in range(1, cfg.model.num_layers + 1) if cfg.model.num_layers % p == 0]
+    candidates = sorted(((t, p) for t in tps for p in pps), key=lambda c: (c[0] * c[1], c[1]))
+    best, errors = None, []
+    for tp, pp in candidates:
+        cfg.parallel.tp, cfg.parallel.pp = tp, pp
+        try:
+            dp = data_parallel_size(cfg, world)
+        except ConfigError as e:
+            errors.append(f"TP={tp} PP={pp}: {e}")
+            continue
+        need = memory_per_rank(cfg.model, tp, pp, dp)["total_bytes"] + activation_bytes(
+            cfg.model, cfg.data.seq_len, cfg.train.micro_batch_size, tp, pp)
+        if best is None or need < best.bytes_per_rank:
+            best = Layout(tp, pp, dp, need, "")
+        if gpus_per_node == 0 or need <= budget:
+            fits = ("no GPUs: pure data parallel" if gpus_per_node == 0 else
+                    f"~{need / 2**30:.1f} GiB per rank (fp32 weights+grads, Adam sharded over "
+                    f"DP, bf16 activations) fits 90% of {gpu_memory_gib:g} GiB")
+            smaller = "; the smallest model-parallel degree that does" if tp * pp > 1 else ""
+            return Layout(tp, pp, dp, need, fits + smaller)
+    if best is None:
+        raise LaunchError(f"no TP x PP layout fits {world} ranks and this config's batch: "
+                          + "; ".join(errors[:3]))
+    raise LaunchError(f"no layout fits {gpu_memory_gib:g} GiB per GPU: the smallest estimate is "
+                      f"{best.bytes_per_rank / 2**30:.1f} GiB (TP={best.tp} PP={best.pp}); lower "
+                      f"train.micro_batch_size or data.seq_len, or use more GPUs per node")
+
+
+# -- the job script -----------------------------------------------------------------------------
+
+_PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
+
+
+def render(template: Path, values: dict) -> str:
+    text = template.read_text()
+    missing = sorted(set(_PLACEHOLDER.findall(text)) - set(values))
+    if missing:
+        raise LaunchError(f"{template}: no value for {', '.join(missing)}")
+    return _PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), text)
+
+
+def time_limit_seconds(time: str) -> int:
+    """Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S."""
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", time)
+    if not m:
+        raise LaunchError(f"--time {time!r}: use Slurm's MINUTES, HH:MM:SS or D-HH:MM:SS")
+    days, a, b, c = (int(x) if x else None for x in m.groups())
+    if days is not None:
+        return ((days * 24 + a) * 60 + (b or 0)) * 60 + (c or 0)
+    if c is not None:
+        return (a * 60 + b) * 60 + c
+    return a * 60 + (b or 0)
+
+
+@dataclass
+class TrainJob:
+    """What `megaloop slurm submit` asks Slurm for."""
+    config: str
+    overrides: list
+    nodes: int = 1
+    gpus_per_node: int = 0
+    tasks_per_node: Optional[int] = None
+    """Ranks per node; default: one per GPU (1 without GPUs)."""
+    cpus_per_task: Optional[int] = None
+    """CPUs (and torch threads) per rank; default 8 on GPU nodes (data loading), 1 without."""
+    time: str = "24:00:00"
+    warning_seconds: int = 300
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    gpu_memory_gib: float = 80.0
+    sbatch_args: tuple = ()
+    job_name: Optional[str] = None
+
+    def check(self) -> None:
+        if self.nodes < 1 or self.gpus_per_node < 0 or (self.cpus_per_task or 1) < 1:
+            raise LaunchError("--nodes and --cpus-per-task must be >= 1, --gpus-per-node >= 0")
+        if self.tasks_per_node is not None and self.tasks_per_node < 1:
+            raise LaunchError("--tasks-per-node must be >= 1")
+        if self.gpus_per_node and self.tasks_per_node not in (None, self.gpus_per_node):
+            raise LaunchError(f"--tasks-per-node {self.tasks_per_node} with --gpus-per-node "
+                              f"{self.gpus_per_node}: megaloop runs one rank per GPU; drop "
+                              f"--tasks-per-node")
+        limit = time_limit_seconds(self.time)
+        if not 1 <= self.warning_seconds < limit:
+            raise LaunchError(f"--warning-seconds {self.warning_seconds} must lie in [1, {limit}) "
+                              f"for --time {self.time}: the warning comes that long before the "
+                              f"limit, and the run needs time to reach it")
+        if not Path(self.config).is_file():
+            raise LaunchError(f"{self.config}: no such config file")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tasks_per_node or self.gpus_per_node or 1
+
+    @property
+    def cpus(self) -> int:
+        return self.cpus_per_task or (8 if self.gpus_per_node else 1)
+
+
+def prepare(job: TrainJob) -> tuple[str, Path, Layout]:
+    """Check the request and the config together, choose the layout, render the script.
+    Nothing is written and nothing is submitted."""
+    from megaloop import experiment
+
+    job.check()
+    cfg = experiment.load(job.config, job.overrides)
+    world = job.nodes * job.ranks_per_node
+    explicit = any(o.split("=", 1)[0] in ("parallel.tp", "parallel.pp") for o in job.overrides)
+    if explicit:
+        from megaloop.parallel.layout import data_parallel_size, memory_per_rank
+
+        dp = data_parallel_size(cfg, world)
+        need = memory_per_rank(cfg.model, cfg.parallel.tp, cfg.parallel.pp, dp)["total_bytes"]
+        layout = Layout(cfg.parallel.tp, cfg.parallel.pp, dp, need, "given on the command line")
+    else:
+        layout = choose_layout(cfg, world, job.gpus_per_node, job.gpu_memory_gib)
+    run_dir = Path(cfg.train.dir).resolve()
+    overrides = [o for o in job.overrides if not o.startswith(("train.dir=", "parallel.tp=",
+                                                               "parallel.pp="))]
+    overrides += [f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}", f"train.dir={run_dir}"]
+    lines = [f"#SBATCH --{k}={v}" for k, v in (("partition", job.partition),
+                                                 ("account", job.account),
+                                                 ("gpus-per-node", job.gpus_per_node)) if v]
+    lines += [f"#SBATCH {a}" for a in job.sbatch_args]
+    script = render(TEMPLATES / "train.sbatch", {
+        "job_name": job.job_name or f"megaloop-{run_dir.name}",
+        "nodes": job.nodes, "tasks_per_node": job.ranks_per_node,
+        "cpus_per_task": job.cpus, "time": job.time,
+        "warning_seconds": job.warning_seconds, "run_dir": shlex.quote(str(run_dir)),
+        "sbatch_lines": "\n".join(lines),
+        "python": shlex.quote(sys.executable),
+        "config": shlex.quote(str(Path(job.config).resolve())),
+        "overrides": " ".join(shlex.quote(o) for o in overrides)})
+    return script, run_dir, layout
+
+
+def submit(script: str, run_dir: Path) -> str:
+    """Write the script into RUN_DIR/logs (Slurm does not create the --output folder) and
+    sbatch it; return the job id."""
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    n = len(list(logs.glob("train-*.sbatch")))
+    path = logs / f"train-{n}.sbatch"
+    path.write_text(script)
+    try:
+        out = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True,
+                             check=True)
+    except FileNotFoundError:
+        raise LaunchError("sbatch not found: run this on a Slurm login node (or source the "
+                          "env.sh of slurm/local/up.sh)") from None
+    except subprocess.CalledProcessError as e:
+        raise LaunchError(f"sbatch refused {path}: {e.stderr.strip()}") from None
+    return out.stdout.strip().split(";")[0]
