@@ -9,6 +9,7 @@ import sys
 import warnings
 
 from megaloop.config import ConfigError
+from megaloop.evaluation.downstream import EvalError
 from megaloop.slurm import LaunchError
 
 
@@ -75,6 +76,70 @@ def cmd_ckpt_consolidate(args) -> int:
         print(f"megaloop: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {path}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from pathlib import Path
+
+    from megaloop.export import export
+    from megaloop.parallel import distributed
+
+    distributed.init(seed=0)
+    try:
+        out = export(Path(args.source), Path(args.out))
+    except ValueError as e:
+        print(f"megaloop: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}: AutoModelForCausalLM.from_pretrained({str(out)!r}, "
+          f"trust_remote_code=True)")
+    return 0
+
+
+def cmd_eval_downstream(args) -> int:
+    from pathlib import Path
+
+    from megaloop.evaluation import downstream
+
+    tasks = tuple(t for t in args.tasks.split(",") if t) if args.tasks else downstream.STUDY_TASKS
+    summary = downstream.run(Path(args.model), args.loops, tasks, Path(args.out), args.limit,
+                             Path(args.data_dir) if args.data_dir else None, args.batch_size)
+    print(downstream.table(summary))
+    print(f"results and samples in {args.out}")
+    return 0
+
+
+def cmd_eval_compare(args) -> int:
+    from pathlib import Path
+
+    from megaloop.evaluation import compare
+
+    result = compare.compare(Path(args.a), Path(args.b), args.resamples, args.seed)
+    text = compare.table(result, Path(args.a).name, Path(args.b).name)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) if args.out.endswith(".json")
+                                  else text + "\n")
+    return 0
+
+
+def cmd_bench_fixed_k(args) -> int:
+    from pathlib import Path
+
+    from megaloop.evaluation import fixed_k
+
+    try:
+        loops = [int(k) for k in args.loops.split(",")]
+    except ValueError:
+        loops = []
+    if not loops or min(loops) < 1:
+        print(f"megaloop: error: --loops {args.loops!r}: give loop counts >= 1 like 1,2,3,4",
+              file=sys.stderr)
+        return 2
+    rows = fixed_k.run(Path(args.model), Path(args.data), loops, args.batch_size, args.seq_len,
+                       args.batches, args.warmup, args.dtype,
+                       out=Path(args.out) if args.out else None)
+    print(fixed_k.table(rows))
     return 0
 
 
@@ -147,6 +212,48 @@ def build_parser() -> argparse.ArgumentParser:
     consolidate.add_argument("out", help="output folder (model.safetensors, config.json)")
     consolidate.set_defaults(fn=cmd_ckpt_consolidate)
 
+    export = sub.add_parser("export", help="a checkpoint as a transformers model folder "
+                                           "(trust_remote_code, safetensors, tokenizer)")
+    export.add_argument("source", help="a run directory or a checkpoints/step_* folder (any "
+                                       "layout or engine)")
+    export.add_argument("out", help="output folder")
+    export.set_defaults(fn=cmd_export)
+
+    evaluate = sub.add_parser("eval", help="evaluate exported models").add_subparsers(
+        dest="eval_command", required=True, metavar="ACTION")
+    down = evaluate.add_parser("downstream", help="lm-eval multiple-choice tasks at K loops")
+    down.add_argument("model", help="a folder from `megaloop export`")
+    down.add_argument("--loops", type=int, required=True, help="K at evaluation")
+    down.add_argument("--tasks", help="comma-separated lm-eval tasks (default: the study's nine)")
+    down.add_argument("--limit", type=int, help="at most this many examples per task")
+    down.add_argument("--data-dir", help="run the built-in tasks from DIR/<task>/<split>.jsonl "
+                                         "(hub schema) instead of the hub")
+    down.add_argument("--batch-size", type=int, default=8)
+    down.add_argument("--out", required=True, help="results folder (results, samples, summary)")
+    down.set_defaults(fn=cmd_eval_downstream)
+    cmp = evaluate.add_parser("compare", help="paired bootstrap CIs between two results folders")
+    cmp.add_argument("a")
+    cmp.add_argument("b")
+    cmp.add_argument("--resamples", type=int, default=10_000)
+    cmp.add_argument("--seed", type=int, default=0)
+    cmp.add_argument("--out", help="write the table (.md) or the numbers (.json)")
+    cmp.set_defaults(fn=cmd_eval_compare)
+
+    bench = sub.add_parser("bench", help="benchmarks of exported models").add_subparsers(
+        dest="bench_command", required=True, metavar="ACTION")
+    fk = bench.add_parser("fixed-k", help="tokens/s and CE per token at each fixed K")
+    fk.add_argument("model", help="a folder from `megaloop export`")
+    fk.add_argument("--data", required=True, help="held-out tokens: .npy of ids or a text file")
+    fk.add_argument("--loops", default="1,2,3,4")
+    fk.add_argument("--batch-size", type=int, default=1, help="study: 2")
+    fk.add_argument("--seq-len", type=int, default=128, help="study: 2048")
+    fk.add_argument("--batches", type=int, default=8, help="timed batches (study: 128)")
+    fk.add_argument("--warmup", type=int, default=2, help="untimed batches first")
+    fk.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="auto: bfloat16 on a GPU, float32 on a CPU")
+    fk.add_argument("--out", help="JSON file of the results")
+    fk.set_defaults(fn=cmd_bench_fixed_k)
+
     slurm = sub.add_parser("slurm", help="Slurm jobs (slurm/*.sbatch)").add_subparsers(
         dest="slurm_command", required=True, metavar="ACTION")
     submit = with_config(slurm.add_parser(
@@ -186,13 +293,13 @@ def main(argv=None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:  # key=value overrides may also follow the options
         args.overrides = [*args.overrides, *extra]
-    if args.command != "prep":  # datatrove pipelines do not touch megatron-core
+    if args.command not in ("prep", "eval", "bench"):  # these never touch megatron-core
         from megaloop import _cpu_compat
 
         _cpu_compat.apply()
     try:
         return args.fn(args)
-    except (ConfigError, LaunchError) as e:
+    except (ConfigError, LaunchError, EvalError) as e:
         print(f"megaloop: error: {e}", file=sys.stderr)
         return 2
     finally:

@@ -12,9 +12,17 @@ SUBCOMMANDS = {
     "demo": ["text", "tokenizer", "steps", "out"],
     "ckpt": ["ckpt_command"],
     "prep": ["corpus"],
+    "export": ["source", "out"],
+    "eval": ["eval_command"],
+    "bench": ["bench_command"],
     "slurm": ["slurm_command"],
 }
 CKPT_ACTIONS = {"consolidate": ["checkpoint", "out"]}
+EVAL_ACTIONS = {"downstream": ["model", "loops", "tasks", "limit", "data_dir", "batch_size",
+                               "out"],
+                "compare": ["a", "b", "resamples", "seed", "out"]}
+BENCH_ACTIONS = {"fixed-k": ["model", "data", "loops", "batch_size", "seq_len", "batches",
+                             "warmup", "dtype", "out"]}
 SLURM_ACTIONS = {"submit": ["config", "overrides", "nodes", "gpus_per_node", "tasks_per_node",
                             "cpus_per_task", "time", "warning_seconds", "partition", "account",
                             "gpu_memory_gib", "sbatch_arg", "job_name", "dry_run"]}
@@ -34,7 +42,8 @@ def test_subcommand_options_are_frozen():
     for name, dests in SUBCOMMANDS.items():
         found = [a.dest for a in sub.choices[name]._actions if a.dest != "help"]
         assert found == dests, name
-    for command, actions in (("ckpt", CKPT_ACTIONS), ("slurm", SLURM_ACTIONS)):
+    for command, actions in (("ckpt", CKPT_ACTIONS), ("slurm", SLURM_ACTIONS),
+                             ("eval", EVAL_ACTIONS), ("bench", BENCH_ACTIONS)):
         group = next(a for a in sub.choices[command]._actions if a.dest == f"{command}_command")
         assert set(group.choices) == set(actions)
         for name, dests in actions.items():

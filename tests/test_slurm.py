@@ -164,9 +164,11 @@ def wait_queue_empty(env, timeout: float, name: str) -> None:
     pytest.fail(f"jobs still queued after {timeout} s")
 
 
-# ~170 steps of 0.15 s after a ~15 s start: long enough that the warning 55 s before a 1-minute
-# limit (sent 5-35 s into the job: slurmctld checks limits every 30 s) lands mid-run.
-STEPS = ["train.steps=170", "train.save_every=100", "train.log_every=10"]
+# slurmctld checks time limits every 30 s and warns at the first check with at most S + 30 s
+# left, so with S = 10 s a 1-minute limit warns the first attempt 20-50 s in, and a requeued one
+# (starting > 10 s after the previous warning) 35-50 s in. ~300 steps of 0.15 s after a ~15 s
+# start outlast the first warning; each later attempt makes ~20 s of progress.
+STEPS = ["train.steps=300", "train.save_every=100", "train.log_every=10"]
 
 
 def submit(env, run_dir: Path, *args) -> str:
@@ -191,7 +193,7 @@ def jobs(cluster, tmp_path_factory):
         "uninterrupted", "limited", "prep"))
     return {"uninterrupted": (uninterrupted, submit(cluster, uninterrupted, "--time", "10")),
             "limited": (limited, submit(cluster, limited, "--time", "1", "--warning-seconds",
-                                        "55")),
+                                        "10")),
             "prep": (prep, submit_prep(cluster, prep))}
 
 
@@ -216,29 +218,29 @@ def test_training_job_runs_dp2_across_two_nodes(uninterrupted):
     assert "attempt 0 ended with 0" in log
     m = metrics(run_dir)
     assert m["layout"]["dp"] == 2
-    assert [s["step"] for s in m["steps"]][-1] == 170
+    assert [s["step"] for s in m["steps"]][-1] == 300
     assert m["steps"][-1]["loss"] < m["steps"][0]["loss"] - 1.0
-    assert m["evals"][-1]["step"] == 170
+    assert m["evals"][-1]["step"] == 300
     latest = (run_dir / "checkpoints/latest").read_text().strip()
-    assert latest.endswith("step_0000170")
-    assert (run_dir / "checkpoints/step_0000170/manifest.json").is_file()
+    assert latest.endswith("step_0000300")
+    assert (run_dir / "checkpoints/step_0000300/manifest.json").is_file()
 
 
 def test_time_limit_requeues_and_finishes_from_the_checkpoint(cluster, jobs, uninterrupted):
     tmp_path, job = jobs["limited"]
-    state = wait_job(cluster, job, timeout=300)
+    state = wait_job(cluster, job, timeout=420)
     assert state["JobState"] == "COMPLETED", logs(tmp_path)
     assert int(state["Restarts"]) >= 1, logs(tmp_path)
     first = (tmp_path / "logs/attempt-0.log").read_text()
     assert "USR1: time limit near" in first and "requeueing" in first
     preempted = int(first.split("preempted at step ")[1].split(";")[0])
-    assert 0 < preempted < 170
+    assert 0 < preempted < 300
     resumed = (tmp_path / "logs/attempt-1.log").read_text()
     assert f"resumed from {tmp_path}/checkpoints/step_{preempted:07d}" in resumed
     final = logs(tmp_path).rsplit("== ", 1)[1]
     assert "ended with 0" in final
     reference, got = metrics(uninterrupted[0]), metrics(tmp_path)
-    assert got["steps"][-1]["step"] == 170
+    assert got["steps"][-1]["step"] == 300
     assert got["steps"][-1]["loss"] == reference["steps"][-1]["loss"]
     assert got["evals"][-1]["ce"] == reference["evals"][-1]["ce"]
 

@@ -77,7 +77,8 @@ class DataConfig(Config):
         check(self.tokenizer == "bytes" or Path(self.tokenizer).is_file(), "data.tokenizer",
               self.tokenizer, "no such file; use 'bytes' or the path of a tokenizer.json file")
 
-    def _tokenizer(self):
+    def tokenizer_spec(self) -> str:
+        """`bytes` or the tokenizer.json the data was made with (prepared data records its own)."""
         if self.kind in ("indexed", "webdataset"):
             from megaloop.data.indexed import manifest
             import json
@@ -85,8 +86,11 @@ class DataConfig(Config):
             info = (manifest(self.path) if self.kind == "indexed"
                     else json.loads(Path(self.path, "manifest.json").read_text()))
             if info.get("tokenizer") and Path(info["tokenizer"]).is_file():
-                return load_tokenizer(info["tokenizer"])
-        return load_tokenizer(self.tokenizer)
+                return info["tokenizer"]
+        return self.tokenizer
+
+    def _tokenizer(self):
+        return load_tokenizer(self.tokenizer_spec())
 
     def build(self, seed: int, train_samples: int = 0, valid_samples: int = 0):
         """The data for a run that reads `train_samples` training and `valid_samples`

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+EOS = "<|endoftext|>"
+
 
 class Tokenizer:
     vocab_size: int
@@ -32,7 +34,7 @@ class HFTokenizer(Tokenizer):
 
         self._tok = _Tokenizer.from_file(path)
         self.vocab_size = self._tok.get_vocab_size()
-        self.eos_id = self._tok.token_to_id("<|endoftext|>")
+        self.eos_id = self._tok.token_to_id(EOS)
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text).ids, dtype=np.int64)
@@ -43,3 +45,33 @@ class HFTokenizer(Tokenizer):
 
 def load_tokenizer(spec: str) -> Tokenizer:
     return ByteTokenizer() if spec == "bytes" else HFTokenizer(spec)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte (what byte-level BPE vocabularies are spelled in)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def byte_level_tokenizer():
+    """ByteTokenizer as a `tokenizers.Tokenizer` (token id = byte value), for exports. Its end of
+    text is the NUL byte."""
+    from tokenizers import Tokenizer as _Tokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {c: b for b, c in _bytes_to_unicode().items()}
+    tok = _Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+BYTE_EOS = _bytes_to_unicode()[0]

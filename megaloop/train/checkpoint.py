@@ -18,10 +18,13 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch.distributed as dist
 import xxhash
+
+if TYPE_CHECKING:
+    from megaloop.experiment import ExperimentConfig
 
 MANIFEST = "manifest.json"
 
@@ -137,11 +140,9 @@ def resolve(path: Path) -> Path:
     return folder
 
 
-def consolidate(path: Path, out: Path) -> Path:
-    """One safetensors file of the whole model (plus its config) from a checkpoint of any engine
-    and layout; runs in one process."""
-    from safetensors.torch import save_file
-
+def consolidated(path: Path) -> tuple[dict, ExperimentConfig, Path]:
+    """The whole model's tensors (one-process names), the run's config and the checkpoint
+    folder, from a checkpoint of any engine and layout; runs in one process."""
     from megaloop.experiment import ExperimentConfig
 
     folder = resolve(path)
@@ -151,9 +152,16 @@ def consolidate(path: Path, out: Path) -> Path:
         from megaloop.parallel.deepspeed import consolidated_state
     else:
         from megaloop.parallel.megatron import consolidated_state
-    tensors = consolidated_state(folder, cfg, meta["layout"])
+    return consolidated_state(folder, cfg, meta["layout"]), cfg, folder
+
+
+def consolidate(path: Path, out: Path) -> Path:
+    """One safetensors file of the whole model, plus its config."""
+    from safetensors.torch import save_file
+
+    tensors, cfg, folder = consolidated(path)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / "model.safetensors",
-              metadata={"source": str(folder), "step": str(meta["step"])})
+              metadata={"source": str(folder), "step": str(read_meta(folder)["step"])})
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     return out / "model.safetensors"

@@ -1,0 +1,1 @@
+"""Evaluation of exported models: lm-eval downstream tasks, paired comparisons, fixed-K."""

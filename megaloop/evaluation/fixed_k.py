@@ -1,0 +1,91 @@
+"""Throughput and cross-entropy at fixed depth K: what each extra loop costs and buys.
+
+Forward passes of an exported model over held-out tokens at each K, no cache: tokens/s is the
+median over timed batches (warm-up excluded, the device synchronized around each), CE is the
+mean next-token cross-entropy over the same batches. The study: batch 2, sequence 2,048, 128
+timed batches, bf16 on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from megaloop.evaluation.downstream import EvalError
+
+
+def load_tokens(path: Path, tokenizer) -> np.ndarray:
+    """A .npy of token ids, or a text file tokenized with the model's tokenizer."""
+    if not path.is_file():
+        raise EvalError(f"--data {path}: no such file (a .npy of token ids or a text file)")
+    if path.suffix == ".npy":
+        return np.load(path).astype(np.int64).reshape(-1)
+    return np.asarray(tokenizer(path.read_text(encoding="utf-8"))["input_ids"], dtype=np.int64)
+
+
+def run(model_path: Path, data: Path, loops=(1, 2, 3, 4), batch_size: int = 1,
+        seq_len: int = 128, batches: int = 8, warmup: int = 2, dtype: str = "auto",
+        device: str | None = None, out: Path | None = None) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (model_path / "config.json").is_file():
+        raise EvalError(f"{model_path}: no config.json; give a folder from `megaloop export`")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=True)
+    tokens = load_tokens(data, tokenizer)
+    need = (warmup + batches) * batch_size * (seq_len + 1)
+    if len(tokens) < need:
+        raise EvalError(f"--data {data}: {len(tokens):,} tokens, fewer than the {need:,} that "
+                        f"{warmup} warm-up + {batches} timed batches of {batch_size} x "
+                        f"{seq_len + 1} need; lower --batches/--batch-size/--seq-len")
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, trust_remote_code=True, dtype=getattr(torch, dtype)).to(device).eval()
+    windows = torch.from_numpy(tokens[:need].reshape(warmup + batches, batch_size, seq_len + 1))
+
+    def sync():
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    rows = []
+    for k in tqdm(loops, desc="fixed-K", unit="K"):
+        times, ce = [], []
+        for i, window in enumerate(windows.to(device)):
+            sync()
+            start = time.perf_counter()
+            with torch.no_grad():
+                logits = model(window[:, :-1], num_loops=k, use_cache=False).logits
+            sync()
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+                ce.append(F.cross_entropy(logits.float().flatten(0, 1),
+                                          window[:, 1:].flatten()).item())
+        seconds = statistics.median(times)
+        rows.append({"loops": k, "tokens_per_s": batch_size * seq_len / seconds,
+                     "median_batch_s": seconds, "ce": float(np.mean(ce))})
+    for row in rows:
+        row["throughput_vs_k1"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
+    info = {"model": str(model_path), "data": str(data), "device": device, "dtype": dtype,
+            "batch_size": batch_size, "seq_len": seq_len, "timed_batches": batches,
+            "warmup_batches": warmup, "rows": rows}
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(info, indent=1))
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| K | tokens/s | vs first K | median batch s | CE / token |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['loops']} | {r['tokens_per_s']:,.0f} | {r['throughput_vs_k1']:.2f}x "
+                     f"| {r['median_batch_s']:.4f} | {r['ce']:.4f} |")
+    return "\n".join(lines)

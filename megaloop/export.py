@@ -1,0 +1,107 @@
+"""Export a checkpoint as a Hugging Face transformers model (remote code, safetensors).
+
+The folder loads anywhere transformers does, with no megaloop or megatron-core installed:
+
+    AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True, num_loops=8)
+
+The code is megaloop/hf/{configuration,modeling}_megaloop.py, copied in; the weights are the
+consolidated checkpoint (any layout) renamed to that code's modules, with megatron-core's fused
+projections split: linear_qkv is grouped per key/value head as [q heads of the group, k, v],
+and the SwiGLU linear_fc1 is [gate; up].
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+HF_CODE = Path(__file__).parent / "hf"
+AUTO_MAP = {"AutoConfig": "configuration_megaloop.MegaloopConfig",
+            "AutoModelForCausalLM": "modeling_megaloop.MegaloopForCausalLM"}
+
+
+def hf_config(model) -> dict:
+    """config.json of a `ModelConfig`."""
+    return {
+        "model_type": "megaloop", "architectures": ["MegaloopForCausalLM"], "auto_map": AUTO_MAP,
+        "vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
+        "intermediate_size": model.ffn_size, "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_heads,
+        "num_key_value_heads": model.num_query_groups or model.num_heads,
+        "num_loops": model.num_loops, "max_position_embeddings": model.max_seq_len,
+        "rope_theta": model.rope_base, "rms_norm_eps": model.norm_eps,
+        "readout": model.readout, "recurrence": model.recurrence, "exit_gate": model.exit_gate,
+        "clamp": False, "early_exit": "none", "exit_threshold": 0.5,
+        "tie_word_embeddings": model.tie_embeddings, "torch_dtype": "float32",
+    }
+
+
+def split_qkv(w: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor, ...]:
+    head_dim = w.shape[0] // (heads + 2 * groups)
+    per_group = w.view(groups, (heads // groups + 2) * head_dim, -1)
+    q, k, v = per_group.split([heads // groups * head_dim, head_dim, head_dim], dim=1)
+    return tuple(t.reshape(-1, w.shape[1]).contiguous() for t in (q, k, v))
+
+
+def to_hf(state: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
+    """megaloop's one-process parameter names → the exported model's."""
+    out = {"embed_tokens.weight": state["embedding.word_embeddings.weight"]}
+    heads, groups = model.num_heads, model.num_query_groups or model.num_heads
+    for i in range(model.num_layers):
+        src, dst = f"layers.{i}.", f"layers.{i}."
+        q, k, v = split_qkv(state[src + "self_attention.linear_qkv.weight"], heads, groups)
+        gate, up = state[src + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+        out.update({
+            dst + "input_layernorm.weight": state[src + "input_layernorm.weight"],
+            dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
+            dst + "self_attn.v_proj.weight": v,
+            dst + "self_attn.o_proj.weight": state[src + "self_attention.linear_proj.weight"],
+            dst + "post_attention_layernorm.weight": state[src + "pre_mlp_layernorm.weight"],
+            dst + "mlp.gate_proj.weight": gate.contiguous(),
+            dst + "mlp.up_proj.weight": up.contiguous(),
+            dst + "mlp.down_proj.weight": state[src + "mlp.linear_fc2.weight"]})
+    renames = {"recurrence.norm.weight": "recurrence.norm.weight",
+               "recurrence.damping_logit": "recurrence.damping_logit",
+               "readout.norm.weight": "readout_norm.weight",
+               "exit_gate.proj.weight": "exit_gate.weight", "exit_gate.proj.bias": "exit_gate.bias"}
+    if not model.tie_embeddings:
+        renames["readout.output_layer.weight"] = "lm_head.weight"
+    out.update({dst: state[src] for src, dst in renames.items() if src in state})
+    return {k: v.detach().float().contiguous() for k, v in out.items()}
+
+
+def save_tokenizer(spec: str, out: Path) -> None:
+    """tokenizer.json (+ config) for AutoTokenizer: the run's own, or the byte tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+
+    from megaloop.data.tokenizer import BYTE_EOS, EOS, byte_level_tokenizer
+
+    if spec == "bytes":
+        tok, eos = byte_level_tokenizer(), BYTE_EOS
+    else:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(spec)
+        eos = EOS if tok.token_to_id(EOS) is not None else None
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos).save_pretrained(out)
+
+
+def export(source: Path, out: Path) -> Path:
+    """A run directory or checkpoint folder (any engine, any layout) → a transformers folder."""
+    from safetensors.torch import save_file
+
+    from megaloop.train import checkpoint
+
+    state, cfg, folder = checkpoint.consolidated(source)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = to_hf(state, cfg.model)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt",
+                                                          "source": str(folder)})
+    (out / "config.json").write_text(json.dumps(hf_config(cfg.model), indent=1))
+    for name in ("configuration_megaloop.py", "modeling_megaloop.py"):
+        shutil.copyfile(HF_CODE / name, out / name)
+    save_tokenizer(cfg.data.tokenizer_spec(), out)
+    return out

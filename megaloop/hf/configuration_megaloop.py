@@ -1,0 +1,69 @@
+"""The configuration of an exported megaloop model (transformers remote code).
+
+Loop count, readout, recurrence, clamp and the early-exit rule are plain fields, so they can be
+changed at load time: `from_pretrained(path, trust_remote_code=True, num_loops=8, clamp=True)`.
+"""
+
+from transformers import PretrainedConfig
+
+
+class MegaloopConfig(PretrainedConfig):
+    model_type = "megaloop"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size: int = 20480,
+        hidden_size: int = 512,
+        intermediate_size: int = 2048,
+        num_hidden_layers: int = 8,
+        num_attention_heads: int = 8,
+        num_key_value_heads: int | None = None,
+        num_loops: int = 4,
+        max_position_embeddings: int = 1024,
+        rope_theta: float = 10000.0,
+        rms_norm_eps: float = 1e-5,
+        readout: str = "norm",
+        recurrence: str = "none",
+        exit_gate: bool = False,
+        clamp: bool = False,
+        early_exit: str = "none",
+        exit_threshold: float = 0.5,
+        tie_word_embeddings: bool = True,
+        use_cache: bool = True,
+        **kwargs,
+    ):
+        if readout not in ("norm", "raw", "final_norm"):
+            raise ValueError(f"readout={readout!r}: use norm, raw or final_norm")
+        if recurrence not in ("none", "rmsnorm", "damping"):
+            raise ValueError(f"recurrence={recurrence!r}: use none, rmsnorm or damping")
+        if early_exit not in ("none", "gate"):
+            raise ValueError(f"early_exit={early_exit!r}: use none or gate")
+        if early_exit == "gate" and not exit_gate:
+            raise ValueError("early_exit='gate' needs a model trained with the exit gate")
+        if num_loops < 1:
+            raise ValueError(f"num_loops={num_loops}: must be >= 1")
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads or num_attention_heads
+        self.num_loops = num_loops
+        """K: applications of the shared stack; any K >= 1 (the model was trained at one K)."""
+        self.max_position_embeddings = max_position_embeddings
+        self.rope_theta = rope_theta
+        self.rms_norm_eps = rms_norm_eps
+        self.readout = readout
+        """norm: W_out·RMSNorm(H_K); raw: W_out·H_K; final_norm: norm at the last loop."""
+        self.recurrence = recurrence
+        """What H_k becomes before re-entering the stack: as is, RMSNorm (Ouro), or damped."""
+        self.exit_gate = exit_gate
+        self.clamp = clamp
+        """The inference-time recurrent-scale clamp: each token's H_k held at its loop-1 RMS."""
+        self.early_exit = early_exit
+        """gate: each token exits at the first loop whose cumulative exit probability (from the
+        exit gate) reaches exit_threshold, and its logits are that loop's."""
+        self.exit_threshold = exit_threshold
+        self.use_cache = use_cache
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

@@ -1,0 +1,208 @@
+"""A looped language model in plain PyTorch, for transformers (remote code of an export).
+
+    H_0 = Embed(x)
+    H_k = Stack(R(H_{k-1}))          k = 1..K, R = recurrence (identity for k = 1)
+    logits = Readout(H_K)            (or, with early exit, each token's exit loop)
+
+The stack is L pre-norm layers (RMSNorm, causal attention with RoPE, SwiGLU), the same layers
+megatron-core runs in training; `megaloop export` converts their weights. The KV cache holds
+one entry per (loop, layer), as Ouro's code does: loop k's layer l attends to the keys loop k's
+layer l computed for earlier tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .configuration_megaloop import MegaloopConfig
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rotary(nn.Module):
+    """RoPE as megatron-core computes it (halves rotated, not interleaved). The frequencies are
+    made per call, not kept in a buffer: from_pretrained builds modules on the meta device and
+    does not recompute non-persistent buffers."""
+
+    def __init__(self, head_dim: int, base: float):
+        super().__init__()
+        self.head_dim, self.base = head_dim, base
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32,
+                                 device=positions.device) / self.head_dim
+        freqs = torch.outer(positions.float(), 1.0 / (self.base ** exponents))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+
+class Attention(nn.Module):
+    def __init__(self, config: MegaloopConfig):
+        super().__init__()
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.hidden_size // self.heads
+        d = config.hidden_size
+        self.q_proj = nn.Linear(d, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, d, bias=False)
+
+    def forward(self, x, cos, sin, cache: Cache | None, cache_index: int) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if cache is not None:
+            k, v = cache.update(k, v, cache_index)
+        if k.shape[2] == s:
+            mask, causal = None, True
+        else:  # new tokens after cached ones: each sees the cache and the new tokens up to it
+            mask = torch.ones(s, k.shape[2], dtype=torch.bool, device=x.device).tril(
+                k.shape[2] - s)
+            causal = False
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                             scale=self.head_dim ** -0.5,
+                                             enable_gqa=self.kv_heads != self.heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: MegaloopConfig):
+        super().__init__()
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(d, f, bias=False)
+        self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, config: MegaloopConfig):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, cache, cache_index):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, cache_index)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Recurrence(nn.Module):
+    def __init__(self, config: MegaloopConfig):
+        super().__init__()
+        self.mode = config.recurrence
+        if self.mode == "rmsnorm":
+            self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        elif self.mode == "damping":
+            self.damping_logit = nn.Parameter(torch.zeros(config.hidden_size))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.mode == "rmsnorm":
+            return self.norm(h)
+        if self.mode == "damping":
+            return h * torch.sigmoid(self.damping_logit)
+        return h
+
+
+def rms(h: torch.Tensor) -> torch.Tensor:
+    return h.pow(2).mean(dim=-1, keepdim=True).sqrt()
+
+
+class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = MegaloopConfig
+    base_model_prefix = "megaloop"
+    _no_split_modules = ["Layer"]
+    _supports_sdpa = True
+    _tied_weights_keys = {"lm_head.weight": "embed_tokens.weight"}
+
+    def __init__(self, config: MegaloopConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_hidden_layers))
+        self.recurrence = Recurrence(config)
+        self.rotary = Rotary(config.hidden_size // config.num_attention_heads, config.rope_theta)
+        self.readout_norm = (nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+                             if config.readout != "raw" else None)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.exit_gate = nn.Linear(config.hidden_size, 1) if config.exit_gate else None
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def readout(self, h: torch.Tensor, loop: int, num_loops: int) -> torch.Tensor:
+        normalize = self.config.readout == "norm" or (
+            self.config.readout == "final_norm" and loop == num_loops)
+        return self.lm_head(self.readout_norm(h) if normalize else h)
+
+    def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None,
+                past_key_values: Cache | None = None, use_cache: bool | None = None,
+                labels: torch.LongTensor | None = None, num_loops: int | None = None,
+                logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("padded batches (attention_mask with zeros) are not supported: "
+                             "pass unpadded sequences or right-pad and ignore the pad logits")
+        K, L = num_loops or self.config.num_loops, self.config.num_hidden_layers
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache()
+        cache = past_key_values if use_cache else None
+        if cache is not None and hasattr(cache, "layers"):
+            while len(cache.layers) < K * L:  # generate() sizes its cache for L layers
+                cache.layers.append(DynamicLayer())
+        past = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)
+        cos, sin = self.rotary(position_ids.reshape(-1, input_ids.shape[1])[0])
+
+        h = self.embed_tokens(input_ids)
+        gate_logits, exit_logits, survive, chosen = [], None, None, None
+        for k in range(1, K + 1):
+            h = h if k == 1 else self.recurrence(h)
+            for i, layer in enumerate(self.layers):
+                h = layer(h, cos, sin, cache, (k - 1) * L + i)
+            if self.config.clamp and k == 1:
+                reference = rms(h)
+            elif self.config.clamp:
+                h = h * (reference / rms(h).clamp_min(torch.finfo(h.dtype).tiny))
+            if self.config.early_exit == "gate":
+                # p_k = λ_k·Π_{j<k}(1−λ_j); exit where the cumulative probability reaches q
+                lam = torch.sigmoid(self.exit_gate(h))
+                survive = torch.ones_like(lam) if survive is None else survive
+                stop = ((1 - survive * (1 - lam)) >= self.config.exit_threshold) | (k == K)
+                take = stop if chosen is None else stop & ~chosen
+                logits_k = self.readout(h, k, K)
+                exit_logits = logits_k if exit_logits is None else torch.where(
+                    take, logits_k, exit_logits)
+                chosen = take if chosen is None else chosen | take
+                survive = survive * (1 - lam)
+        logits = exit_logits if exit_logits is not None else self.readout(h, K, K)
+        if logits_to_keep:
+            logits = logits[:, -logits_to_keep:]
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                   ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits,
+                                      past_key_values=cache if use_cache else None)

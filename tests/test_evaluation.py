@@ -1,0 +1,144 @@
+"""Evaluation of exported models: lm-eval through local task data, the paired bootstrap, and the
+fixed-K benchmark."""
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megaloop.evaluation import compare, downstream, fixed_k
+from megaloop.evaluation.downstream import EvalError
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory):
+    """A briefly trained tiny model (bytes tokenizer), exported."""
+    from multiproc import train_here
+
+    from megaloop.export import export
+    from megaloop.parallel import distributed
+
+    root = tmp_path_factory.mktemp("eval")
+    train_here(root / "run", ["train.steps=6", "train.save_every=6"])
+    distributed.init(seed=0)
+    return export(root / "run", root / "hf")
+
+
+def write_tasks(root: Path) -> Path:
+    """Two built-in tasks in their hub schema: ARC-Easy (3-5 choices, evaluated on `test`) and
+    BoolQ (yes/no, evaluated on `validation`)."""
+    rng = random.Random(0)
+    (root / "arc_easy").mkdir(parents=True)
+    with open(root / "arc_easy/test.jsonl", "w") as f:
+        for i in range(7):
+            labels = ["A", "B", "C", "D", "E"][:3 + i % 3]
+            texts = [str(rng.randint(0, 99)) for _ in labels]
+            f.write(json.dumps({"id": f"q{i}", "question": f"What is {i} + {i}?",
+                                "choices": {"text": texts, "label": labels},
+                                "answerKey": labels[i % len(labels)]}) + "\n")
+    (root / "boolq").mkdir()
+    with open(root / "boolq/validation.jsonl", "w") as f:
+        for i in range(5):
+            f.write(json.dumps({"question": f"is {i} even", "passage": f"{i} is a number.",
+                                "idx": i, "label": i % 2}) + "\n")
+    return root
+
+
+def test_lm_eval_runs_builtin_tasks_from_local_files(export_dir, tmp_path, capsys):
+    from megaloop.cli import main
+
+    data = write_tasks(tmp_path / "data")
+    out = tmp_path / "results"
+    assert main(["eval", "downstream", str(export_dir), "--loops", "2", "--tasks",
+                 "arc_easy,boolq", "--data-dir", str(data), "--out", str(out)]) == 0
+    assert "| **macro** |" in capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["loops"] == 2
+    for task, n in (("arc_easy", 7), ("boolq", 5)):
+        samples = [json.loads(line) for line in open(out / f"samples_{task}.jsonl")]
+        assert len(samples) == n == summary["tasks"][task]["n"]
+        assert [len(s["filtered_resps"]) for s in samples] == (
+            [3 + i % 3 for i in range(7)] if task == "arc_easy" else [2] * 5)
+        # accuracy recomputed from the log-likelihoods equals lm-eval's, per sample and overall
+        mine = downstream.accuracies(samples)
+        assert mine["acc"] == pytest.approx(results["results"][task]["acc,none"], abs=1e-12)
+        assert [s["acc"] for s in samples] == [
+            float(np.argmax([float(r[0]) for r in s["filtered_resps"]]) == s["target"])
+            for s in samples]
+        if task == "arc_easy":
+            assert mine["acc_norm"] == pytest.approx(results["results"][task]["acc_norm,none"])
+    assert summary["macro_acc"] == pytest.approx(
+        np.mean([summary["tasks"][t]["acc"] for t in ("arc_easy", "boolq")]))
+
+
+def test_local_task_data_must_hold_the_evaluated_split(export_dir, tmp_path, capsys):
+    from megaloop.cli import main
+
+    data = write_tasks(tmp_path / "data")
+    (data / "arc_easy/test.jsonl").rename(data / "arc_easy/validation.jsonl")
+    assert main(["eval", "downstream", str(export_dir), "--loops", "1", "--tasks", "arc_easy",
+                 "--data-dir", str(data), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("megaloop: error: --data-dir") and "arc_easy/test.jsonl" in err[-1]
+    assert main(["eval", "downstream", str(export_dir), "--loops", "1", "--tasks", "nope",
+                 "--out", str(tmp_path / "r")]) == 2
+    assert "unknown lm-eval task(s): nope" in capsys.readouterr().err
+
+
+def test_paired_bootstrap_reproduces_the_normal_theory_ci():
+    rng = np.random.default_rng(1)
+    diffs = rng.normal(0.2, 1.0, size=4000)
+    mean, low, high = compare.paired_bootstrap(diffs, resamples=10_000, seed=0)
+    half = 1.959964 * diffs.std(ddof=1) / np.sqrt(len(diffs))
+    assert mean == pytest.approx(diffs.mean())
+    assert abs(low - (mean - half)) < 0.01 and abs(high - (mean + half)) < 0.01
+    assert compare.paired_bootstrap(diffs, seed=0) == (mean, low, high)  # fixed seed
+
+
+def sample(doc_id: int, lls, gold: int, continuations) -> dict:
+    return {"doc_id": doc_id, "target": gold, "filtered_resps": [[ll, False] for ll in lls],
+            "arguments": [["ctx", c] for c in continuations]}
+
+
+def test_compare_pairs_examples_and_reports_the_differences(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    rng = np.random.default_rng(0)
+    rows_a, rows_b = [], []
+    for i in range(50):
+        lls = rng.normal(-5, 1, size=4)
+        gold = i % 4
+        better = lls.copy()
+        better[gold] += 0.5  # B: the gold answer 0.5 nats more likely, distractors unchanged
+        rows_a.append(sample(i, lls, gold, [" a", " bb", " ccc", " dddd"]))
+        rows_b.append(sample(i, better, gold, [" a", " bb", " ccc", " dddd"]))
+    rows_b.append(sample(99, [0.0, -1.0], 0, [" x", " y"]))  # unpaired: ignored
+    for folder, rows in ((a, rows_a), (b, rows_b)):
+        with open(folder / "samples_task.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    result = compare.compare(a, b, resamples=2000)
+    assert result["pairs"] == 50
+    nll = result["metrics"]["gold NLL / char"]
+    expected = np.mean([-0.5 / len(c) for c in [" a", " bb", " ccc", " dddd"] * 13][:50])
+    assert nll["delta"] == pytest.approx(expected)
+    assert nll["ci95"][0] <= nll["delta"] <= nll["ci95"][1] < 0
+    assert result["metrics"]["p(gold)"]["delta"] > 0
+    assert result["macro_acc"]["b"] >= result["macro_acc"]["a"]
+    assert "| margin ↑ |" in compare.table(result)
+
+
+def test_fixed_k_bench_gives_a_row_per_k(export_dir, tmp_path):
+    text = tmp_path / "held_out.txt"
+    text.write_text("".join(f"{i}+{2 * i}={3 * i}\n" for i in range(200)))
+    rows = fixed_k.run(export_dir, text, loops=(1, 2, 3), batch_size=2, seq_len=32, batches=3,
+                       warmup=1, out=tmp_path / "fk.json")
+    assert [r["loops"] for r in rows] == [1, 2, 3]
+    assert all(r["tokens_per_s"] > 0 and np.isfinite(r["ce"]) for r in rows)
+    assert rows[0]["throughput_vs_k1"] == 1.0
+    saved = json.loads((tmp_path / "fk.json").read_text())
+    assert saved["rows"] == rows and saved["timed_batches"] == 3
+    with pytest.raises(EvalError, match="fewer than"):
+        fixed_k.run(export_dir, text, seq_len=4096)

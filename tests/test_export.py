@@ -1,0 +1,159 @@
+"""Export to transformers: the exported model computes the trainer model's logits, generates
+with a KV cache as without, and loads offline in a fresh process from any checkpoint layout."""
+
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import build
+from multiproc import train
+
+from megaloop.export import hf_config, to_hf
+from megaloop.hf.configuration_megaloop import MegaloopConfig
+from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
+from megaloop.model import ModelConfig
+
+
+def exported(model, cfg: ModelConfig, **overrides) -> MegaloopForCausalLM:
+    """The export of `model` (a trainer LoopedLM), in memory."""
+    config = {k: v for k, v in hf_config(cfg).items()
+              if k not in ("auto_map", "architectures", "model_type", "torch_dtype")}
+    hf = MegaloopForCausalLM(MegaloopConfig(**{**config, **overrides})).eval()
+    state = {k: v for k, v in model.state_dict().items()
+             if isinstance(v, torch.Tensor) and "_extra_state" not in k}
+    missing, unexpected = hf.load_state_dict(to_hf(state, cfg), strict=False)
+    assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    hf.tie_weights()
+    return hf
+
+
+def variant(readout, recurrence, gate, tie=True) -> tuple:
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_query_groups=2,
+                      num_layers=2, num_loops=4, max_seq_len=32, readout=readout,
+                      recurrence=recurrence, exit_gate=gate, tie_embeddings=tie)
+    model = build(cfg).eval()
+    with torch.no_grad():  # norms, damping and gate away from their initial constants
+        for name, p in model.named_parameters():
+            if any(part in name for part in ("norm", "damping", "exit_gate")):
+                p.add_(0.1 * torch.randn_like(p))
+    return cfg, model
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got - ref).abs().max() / ref.abs().max()).item()
+
+
+# exit_weighted is the only objective that changes the model (it needs the exit gate)
+@pytest.mark.parametrize("readout, recurrence, gate", list(itertools.product(
+    ["norm", "raw", "final_norm"], ["none", "rmsnorm", "damping"], [False, True])))
+def test_exported_logits_equal_the_trainer_models_at_any_k(readout, recurrence, gate):
+    cfg, model = variant(readout, recurrence, gate, tie=gate)  # untied W_out with the gate
+    hf = exported(model, cfg)
+    clamped = exported(model, cfg, clamp=True)
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for k in (1, 2, 4, 8):
+            ref = model(tokens, num_loops=k).logits[-1].transpose(0, 1)
+            assert rel_err(hf(tokens, num_loops=k, use_cache=False).logits, ref) <= 1e-5, k
+            ref = model(tokens, num_loops=k, clamp=True).logits[-1].transpose(0, 1)
+            assert rel_err(clamped(tokens, num_loops=k, use_cache=False).logits, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("readout, recurrence, clamp", [
+    ("norm", "none", False), ("raw", "damping", True), ("final_norm", "rmsnorm", False)])
+def test_greedy_generate_with_cache_equals_the_no_cache_argmax(readout, recurrence, clamp):
+    cfg, model = variant(readout, recurrence, gate=False)
+    hf = exported(model, cfg, clamp=clamp)
+    prompt = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        out = hf.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        x = prompt
+        for _ in range(10):
+            x = torch.cat([x, hf(x, use_cache=False).logits[:, -1:].argmax(-1)], dim=1)
+    assert out.shape[1] == 17 and out.tolist() == x.tolist()
+    cache = hf(prompt, use_cache=True).past_key_values  # an entry per (loop, layer)
+    assert len(cache.layers) == cfg.num_loops * cfg.num_layers
+
+
+def test_early_exit_takes_each_tokens_exit_loop():
+    cfg, model = variant("norm", "rmsnorm", gate=True, tie=False)
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = [lg.transpose(0, 1) for lg in model(tokens).logits]
+        gates = torch.stack([g for g in model(tokens).gates])  # [K, b, s]
+        first = exported(model, cfg, early_exit="gate", exit_threshold=0.0)(tokens).logits
+        never = exported(model, cfg, early_exit="gate", exit_threshold=1.01)(tokens).logits
+        q = 0.5
+        mid = exported(model, cfg, early_exit="gate", exit_threshold=q)(tokens).logits
+    assert rel_err(first, ref[0]) <= 1e-5 and rel_err(never, ref[-1]) <= 1e-5
+    survive, expected, chosen = torch.ones_like(gates[0]), torch.empty_like(ref[0]), None
+    for k in range(cfg.num_loops):
+        survive = survive * (1 - gates[k])
+        stop = (1 - survive >= q) if k < cfg.num_loops - 1 else torch.ones_like(survive).bool()
+        take = stop if chosen is None else stop & ~chosen
+        expected[take] = ref[k][take]
+        chosen = take if chosen is None else chosen | take
+    assert rel_err(mid, expected) <= 1e-5
+
+
+def test_export_of_a_tp2_pp2_checkpoint_loads_offline_in_a_fresh_process(tmp_path):
+    from megaloop.cli import main
+    from megaloop.model import build_model
+    from megaloop.train import checkpoint
+
+    run = tmp_path / "run"
+    train(4, run, ["parallel.tp=2", "parallel.pp=2", "model.num_query_groups=2"])
+    out = tmp_path / "hf"
+    assert main(["export", str(run), str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == (
+        "modeling_megaloop.MegaloopForCausalLM")
+    # the trainer's model, from the same checkpoint in this process
+    from megaloop.parallel import distributed
+
+    distributed.init(seed=0)
+    state, cfg, _ = checkpoint.consolidated(run)
+    model = build_model(cfg.model).eval()
+    missing = model.load_state_dict(state, strict=False).missing_keys
+    assert all("_extra_state" in k for k in missing)
+    tokens = torch.tensor([list(b"12+34=46\n7+8=")])
+    with torch.no_grad():
+        ref = {k: model(tokens, num_loops=k).logits[-1].transpose(0, 1) for k in (1, 2, 4, 8)}
+    torch.save(tokens, tmp_path / "tokens.pt")
+    moved = tmp_path / "moved"  # nothing may point back at the training run or the repo
+    shutil.copytree(out, moved)
+    script = f"""
+import torch, sys
+from transformers import AutoModelForCausalLM, AutoTokenizer
+path = {str(moved)!r}
+tokens = torch.load({str(tmp_path / "tokens.pt")!r})
+tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+assert tok("12+34=46\\n7+8=", return_tensors="pt").input_ids.tolist() == tokens.tolist()
+out = {{}}
+for k in (1, 2, 4, 8):
+    m = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, num_loops=k).eval()
+    assert m.config.num_loops == k and "megaloop" not in sys.modules and "megatron" not in sys.modules
+    with torch.no_grad():
+        out[k] = m(tokens, use_cache=False).logits
+gen = m.generate(tokens, max_new_tokens=6, do_sample=False, pad_token_id=0)
+x = tokens
+with torch.no_grad():
+    for _ in range(6):
+        x = torch.cat([x, m(x, use_cache=False).logits[:, -1:].argmax(-1)], dim=1)
+assert gen.tolist() == x.tolist()
+torch.save(out, {str(tmp_path / "logits.pt")!r})
+"""
+    env = {k: v for k, v in os.environ.items() if "PROXY" not in k.upper()}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "m"))
+    # a network namespace of its own where we may make one (root): no network at all
+    isolate = ["unshare", "-n"] if shutil.which("unshare") and os.geteuid() == 0 else []
+    proc = subprocess.run([*isolate, sys.executable, "-c", script], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(tmp_path / "logits.pt")
+    for k in (1, 2, 4, 8):
+        assert rel_err(got[k], ref[k]) <= 1e-5, k
