@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The GPU checks, as one run on a lent H200 (docs/benchmarks.md records the figures):
+# bf16 training steps of the 129M and 1.4B shapes with MFU, and the fixed-K benchmark at the
+# study's batch 2 x 2,048 tokens, 128 timed batches, on an export of the 1.4B shape.
+#   bash bench/gpu.sh [OUT]          (OUT: where the tables and JSON go; default runs/gpu)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-runs/gpu}
+PY=${PY:-python3}
+export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+
+"$PY" bench/mfu.py configs/experiments/wikitext103/129m/per_loop_norm.yaml --steps 10 \
+  | tee "$OUT/mfu_129m.md"
+"$PY" bench/mfu.py configs/experiments/fineweb/1p4b.yaml --steps 5 | tee "$OUT/mfu_1p4b.md"
+
+# fixed K: the 1.4B shape after one step (throughput does not depend on the weights), on random
+# tokens of its vocabulary
+"$PY" -m megaloop train configs/experiments/fineweb/1p4b.yaml data.kind=synthetic \
+  train.steps=1 train.global_batch_size=1 train.eval_batches=1 train.dir="$OUT/1p4b"
+"$PY" -m megaloop export "$OUT/1p4b" "$OUT/1p4b-hf"
+"$PY" -c "import numpy as np; np.save('$OUT/tokens.npy', \
+np.random.default_rng(0).integers(0, 49152, 131 * 2 * 2049))"
+"$PY" -m megaloop bench fixed-k "$OUT/1p4b-hf" --data "$OUT/tokens.npy" --loops 1,2,3,4 \
+  --batch-size 2 --seq-len 2048 --batches 128 --warmup 3 --out "$OUT/fixed_k.json" \
+  | tee "$OUT/fixed_k.md"

@@ -1,0 +1,96 @@
+"""Training-step throughput and model FLOPs utilization of a config, next to the same model at
+K=1 (one pass of the stack: what a looped step costs over an ordinary one).
+
+    .venv/bin/python bench/mfu.py configs/experiments/fineweb/1p4b.yaml [--steps 10]
+        [--warmup 3] [--peak-tflops 989] [key=value ...]
+
+One process, the real trainer (megatron engine, bf16 autocast where the config asks for it) on
+synthetic tokens of the config's sequence length, one micro-batch per step. Model FLOPs per
+token, training = 3 x forward, counting matmuls only:
+    2·(stack params)·K + 4·s·d·L·K (attention scores and values) + 2·d·V·(exits with logits)
+"""
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+
+from megaloop import _cpu_compat, experiment
+from megaloop.model.params import count_parameters
+from megaloop.parallel import distributed
+
+PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}  # dense, SXM
+
+
+def flops_per_token(model, seq_len: int, exits: int) -> float:
+    stack = count_parameters(model)["non_embedding"]
+    forward = (2 * stack * model.num_loops
+               + 4 * seq_len * model.hidden_size * model.num_layers * model.num_loops
+               + 2 * model.hidden_size * model.vocab_size * exits)
+    return 3.0 * forward
+
+
+def measure(config: str, overrides: list, steps: int, warmup: int) -> dict:
+    with tempfile.TemporaryDirectory() as run_dir:
+        cfg = experiment.load(config, overrides)
+        mbs = cfg.train.micro_batch_size
+        cfg = experiment.load(config, [*overrides, "data.kind=synthetic", "data.epochs=null",
+                                       f"train.global_batch_size={mbs}", f"train.dir={run_dir}",
+                                       "wandb.mode=disabled", "train.eval_batches=1"])
+        trainer = experiment.build_trainer(cfg, log=False)
+        times = []
+        for i in range(warmup + steps):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            trainer.train_step()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+        peak_mem = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0
+        del trainer
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    step = statistics.median(times)
+    tokens = mbs * cfg.data.seq_len
+    exits = 1 if cfg.objective.kind == "terminal" else cfg.model.num_loops
+    flops = flops_per_token(cfg.model, cfg.data.seq_len, exits) * tokens / step
+    return {"K": cfg.model.num_loops, "step_s": step, "tokens_per_s": tokens / step,
+            "tflops": flops / 1e12, "peak_mem_gib": peak_mem, "tokens_per_step": tokens}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the device's dense bf16 peak (default: known GPUs by name)")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_intermixed_args()
+    _cpu_compat.apply()
+    peak = args.peak_tflops
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    if peak is None:
+        peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device), None)
+    looped = measure(args.config, args.overrides, args.steps, args.warmup)
+    single = measure(args.config, [*args.overrides, "model.num_loops=1"], args.steps,
+                     args.warmup)
+    print(f"{args.config} on {device}, {looped['tokens_per_step']:,} tokens a step, median of "
+          f"{args.steps} steps after {args.warmup} warm-up")
+    print("| K | step (s) | tokens/s | model TFLOP/s | MFU | peak memory (GiB) | step vs K=1 |")
+    print("|---|---|---|---|---|---|---|")
+    for r in (looped, single):
+        mfu = f"{100 * r['tflops'] / peak:.1f}%" if peak else "n/a"
+        print(f"| {r['K']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.3g} | "
+              f"{mfu} | {r['peak_mem_gib']:.1f} | {r['step_s'] / single['step_s']:.2f}x |")
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
