@@ -80,6 +80,26 @@ def test_greedy_generate_with_cache_equals_the_no_cache_argmax(readout, recurren
     assert len(cache.layers) == cfg.num_loops * cfg.num_layers
 
 
+def test_left_padded_batches_equal_each_sequence_alone():
+    cfg, model = variant("final_norm", "damping", gate=False)
+    hf = exported(model, cfg, clamp=True)
+    g = torch.Generator().manual_seed(5)
+    long, short = torch.randint(1, 64, (1, 9), generator=g), torch.randint(1, 64, (1, 5),
+                                                                          generator=g)
+    batch = torch.cat([long, torch.cat([torch.zeros(1, 4, dtype=torch.long), short], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        logits = hf(batch, attention_mask=mask, use_cache=False).logits
+        assert rel_err(logits[1, 4:], hf(short, use_cache=False).logits[0]) <= 1e-5
+        assert rel_err(logits[0], hf(long, use_cache=False).logits[0]) <= 1e-5
+        out = hf.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                          pad_token_id=0)
+        for row, prompt, pad in ((0, long, 0), (1, short, 4)):
+            alone = hf.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+            assert out[row, pad:].tolist() == alone[0].tolist()
+
+
 def test_early_exit_takes_each_tokens_exit_loop():
     cfg, model = variant("norm", "rmsnorm", gate=True, tie=False)
     tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))

@@ -37,10 +37,11 @@ class Rotary(nn.Module):
         self.head_dim, self.base = head_dim, base
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [b, s] → cos, sin [b, 1, s, head_dim] (broadcast over heads)."""
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32,
                                  device=positions.device) / self.head_dim
-        freqs = torch.outer(positions.float(), 1.0 / (self.base ** exponents))
-        emb = torch.cat((freqs, freqs), dim=-1)
+        freqs = positions.float()[..., None] / (self.base ** exponents)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         return emb.cos(), emb.sin()
 
 
@@ -55,7 +56,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, d, bias=False)
 
-    def forward(self, x, cos, sin, cache: Cache | None, cache_index: int) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache: Cache | None, cache_index: int,
+                mask: torch.Tensor | None) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -64,13 +66,9 @@ class Attention(nn.Module):
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         if cache is not None:
             k, v = cache.update(k, v, cache_index)
-        if k.shape[2] == s:
-            mask, causal = None, True
-        else:  # new tokens after cached ones: each sees the cache and the new tokens up to it
-            mask = torch.ones(s, k.shape[2], dtype=torch.bool, device=x.device).tril(
-                k.shape[2] - s)
-            causal = False
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+        if mask is None and k.shape[2] != s:  # new tokens after cached ones
+            mask = allowed_keys(None, s, k.shape[2], x.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                              scale=self.head_dim ** -0.5,
                                              enable_gqa=self.kv_heads != self.heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
@@ -96,8 +94,8 @@ class Layer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, cache, cache_index):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, cache_index)
+    def forward(self, x, cos, sin, cache, cache_index, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, cache_index, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -116,6 +114,19 @@ class Recurrence(nn.Module):
         if self.mode == "damping":
             return h * torch.sigmoid(self.damping_logit)
         return h
+
+
+def allowed_keys(key_mask: torch.Tensor | None, s: int, keys: int, device) -> torch.Tensor:
+    """[b or 1, 1, s, keys] booleans: the last `s` of `keys` positions attend causally to the
+    keys that `key_mask` [b, keys] marks as tokens (not padding). A padding query still sees
+    itself, so its row is never empty (an empty row would give NaN, and NaN times a zero
+    attention weight still spreads to real tokens)."""
+    query = torch.arange(keys - s, keys, device=device)[:, None]
+    key = torch.arange(keys, device=device)[None, :]
+    allowed = (key <= query)[None, None]
+    if key_mask is not None:
+        allowed = (allowed & key_mask.bool()[:, None, None, :]) | (key == query)
+    return allowed
 
 
 def rms(h: torch.Tensor) -> torch.Tensor:
@@ -160,9 +171,6 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
                 past_key_values: Cache | None = None, use_cache: bool | None = None,
                 labels: torch.LongTensor | None = None, num_loops: int | None = None,
                 logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("padded batches (attention_mask with zeros) are not supported: "
-                             "pass unpadded sequences or right-pad and ignore the pad logits")
         K, L = num_loops or self.config.num_loops, self.config.num_hidden_layers
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and past_key_values is None:
@@ -171,17 +179,22 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
         if cache is not None and hasattr(cache, "layers"):
             while len(cache.layers) < K * L:  # generate() sizes its cache for L layers
                 cache.layers.append(DynamicLayer())
+        b, s = input_ids.shape
         past = cache.get_seq_length() if cache is not None else 0
-        if position_ids is None:
-            position_ids = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)
-        cos, sin = self.rotary(position_ids.reshape(-1, input_ids.shape[1])[0])
+        padded = attention_mask is not None and not bool(attention_mask.all())
+        if position_ids is None and padded:  # left padding: positions count tokens only
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -s:]
+        elif position_ids is None:
+            position_ids = torch.arange(past, past + s, device=input_ids.device)[None]
+        cos, sin = self.rotary(position_ids.expand(b, s))
+        mask = allowed_keys(attention_mask, s, past + s, input_ids.device) if padded else None
 
         h = self.embed_tokens(input_ids)
-        gate_logits, exit_logits, survive, chosen = [], None, None, None
+        exit_logits, survive, chosen = None, None, None
         for k in range(1, K + 1):
             h = h if k == 1 else self.recurrence(h)
             for i, layer in enumerate(self.layers):
-                h = layer(h, cos, sin, cache, (k - 1) * L + i)
+                h = layer(h, cos, sin, cache, (k - 1) * L + i, mask)
             if self.config.clamp and k == 1:
                 reference = rms(h)
             elif self.config.clamp:
