@@ -251,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     fk.add_argument("--warmup", type=int, default=2, help="untimed batches first")
     fk.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="auto: bfloat16 on a GPU, float32 on a CPU")
-    fk.add_argument("--out", help="JSON file of the results")
+    fk.add_argument("--out", help="JSON file of the results (and a PNG of the PPL-throughput "
+                                  "frontier beside it)")
     fk.set_defaults(fn=cmd_bench_fixed_k)
 
     slurm = sub.add_parser("slurm", help="Slurm jobs (slurm/*.sbatch)").add_subparsers(

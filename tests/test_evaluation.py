@@ -140,5 +140,6 @@ def test_fixed_k_bench_gives_a_row_per_k(export_dir, tmp_path):
     assert rows[0]["throughput_vs_k1"] == 1.0
     saved = json.loads((tmp_path / "fk.json").read_text())
     assert saved["rows"] == rows and saved["timed_batches"] == 3
+    assert (tmp_path / "fk.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(EvalError, match="fewer than"):
         fixed_k.run(export_dir, text, seq_len=4096)

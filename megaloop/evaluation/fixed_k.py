@@ -79,7 +79,31 @@ def run(model_path: Path, data: Path, loops=(1, 2, 3, 4), batch_size: int = 1,
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(info, indent=1))
+        plot_frontier(rows, out.with_suffix(".png"), f"{model_path.resolve().parent.name}/"
+                                                     f"{model_path.name}, {device} {dtype}, "
+                                                     f"{batch_size} x {seq_len} tokens")
     return rows
+
+
+def plot_frontier(rows: list[dict], path: Path, title: str) -> None:
+    """Perplexity against tokens/s, one point per K: the PPL–throughput frontier."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    speed = [r["tokens_per_s"] for r in rows]
+    ppl = [float(np.exp(r["ce"])) for r in rows]
+    ax.plot(speed, ppl, "o-")
+    for r, x, y in zip(rows, speed, ppl):
+        ax.annotate(f"K={r['loops']}", (x, y), textcoords="offset points", xytext=(4, 4))
+    ax.set_xlabel("tokens/s")
+    ax.set_ylabel("perplexity")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def table(rows: list[dict]) -> str:
