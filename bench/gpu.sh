@@ -3,25 +3,36 @@
 # bf16 training steps of the 129M and 1.4B shapes with MFU, and the fixed-K benchmark at the
 # study's batch 2 x 2,048 tokens, 128 timed batches, on an export of the 1.4B shape.
 #   bash bench/gpu.sh [OUT]          (OUT: where the tables and JSON go; default runs/gpu)
+#   SMOKE=1 bash bench/gpu.sh        (the same flow with tiny shapes, to try it on a CPU first:
+#                                     ~1 min on 2 cores)
+# PY: a Python with requirements.txt installed (on a bare GPU machine, carry them as wheels).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/gpu}
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+shape=() steps=(10 5) fk=(--batch-size 2 --seq-len 2048 --batches 128 --warmup 3)
+if [ -n "${SMOKE:-}" ]; then
+  shape=(model.hidden_size=64 model.num_heads=4 model.num_layers=2 model.ffn_hidden_size=128
+         data.seq_len=64 train.micro_batch_size=1 train.bf16=false)
+  steps=(2 2) fk=(--batch-size 1 --seq-len 32 --batches 2 --warmup 1)
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null \
+  | tee "$OUT/gpu.txt" || echo "no GPU" | tee "$OUT/gpu.txt"
 
-"$PY" bench/mfu.py configs/experiments/wikitext103/129m/per_loop_norm.yaml --steps 10 \
-  | tee "$OUT/mfu_129m.md"
-"$PY" bench/mfu.py configs/experiments/fineweb/1p4b.yaml --steps 5 | tee "$OUT/mfu_1p4b.md"
+"$PY" bench/mfu.py configs/experiments/wikitext103/129m/per_loop_norm.yaml \
+  --steps "${steps[0]}" "${shape[@]}" | tee "$OUT/mfu_129m.md"
+"$PY" bench/mfu.py configs/experiments/fineweb/1p4b.yaml --steps "${steps[1]}" "${shape[@]}" \
+  | tee "$OUT/mfu_1p4b.md"
 
 # fixed K: the 1.4B shape after one step (throughput does not depend on the weights), on random
 # tokens of its vocabulary
 "$PY" -m megaloop train configs/experiments/fineweb/1p4b.yaml data.kind=synthetic \
-  train.steps=1 train.global_batch_size=1 train.eval_batches=1 train.dir="$OUT/1p4b"
+  train.steps=1 train.global_batch_size=1 train.eval_batches=1 train.dir="$OUT/1p4b" \
+  "${shape[@]}"
 "$PY" -m megaloop export "$OUT/1p4b" "$OUT/1p4b-hf"
 "$PY" -c "import numpy as np; np.save('$OUT/tokens.npy', \
 np.random.default_rng(0).integers(0, 49152, 131 * 2 * 2049))"
 "$PY" -m megaloop bench fixed-k "$OUT/1p4b-hf" --data "$OUT/tokens.npy" --loops 1,2,3,4 \
-  --batch-size 2 --seq-len 2048 --batches 128 --warmup 3 --out "$OUT/fixed_k.json" \
-  | tee "$OUT/fixed_k.md"
+  "${fk[@]}" --out "$OUT/fixed_k.json" | tee "$OUT/fixed_k.md"
