@@ -51,11 +51,12 @@ def task_env(environ=os.environ) -> None:
 
 # -- the layout a job gets ----------------------------------------------------------------------
 
-def activation_bytes(model, seq_len: int, micro_batch: int, tp: int, pp: int) -> int:
+def activation_bytes(model, seq_len: int, micro_batch: int, tp: int) -> int:
     """A rough per-rank estimate for bf16 training with SDPA/flash attention (no s x s scores
     stored) and no recomputation: s·b·d·(10 + 24/TP) bytes per layer application (Korthikanti
-    et al. 2022) for the L/PP layers of a stage at each of the K loops, with PP micro-batches in
-    flight in the 1F1B schedule, plus fp32 logits and their softmax at each of the K exits."""
+    et al. 2022), for the L/PP layers of a stage at each of the K loops times the PP
+    micro-batches 1F1B keeps in flight (L·K, whatever PP), plus fp32 logits and their softmax
+    at each of the K exits."""
     s, b, d = seq_len, micro_batch, model.hidden_size
     layers = s * b * d * (10 + 24 / tp) * model.num_layers * model.num_loops
     exits = model.num_loops * s * b * model.vocab_size / tp * 6
@@ -91,7 +92,7 @@ def choose_layout(cfg, world: int, gpus_per_node: int, gpu_memory_gib: float) ->
             errors.append(f"TP={tp} PP={pp}: {e}")
             continue
         need = memory_per_rank(cfg.model, tp, pp, dp)["total_bytes"] + activation_bytes(
-            cfg.model, cfg.data.seq_len, cfg.train.micro_batch_size, tp, pp)
+            cfg.model, cfg.data.seq_len, cfg.train.micro_batch_size, tp)
         if best is None or need < best.bytes_per_rank:
             best = Layout(tp, pp, dp, need, "")
         if gpus_per_node == 0 or need <= budget:
