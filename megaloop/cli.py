@@ -9,7 +9,7 @@ import sys
 import warnings
 
 from megaloop.config import ConfigError
-from megaloop.evaluation.downstream import EvalError
+from megaloop.evaluation.exported import EvalError
 from megaloop.slurm import LaunchError
 
 

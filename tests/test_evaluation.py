@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from megaloop.evaluation import compare, downstream, fixed_k
-from megaloop.evaluation.downstream import EvalError
+from megaloop.evaluation.exported import EvalError
 
 
 @pytest.fixture(scope="module")

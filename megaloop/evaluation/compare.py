@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megaloop.evaluation.downstream import EvalError, accuracies, choices, read_samples
+from megaloop.evaluation.downstream import accuracies, choices, read_samples
+from megaloop.evaluation.exported import EvalError
 
 METRICS = {"gold NLL / char": "lower", "margin": "higher", "p(gold)": "higher"}
 

@@ -15,13 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
+from megaloop.evaluation.exported import EvalError, load_model, load_tokenizer, placement
+
 STUDY_TASKS = ("boolq", "winogrande", "commonsense_qa", "sciq", "piqa", "arc_easy",
                "arc_challenge", "hellaswag", "openbookqa")
 SPLIT_KEYS = ("training_split", "validation_split", "test_split", "fewshot_split")
-
-
-class EvalError(ValueError):
-    """Bad evaluation input (model folder, task names, local data)."""
 
 
 def local_task_configs(tasks, data_dir: Path, into: Path, task_manager) -> None:
@@ -76,27 +74,21 @@ def accuracies(samples: list[dict]) -> dict:
 def run(model_path: Path, loops: int, tasks=STUDY_TASKS, out: Path = Path("eval_results"),
         limit: int | None = None, data_dir: Path | None = None, batch_size: int = 8,
         device: str | None = None) -> dict:
-    import torch
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if not (model_path / "config.json").is_file():
-        raise EvalError(f"{model_path}: no config.json; give a folder from `megaloop export`")
-    unknown = [t for t in tasks if t not in TaskManager().task_index]
+    task_manager = TaskManager()
+    unknown = [t for t in tasks if t not in task_manager.task_index]
     if unknown:
         raise EvalError(f"unknown lm-eval task(s): {', '.join(unknown)}")
     if loops < 1:
         raise EvalError(f"--loops {loops}: must be >= 1")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(
-        model_path, trust_remote_code=True, num_loops=loops,
-        dtype=torch.bfloat16 if device == "cuda" else torch.float32).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=True)
+    tokenizer = load_tokenizer(model_path)
+    device, dtype = placement(device)
+    model = load_model(model_path, device, dtype, num_loops=loops)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
     with tempfile.TemporaryDirectory() as tmp:
-        task_manager = TaskManager()
         if data_dir is not None:
             local_task_configs(tasks, Path(data_dir), Path(tmp), task_manager)
             task_manager = TaskManager(include_path=tmp)

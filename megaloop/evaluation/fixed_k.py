@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megaloop.evaluation.downstream import EvalError
+from megaloop.evaluation.exported import EvalError, load_model, load_tokenizer, placement
 
 
 def load_tokens(path: Path, tokenizer) -> np.ndarray:
@@ -33,23 +33,17 @@ def run(model_path: Path, data: Path, loops=(1, 2, 3, 4), batch_size: int = 1,
     import torch
     import torch.nn.functional as F
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if not (model_path / "config.json").is_file():
-        raise EvalError(f"{model_path}: no config.json; give a folder from `megaloop export`")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
-    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=True)
-    tokens = load_tokens(data, tokenizer)
+    device, dtype = placement(device, dtype)
+    tokens = load_tokens(data, load_tokenizer(model_path))
     need = (warmup + batches) * batch_size * (seq_len + 1)
     if len(tokens) < need:
         raise EvalError(f"--data {data}: {len(tokens):,} tokens, fewer than the {need:,} that "
                         f"{warmup} warm-up + {batches} timed batches of {batch_size} x "
                         f"{seq_len + 1} need; lower --batches/--batch-size/--seq-len")
-    model = AutoModelForCausalLM.from_pretrained(
-        model_path, trust_remote_code=True, dtype=getattr(torch, dtype)).to(device).eval()
-    windows = torch.from_numpy(tokens[:need].reshape(warmup + batches, batch_size, seq_len + 1))
+    model = load_model(model_path, device, dtype)
+    windows = torch.from_numpy(tokens[:need].reshape(warmup + batches, batch_size,
+                                                     seq_len + 1)).to(device)
 
     def sync():
         if device.startswith("cuda"):
@@ -58,7 +52,7 @@ def run(model_path: Path, data: Path, loops=(1, 2, 3, 4), batch_size: int = 1,
     rows = []
     for k in tqdm(loops, desc="fixed-K", unit="K"):
         times, ce = [], []
-        for i, window in enumerate(windows.to(device)):
+        for i, window in enumerate(windows):
             sync()
             start = time.perf_counter()
             with torch.no_grad():
