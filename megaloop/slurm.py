@@ -155,7 +155,8 @@ class TrainJob:
     job_name: Optional[str] = None
 
     def check(self) -> None:
-        if self.nodes < 1 or self.gpus_per_node < 0 or (self.cpus_per_task or 1) < 1:
+        if self.nodes < 1 or self.gpus_per_node < 0 or (self.cpus_per_task is not None
+                                                         and self.cpus_per_task < 1):
             raise LaunchError("--nodes and --cpus-per-task must be >= 1, --gpus-per-node >= 0")
         if self.tasks_per_node is not None and self.tasks_per_node < 1:
             raise LaunchError("--tasks-per-node must be >= 1")

@@ -105,6 +105,7 @@ def test_dry_run_of_the_1p4b_run_on_16_nodes_of_8_gpus(capsys):
     (["--time", "soon"], "--time 'soon'"),
     (["--gpu-memory-gib", "4"], "no layout fits 4 GiB per GPU"),
     (["--tasks-per-node", "4"], "--tasks-per-node 4 with --gpus-per-node 8"),
+    (["--cpus-per-task", "0"], "--cpus-per-task must be >= 1"),
 ])
 def test_bad_job_requests_fail_before_submitting(capsys, args, message):
     proc = submit_1p4b(capsys, *args)
