@@ -20,8 +20,6 @@ from datatrove.data import Document, DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 
 from data_prep.common import (
-    DEFAULT_VOCAB,
-    EOS,
     BadDocumentGuard,
     IndexedDatasetWriter,
     PrepError,

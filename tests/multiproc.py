@@ -107,3 +107,29 @@ def assert_same_curve(run: dict, ref: dict, rel: float, steps=None) -> None:
             assert close(got, want, rel), (r["step"], k, got, want)
         checked += 1
     assert checked == (len(steps) if steps is not None else len(ref["steps"]))
+
+
+def kill_9_then_resume(run_dir: Path, overrides: list[str], reference: dict) -> None:
+    """SIGKILL a 2-rank run (torchrun and every rank, as when a node dies) once it has saved
+    step 7, rerun it, and check it resumed from the newest checkpoint and repeated the
+    uninterrupted run's remaining steps bit for bit (same layout, same arithmetic)."""
+    import time
+
+    import psutil
+
+    proc = subprocess.Popen(command(2, run_dir, [*overrides, "train.save_every=1"]), env=env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = run_dir / "checkpoints/latest"
+    deadline = time.time() + 240
+    while not (latest.exists() and latest.read_text() >= "step_0000007"):
+        assert proc.poll() is None and time.time() < deadline, "the run ended before step 7"
+        time.sleep(0.02)
+    for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+        p.kill()
+    proc.wait()
+    killed_at = int(latest.read_text().split("_")[1])
+    assert 7 <= killed_at < 10
+    out = train(2, run_dir, [*overrides, "train.save_every=1"])
+    assert f"resumed from {run_dir}/checkpoints/step_{killed_at:07d}" in out.stdout
+    assert_same_curve(metrics(run_dir), reference, 1e-12, steps=range(killed_at + 1, 11))
+

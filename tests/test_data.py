@@ -15,7 +15,6 @@ from tokenizers import Tokenizer
 import data_prep
 from data_prep.common import PrepError
 from data_prep.wikitext103 import split_articles
-from megaloop.data.batches import Batches
 
 WORDS = ("the of and to in that is was for with as on by at from his her they which this be "
          "river city music history people water garden winter market school letter morning "

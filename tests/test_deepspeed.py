@@ -3,16 +3,13 @@ ZeRO-3 really partitions, kill -9 resumes exactly, and a ZeRO-3 checkpoint conso
 same weights. Every run is a real torchrun/gloo launch of `megaloop train engine=deepspeed`."""
 
 import json
-import subprocess
-import time
 
-import psutil
 import pytest
 from safetensors.torch import load_file
 
 from megaloop.parallel import distributed
 from megaloop.train import checkpoint
-from multiproc import OBJECTIVES, assert_same_curve, command, env, metrics, train
+from multiproc import OBJECTIVES, assert_same_curve, kill_9_then_resume, metrics, train
 
 pytestmark = pytest.mark.multiprocess
 
@@ -75,20 +72,5 @@ def test_zero3_checkpoint_consolidates_to_the_one_process_weights(reference_run,
 
 def test_kill_9_then_resume_continues_exactly(ds_run, tmp_path):
     _, reference = ds_run("zero3-dp2")
-    run_dir = tmp_path / "run"
-    overrides = [*OBJECTIVE, "engine=deepspeed", *ZERO["zero3-dp2"][1], "train.save_every=1"]
-    proc = subprocess.Popen(command(2, run_dir, overrides), env=env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    latest = run_dir / "checkpoints/latest"
-    deadline = time.time() + 240
-    while not (latest.exists() and latest.read_text() >= "step_0000007"):
-        assert proc.poll() is None and time.time() < deadline, "the run ended before step 7"
-        time.sleep(0.02)
-    for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
-        p.kill()
-    proc.wait()
-    killed_at = int(latest.read_text().split("_")[1])
-    assert 7 <= killed_at < 10
-    out = train(2, run_dir, overrides)
-    assert f"resumed from {run_dir}/checkpoints/step_{killed_at:07d}" in out.stdout
-    assert_same_curve(metrics(run_dir), reference, 1e-12, steps=range(killed_at + 1, 11))
+    kill_9_then_resume(tmp_path / "run",
+                       [*OBJECTIVE, "engine=deepspeed", *ZERO["zero3-dp2"][1]], reference)

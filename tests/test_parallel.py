@@ -9,13 +9,12 @@ import signal
 import subprocess
 import time
 
-import psutil
 import pytest
 
 from megaloop import experiment
 from megaloop.parallel.layout import params_per_rank
-from multiproc import (BASE, OBJECTIVES, TINY, assert_same_curve, command, env, metrics, train,
-                       train_here)
+from multiproc import (BASE, OBJECTIVES, TINY, assert_same_curve, command, env,
+                       kill_9_then_resume, metrics, train, train_here)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -93,24 +92,8 @@ def test_reshard_one_process_checkpoint_into_pp2(run, tmp_path):
 
 def test_kill_9_then_resume_continues_exactly(run, tmp_path):
     _, reference = run("per_loop+penalty", "pp2")
-    run_dir = tmp_path / "run"
-    overrides = [*OBJECTIVES["per_loop+penalty"], "parallel.pp=2", "train.save_every=1"]
-    proc = subprocess.Popen(command(2, run_dir, overrides), env=env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    latest = run_dir / "checkpoints/latest"
-    deadline = time.time() + 240
-    while not (latest.exists() and latest.read_text() >= "step_0000007"):
-        assert proc.poll() is None and time.time() < deadline, "the run ended before step 7"
-        time.sleep(0.02)
-    for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
-        p.kill()  # SIGKILL to torchrun and every rank, as when a node dies
-    proc.wait()
-    killed_at = int(latest.read_text().split("_")[1])
-    assert 7 <= killed_at < 10
-    out = train(2, run_dir, overrides)
-    assert f"resumed from {run_dir}/checkpoints/step_{killed_at:07d}" in out.stdout
-    # same layout, same arithmetic: the remaining steps repeat the uninterrupted run
-    assert_same_curve(metrics(run_dir), reference, 1e-12, steps=range(killed_at + 1, 11))
+    kill_9_then_resume(tmp_path / "run", [*OBJECTIVES["per_loop+penalty"], "parallel.pp=2"],
+                       reference)
 
 
 def test_corrupt_or_partial_checkpoints_are_reported_and_skipped(run, tmp_path, capsys):
