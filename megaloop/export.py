@@ -31,9 +31,11 @@ def hf_config(model) -> dict:
         "intermediate_size": model.ffn_size, "num_hidden_layers": model.num_layers,
         "num_attention_heads": model.num_heads,
         "num_key_value_heads": model.num_query_groups or model.num_heads,
-        "num_loops": model.num_loops, "max_position_embeddings": model.max_seq_len,
+        "num_loops": model.num_loops, "num_loops_trained": model.num_loops,
+        "max_position_embeddings": model.max_seq_len,
         "rope_theta": model.rope_base, "rms_norm_eps": model.norm_eps,
         "readout": model.readout, "recurrence": model.recurrence, "exit_gate": model.exit_gate,
+        "exit_gate_input": model.exit_gate_input,
         "clamp": False, "early_exit": "none", "exit_threshold": 0.5,
         "tie_word_embeddings": model.tie_embeddings, "torch_dtype": "float32",
     }
@@ -100,7 +102,8 @@ def export(source: Path, out: Path) -> Path:
     tensors = to_hf(state, cfg.model)
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt",
                                                           "source": str(folder)})
-    (out / "config.json").write_text(json.dumps(hf_config(cfg.model), indent=1))
+    (out / "config.json").write_text(json.dumps(
+        {**hf_config(cfg.model), "run_config": cfg.to_dict()}, indent=1))
     for name in ("configuration_megaloop.py", "modeling_megaloop.py"):
         shutil.copyfile(HF_CODE / name, out / name)
     save_tokenizer(cfg.data.tokenizer_spec(), out)

@@ -32,10 +32,11 @@ def exported(model, cfg: ModelConfig, **overrides) -> MegaloopForCausalLM:
     return hf
 
 
-def variant(readout, recurrence, gate, tie=True) -> tuple:
+def variant(readout, recurrence, gate, tie=True, gate_input="normed") -> tuple:
     cfg = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_query_groups=2,
                       num_layers=2, num_loops=4, max_seq_len=32, readout=readout,
-                      recurrence=recurrence, exit_gate=gate, tie_embeddings=tie)
+                      recurrence=recurrence, exit_gate=gate, tie_embeddings=tie,
+                      exit_gate_input=gate_input)
     model = build(cfg).eval()
     with torch.no_grad():  # norms, damping and gate away from their initial constants
         for name, p in model.named_parameters():
@@ -100,8 +101,9 @@ def test_left_padded_batches_equal_each_sequence_alone():
             assert out[row, pad:].tolist() == alone[0].tolist()
 
 
-def test_early_exit_takes_each_tokens_exit_loop():
-    cfg, model = variant("norm", "rmsnorm", gate=True, tie=False)
+@pytest.mark.parametrize("gate_input", ["normed", "raw"])
+def test_early_exit_takes_each_tokens_exit_loop(gate_input):
+    cfg, model = variant("norm", "rmsnorm", gate=True, tie=False, gate_input=gate_input)
     tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref = [lg.transpose(0, 1) for lg in model(tokens).logits]

@@ -62,6 +62,26 @@ def test_exit_gate_gives_one_lambda_per_token_and_loop(tiny_cfg):
     assert ((out.gates[0] > 0) & (out.gates[0] < 1)).all()
 
 
+@pytest.mark.parametrize("reads", ["normed", "raw"])
+def test_exit_gate_reads_the_scale_free_direction_unless_raw(tiny_cfg, reads):
+    """By default λ_k depends on H_k/‖H_k‖_rms only: the exit-weighted objective gets no path
+    through the gate by which CE could see hidden scale (`raw` keeps that path, an ablation)."""
+    choice = {} if reads == "normed" else {"exit_gate_input": reads}  # normed is the default
+    model = build(dataclasses.replace(tiny_cfg, exit_gate=True, **choice))
+    torch.nn.init.normal_(model.exit_gate.proj.weight, std=0.5)
+    # RMS 30: RMSNorm's eps (1e-5) changes a normalised H by < 1e-6 relative even at c = 0.1
+    h = 30.0 * torch.randn(16, 2, tiny_cfg.hidden_size, dtype=torch.float64)
+    gate = model.exit_gate.double()
+    with torch.no_grad():
+        base = gate(h)
+        for c in (0.1, 10.0, 1e3):
+            if reads == "normed":
+                torch.testing.assert_close(gate(c * h), base, rtol=1e-5, atol=1e-6)
+            else:
+                assert (gate(c * h) - base).abs().max() > 1e-2
+    assert sum(p.numel() for p in gate.parameters()) == tiny_cfg.hidden_size + 1
+
+
 def test_labels_give_per_token_ce_equal_to_torch_cross_entropy(tiny_cfg):
     model = build(tiny_cfg)
     x = tokens(tiny_cfg)

@@ -8,8 +8,8 @@ import torch
 from conftest import build
 
 
-def exit_logits(model, h, loop=4, num_loops=4):
-    return model.logits(h, loop, num_loops)
+def exit_logits(model, h, loop=4):
+    return model.logits(h, loop)
 
 
 @pytest.mark.parametrize("c", [0.1, 10.0, 1e3])
@@ -32,15 +32,35 @@ def test_final_norm_reads_raw_before_the_last_loop(tiny_cfg):
     model = build(dataclasses.replace(tiny_cfg, readout="final_norm"))
     h = torch.randn(8, 2, tiny_cfg.hidden_size)
     with torch.no_grad():
-        torch.testing.assert_close(model.logits(2 * h, 1, 4), 2 * model.logits(h, 1, 4))
-        torch.testing.assert_close(model.logits(2 * h, 4, 4), model.logits(h, 4, 4),
+        torch.testing.assert_close(model.logits(2 * h, 1), 2 * model.logits(h, 1))
+        torch.testing.assert_close(model.logits(2 * h, 4), model.logits(h, 4),
                                    rtol=1e-4, atol=1e-4)
+
+
+def test_final_norm_exits_follow_the_trained_depth_not_the_requested_one(tiny_cfg):
+    """Trained at K=4: run at K=2 its exit 2 is still raw (as trained), and run at K=8 every
+    exit from loop 4 on is normalised; the logits of loop k never depend on the K asked for."""
+    model = build(dataclasses.replace(tiny_cfg, readout="final_norm")).eval()
+    raw = build(dataclasses.replace(tiny_cfg, readout="raw")).eval()
+    raw.load_state_dict(model.state_dict(), strict=False)
+    tokens = torch.randint(0, tiny_cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        long = model(tokens, num_loops=8)
+        for k in (1, 2, 3):
+            short = model(tokens, num_loops=k)
+            torch.testing.assert_close(short.logits[-1], long.logits[k - 1])
+            torch.testing.assert_close(short.logits[-1], raw.logits(short.hidden[-1], k))
+        for k in (4, 5, 8):
+            h = long.hidden[k - 1]
+            assert not torch.allclose(long.logits[k - 1], raw.logits(h, k), atol=1e-3)
+            # normalised: blind to scale (far above RMSNorm's eps)
+            torch.testing.assert_close(model.logits(1e2 * h, k), model.logits(1e3 * h, k))
 
 
 def dce_dlog_scale(model, h, labels):
     """d CE / d log‖H_K‖ at the current scale, i.e. <∇_H CE, H>, and ‖∇_H CE‖·‖H‖ as its scale."""
     h = h.clone().requires_grad_(True)
-    logits = model.logits(h, 4, 4)
+    logits = model.logits(h, 4)
     ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
     (grad,) = torch.autograd.grad(ce, h)
     return (grad * h).sum().item(), (grad.norm() * h.norm()).item()

@@ -20,12 +20,14 @@ class MegaloopConfig(PretrainedConfig):
         num_attention_heads: int = 8,
         num_key_value_heads: int | None = None,
         num_loops: int = 4,
+        num_loops_trained: int | None = None,
         max_position_embeddings: int = 1024,
         rope_theta: float = 10000.0,
         rms_norm_eps: float = 1e-5,
         readout: str = "norm",
         recurrence: str = "none",
         exit_gate: bool = False,
+        exit_gate_input: str = "normed",
         clamp: bool = False,
         early_exit: str = "none",
         exit_threshold: float = 0.5,
@@ -37,6 +39,8 @@ class MegaloopConfig(PretrainedConfig):
             raise ValueError(f"readout={readout!r}: use norm, raw or final_norm")
         if recurrence not in ("none", "rmsnorm", "damping"):
             raise ValueError(f"recurrence={recurrence!r}: use none, rmsnorm or damping")
+        if exit_gate_input not in ("normed", "raw"):
+            raise ValueError(f"exit_gate_input={exit_gate_input!r}: use normed or raw")
         if early_exit not in ("none", "gate"):
             raise ValueError(f"early_exit={early_exit!r}: use none or gate")
         if early_exit == "gate" and not exit_gate:
@@ -50,15 +54,20 @@ class MegaloopConfig(PretrainedConfig):
         self.num_attention_heads = num_attention_heads
         self.num_key_value_heads = num_key_value_heads or num_attention_heads
         self.num_loops = num_loops
-        """K: applications of the shared stack; any K >= 1 (the model was trained at one K)."""
+        """K: applications of the shared stack; any K >= 1."""
+        self.num_loops_trained = num_loops_trained or num_loops
+        """K_train, the depth the model was trained at (where `final_norm` normalises from)."""
         self.max_position_embeddings = max_position_embeddings
         self.rope_theta = rope_theta
         self.rms_norm_eps = rms_norm_eps
         self.readout = readout
-        """norm: W_out·RMSNorm(H_K); raw: W_out·H_K; final_norm: norm at the last loop."""
+        """norm: W_out·RMSNorm(H_k); raw: W_out·H_k; final_norm: raw for k < num_loops_trained,
+        normalised from there on."""
         self.recurrence = recurrence
         """What H_k becomes before re-entering the stack: as is, RMSNorm (Ouro), or damped."""
         self.exit_gate = exit_gate
+        self.exit_gate_input = exit_gate_input
+        """normed: the gate reads H_k/‖H_k‖_rms; raw: H_k."""
         self.clamp = clamp
         """The inference-time recurrent-scale clamp: each token's H_k held at its loop-1 RMS."""
         self.early_exit = early_exit

@@ -4,6 +4,9 @@
     H_k = Stack(R(H_{k-1}))          k = 1..K, R = recurrence (identity for k = 1)
     logits = Readout(H_K)            (or, with early exit, each token's exit loop)
 
+`embed`, `loop`, `readout` and `exit_probability` are the pieces `forward` is made of; the
+measurement commands (megaloop depth/halt/diagnose) drive them one loop at a time.
+
 The stack is L pre-norm layers (RMSNorm, causal attention with RoPE, SwiGLU), the same layers
 megatron-core runs in training; `megaloop export` converts their weights. The KV cache holds
 one entry per (loop, layer), as Ouro's code does: loop k's layer l attends to the keys loop k's
@@ -130,7 +133,13 @@ def allowed_keys(key_mask: torch.Tensor | None, s: int, keys: int, device) -> to
 
 
 def rms(h: torch.Tensor) -> torch.Tensor:
+    """Per-token ‖H‖_rms, keeping the hidden dimension."""
     return h.pow(2).mean(dim=-1, keepdim=True).sqrt()
+
+
+def clamp_to(h: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """The recurrent-scale clamp: each token of H_k rescaled to its reference (loop-1) RMS."""
+    return h * (reference / rms(h).clamp_min(torch.finfo(h.dtype).tiny))
 
 
 class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
@@ -161,10 +170,35 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.lm_head
 
-    def readout(self, h: torch.Tensor, loop: int, num_loops: int) -> torch.Tensor:
+    def embed(self, input_ids: torch.LongTensor, position_ids: torch.LongTensor | None = None
+              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """H_0 and the rotary tables for `loop` (positions 0..s-1 unless given)."""
+        b, s = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(s, device=input_ids.device)[None]
+        return self.embed_tokens(input_ids), self.rotary(position_ids.expand(b, s))
+
+    def loop(self, h: torch.Tensor, k: int, rope: tuple[torch.Tensor, torch.Tensor],
+             cache: Cache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """H_k from H_{k-1} (H_0 for k = 1): the recurrence, then the shared stack."""
+        h = h if k == 1 else self.recurrence(h)
+        L = len(self.layers)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, *rope, cache, (k - 1) * L + i, mask)
+        return h
+
+    def readout(self, h: torch.Tensor, loop: int) -> torch.Tensor:
+        """Exit `loop`'s logits. `final_norm` normalises from the trained depth on, whatever K
+        the model runs at: exits are read the way they were trained."""
         normalize = self.config.readout == "norm" or (
-            self.config.readout == "final_norm" and loop == num_loops)
+            self.config.readout == "final_norm" and loop >= self.config.num_loops_trained)
         return self.lm_head(self.readout_norm(h) if normalize else h)
+
+    def exit_probability(self, h: torch.Tensor) -> torch.Tensor:
+        """λ_k [b, s, 1] from the gate, which reads H_k/‖H_k‖_rms (or H_k: exit_gate_input)."""
+        if self.config.exit_gate_input == "normed":
+            h = F.rms_norm(h, (h.shape[-1],), eps=self.config.rms_norm_eps)
+        return torch.sigmoid(self.exit_gate(h))
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None,
@@ -186,31 +220,28 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -s:]
         elif position_ids is None:
             position_ids = torch.arange(past, past + s, device=input_ids.device)[None]
-        cos, sin = self.rotary(position_ids.expand(b, s))
         mask = allowed_keys(attention_mask, s, past + s, input_ids.device) if padded else None
 
-        h = self.embed_tokens(input_ids)
+        h, rope = self.embed(input_ids, position_ids)
         exit_logits, survive, chosen = None, None, None
         for k in range(1, K + 1):
-            h = h if k == 1 else self.recurrence(h)
-            for i, layer in enumerate(self.layers):
-                h = layer(h, cos, sin, cache, (k - 1) * L + i, mask)
+            h = self.loop(h, k, rope, cache, mask)
             if self.config.clamp and k == 1:
                 reference = rms(h)
             elif self.config.clamp:
-                h = h * (reference / rms(h).clamp_min(torch.finfo(h.dtype).tiny))
+                h = clamp_to(h, reference)
             if self.config.early_exit == "gate":
                 # p_k = λ_k·Π_{j<k}(1−λ_j); exit where the cumulative probability reaches q
-                lam = torch.sigmoid(self.exit_gate(h))
+                lam = self.exit_probability(h)
                 survive = torch.ones_like(lam) if survive is None else survive
                 stop = ((1 - survive * (1 - lam)) >= self.config.exit_threshold) | (k == K)
                 take = stop if chosen is None else stop & ~chosen
-                logits_k = self.readout(h, k, K)
+                logits_k = self.readout(h, k)
                 exit_logits = logits_k if exit_logits is None else torch.where(
                     take, logits_k, exit_logits)
                 chosen = take if chosen is None else chosen | take
                 survive = survive * (1 - lam)
-        logits = exit_logits if exit_logits is not None else self.readout(h, K, K)
+        logits = exit_logits if exit_logits is not None else self.readout(h, K)
         if logits_to_keep:
             logits = logits[:, -logits_to_keep:]
         loss = None

@@ -30,7 +30,7 @@ from megatron.core.transformer.utils import (
 )
 
 from megaloop.config import Config, check
-from megaloop.model.exit_gate import ExitGate
+from megaloop.model.exit_gate import ExitGate, GateInput
 from megaloop.model.readout import Readout, ReadoutMode
 from megaloop.model.recurrence import Recurrence, RecurrenceMode, clamp_to, rms
 from megaloop.model.specs import layer_spec
@@ -48,7 +48,8 @@ class ModelConfig(Config):
     ffn_hidden_size: Optional[int] = None
     """SwiGLU hidden size; None = 4 * hidden_size."""
     num_loops: int = 4
-    """K at training time; any K >= 1 can be asked for at inference."""
+    """K_train, the depth trained at; any K >= 1 can be asked for at inference (checkpoints and
+    exports record it as `num_loops_trained`)."""
     max_seq_len: int = 1024
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
@@ -61,6 +62,9 @@ class ModelConfig(Config):
     """Initial per-channel factor of the `damping` recurrence, in (0, 1)."""
     exit_gate: bool = False
     """Ouro's per-token exit gate λ_k (needed by the exit-weighted objective)."""
+    exit_gate_input: GateInput = "normed"
+    """What the gate reads: H_k/‖H_k‖_rms (`normed`, no weights: CE stays blind to scale through
+    the gate) or H_k (`raw`, an ablation)."""
     attention: Literal["sdpa", "megatron"] = "sdpa"
     """Core attention: torch SDPA, or megatron-core's local DotProductAttention."""
 
@@ -133,10 +137,12 @@ class LoopedLM(LanguageModule):
         if pre_process:
             self.recurrence = Recurrence(cfg.recurrence, cfg.hidden_size, cfg.norm_eps,
                                          cfg.damping_init)
-        self.exit_gate = ExitGate(cfg.hidden_size) if cfg.exit_gate and post_process else None
+        self.exit_gate = (ExitGate(cfg.hidden_size, cfg.exit_gate_input, cfg.norm_eps)
+                          if cfg.exit_gate and post_process else None)
         if post_process:
             self.readout = Readout(cfg.readout, config, cfg.vocab_size,
-                                   tied=cfg.tie_embeddings and pre_process)
+                                   tied=cfg.tie_embeddings and pre_process,
+                                   trained_loops=cfg.num_loops)
         self.setup_embeddings_and_output_layer()
 
     @property
@@ -162,9 +168,9 @@ class LoopedLM(LanguageModule):
             h, _ = layer(h, attention_mask=None, rotary_pos_emb=rope)
         return h
 
-    def logits(self, h: torch.Tensor, loop: int, num_loops: int) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, loop: int) -> torch.Tensor:
         weight = self.shared_embedding_or_output_weight() if self.cfg.tie_embeddings else None
-        return self.readout(h, loop, num_loops, weight=weight)
+        return self.readout(h, loop, weight=weight)
 
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 num_loops: Optional[int] = None, clamp: bool = False) -> LoopOutput:
@@ -181,13 +187,13 @@ class LoopedLM(LanguageModule):
             elif clamp:
                 h = clamp_to(h, reference)
             out.hidden.append(h)
-            self.exit(out, h, k, num_loops, labels)
+            self.exit(out, h, k, labels)
         return out
 
-    def exit(self, out: LoopOutput, h: torch.Tensor, loop: int, num_loops: int,
+    def exit(self, out: LoopOutput, h: torch.Tensor, loop: int,
              labels: Optional[torch.Tensor]) -> None:
         """Read out loop `loop`'s hidden state into `out` (logits or per-token CE, and the gate)."""
-        logits = self.logits(h, loop, num_loops)
+        logits = self.logits(h, loop)
         if labels is None:
             out.logits.append(logits)
         else:

@@ -2,8 +2,10 @@
 
 With `norm`, logits = W_out·RMSNorm(H_k): cross-entropy cannot see the scale of H_k
 (RMSNorm(cH) = RMSNorm(H)), which is the study's blind spot. `raw` reads W_out·H_k, so scale
-changes logits; `final_norm` reads raw for k < K and normalised at k = K. One W_out serves all
-exits; when it is tied to the embedding its weight is passed in at call time.
+changes logits; `final_norm` reads raw for k < K_train and normalised for k >= K_train, where
+K_train is the depth the model was trained at: the normalised interface belongs to the trained
+final loop, so running the model at another K reads each exit the way it was trained. One W_out
+serves all exits; when it is tied to the embedding its weight is passed in at call time.
 """
 
 from __future__ import annotations
@@ -19,22 +21,23 @@ ReadoutMode = Literal["norm", "raw", "final_norm"]
 
 
 class Readout(MegatronModule):
-    def __init__(self, mode: ReadoutMode, config: TransformerConfig, vocab_size: int, tied: bool):
+    def __init__(self, mode: ReadoutMode, config: TransformerConfig, vocab_size: int, tied: bool,
+                 trained_loops: int):
         super().__init__(config=config)
-        self.mode = mode
+        self.mode, self.trained_loops = mode, trained_loops
         self.norm = (torch.nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
                      if mode != "raw" else None)
         self.output_layer = tensor_parallel.ColumnParallelLinear(
             config.hidden_size, vocab_size, config=config, init_method=config.init_method,
             bias=False, gather_output=False, skip_weight_param_allocation=tied)
 
-    def normalizes(self, loop: int, num_loops: int) -> bool:
-        return self.mode == "norm" or (self.mode == "final_norm" and loop == num_loops)
+    def normalizes(self, loop: int) -> bool:
+        return self.mode == "norm" or (self.mode == "final_norm" and loop >= self.trained_loops)
 
-    def forward(self, h: torch.Tensor, loop: int, num_loops: int,
-                weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """[s, b, d] → vocab-parallel logits [s, b, V/tp] for exit `loop` (1-based) of `num_loops`."""
-        if self.normalizes(loop, num_loops):
+    def forward(self, h: torch.Tensor, loop: int, weight: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+        """[s, b, d] → vocab-parallel logits [s, b, V/tp] for exit `loop` (1-based)."""
+        if self.normalizes(loop):
             h = self.norm(h)
         logits, _ = self.output_layer(h, weight=weight)
         return logits

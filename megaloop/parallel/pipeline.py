@@ -91,7 +91,7 @@ class LapChunk(torch.nn.Module):
         if not self.last_rank:
             return h
         out = LoopOutput()
-        stage.exit(out, h, self.lap + 1, self.num_loops, labels)
+        stage.exit(out, h, self.lap + 1, labels)
         live = (out.token_ce[0], objectives.mean_square(h), *out.gates)
         if self.lap < self.num_loops - 1:
             self.store.saved.setdefault(mb, []).append(tuple(t.detach() for t in live))

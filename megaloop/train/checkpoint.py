@@ -1,7 +1,8 @@
 """Checkpoints in the run directory, the same protocol for every engine:
 
     checkpoints/step_0000120/   the engine's state (model, optimizer, scheduler, RNG), the data
-                                position, meta.json (step, layout, engine, config), manifest.json
+                                position, meta.json (step, layout, engine, num_loops_trained,
+                                config), manifest.json
     checkpoints/latest          the newest complete checkpoint's folder name
 
 A checkpoint is written into `.tmp_step_*` and renamed into place after every rank has
@@ -83,7 +84,8 @@ def save(root: Path, engine, position: dict, config: dict, keep_last: int) -> Pa
     engine.save_state(tmp, position)
     dist.barrier()
     if _is_rank0():
-        meta = {**position, "engine": engine.name, "layout": engine.layout(), "config": config}
+        meta = {**position, "engine": engine.name, "layout": engine.layout(),
+                "num_loops_trained": config["model"]["num_loops"], "config": config}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         _write_manifest(tmp)
         shutil.rmtree(final, ignore_errors=True)
