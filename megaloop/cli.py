@@ -23,6 +23,7 @@ def cmd_train(args) -> int:
     cfg = _config(args)
     from megaloop.experiment import build_trainer
     from megaloop.train.preemption import EXIT_PREEMPTED, Preempted
+    from megaloop.train.watchdog import EXIT_UNHEALTHY, STOP_MARKER, UnhealthyRun
 
     trainer = build_trainer(cfg)
     try:
@@ -31,7 +32,12 @@ def cmd_train(args) -> int:
         print(f"megaloop: {e}; exiting with {EXIT_PREEMPTED} so the job can be requeued",
               file=sys.stderr)
         return EXIT_PREEMPTED
-    print(json.dumps({"valid_ce": result["ce"], "hidden_rms": result["hidden_rms"]}))
+    except UnhealthyRun as e:
+        print(f"megaloop: {e}; see {trainer.run_dir / STOP_MARKER}; exiting with "
+              f"{EXIT_UNHEALTHY} (not requeued)", file=sys.stderr)
+        return EXIT_UNHEALTHY
+    print(json.dumps({"valid_ce": result["ce"], "hidden_rms": result["hidden_rms"],
+                      "valid_windows": result["valid_windows"]}))
     return 0
 
 

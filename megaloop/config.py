@@ -60,8 +60,15 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _coerce(inner, value, key)
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:
+            return _coerce(options[0], value, key)
+        for option in options:  # the first that takes the value, e.g. Union[int, Literal["all"]]
+            try:
+                return _coerce(option, value, key)
+            except ConfigError:
+                pass
+        fail(key, value, "expected " + " or ".join(_describe(o) for o in options))
     if origin is Literal:
         if value not in args:
             fail(key, value, f"allowed: {', '.join(map(str, args))}")
@@ -94,6 +101,14 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
             fail(key, value, "expected a string")
         return str(value)
     raise TypeError(f"config field {key} has an unsupported type {hint}")
+
+
+def _describe(hint: Any) -> str:
+    """What a value of `hint` looks like, for error messages."""
+    if typing.get_origin(hint) is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(hint))
+    return {bool: "true or false", int: "an integer", float: "a number",
+            str: "a string"}.get(hint, getattr(hint, "__name__", str(hint)))
 
 
 def check(cond: bool, key: str, value: Any, allowed: str) -> None:

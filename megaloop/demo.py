@@ -39,7 +39,8 @@ def demo_config(readout: str, out: Path, text: Optional[str], tokenizer: str, st
         data=data,
         optim=OptimConfig(lr=5e-3, min_lr=5e-4, warmup_steps=50, weight_decay=0.0),
         train=TrainConfig(dir=str(out / readout), steps=steps, micro_batch_size=32,
-                          global_batch_size=32, log_every=25, eval_batches=8),
+                          global_batch_size=32, log_every=25,
+                          eval_batches="all" if text else 8),
         wandb=WandbConfig(mode="disabled"))
 
 
@@ -48,7 +49,7 @@ def evaluate(trainer, task: Optional[str]) -> dict:
     """Per-loop CE (all tokens and, on the built-in corpus, answer tokens) and hidden RMS."""
     model = trainer.engine.module
     model.eval()
-    mbs, n = trainer.cfg.train.micro_batch_size, trainer.cfg.train.eval_batches
+    mbs, n = trainer.cfg.train.micro_batch_size, trainer.eval_microbatches
     batch = trainer.dataset.batch(range(mbs * n), split="valid")
     out = model(batch[:, :-1], labels=batch[:, 1:])
     result = {

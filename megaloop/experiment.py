@@ -51,6 +51,9 @@ class ExperimentConfig(Config):
               "objective.kind=exit_weighted needs the exit gate: set model.exit_gate=true")
         check(self.data.seq_len <= self.model.max_seq_len, "data.seq_len", self.data.seq_len,
               f"must be <= model.max_seq_len={self.model.max_seq_len}")
+        check(self.train.eval_batches != "all" or self.data.kind != "synthetic",
+              "train.eval_batches", "all", "data.kind=synthetic has no finite validation split; "
+              "give a number of micro-batches, e.g. train.eval_batches=16")
 
 
 def load(path, overrides=()) -> ExperimentConfig:
@@ -66,15 +69,15 @@ def build_trainer(cfg: ExperimentConfig, log: bool = True):
     cfg.data.check_files()
     if cfg.data.epochs:
         cfg.train.steps = cfg.data.steps_for_epochs(cfg.train.global_batch_size)
-    layout.data_parallel_size(cfg, distributed.world_size())
+    dp = layout.data_parallel_size(cfg, distributed.world_size())
     distributed.init(cfg.train.seed, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
                      virtual_pp=cfg.model.num_loops if cfg.parallel.pp > 1 else None)
     t = cfg.train
-    dataset = cfg.data.build(t.seed, train_samples=t.steps * t.global_batch_size,
-                             valid_samples=t.eval_batches * t.micro_batch_size)
+    dataset = cfg.data.build(t.seed, train_samples=t.steps * t.global_batch_size)
     vocab = dataset.tokenizer.vocab_size
     check(cfg.model.vocab_size >= vocab, "model.vocab_size", cfg.model.vocab_size,
           f"must be >= the tokenizer's {vocab} tokens (of data.kind={cfg.data.kind})")
+    layout.eval_microbatches(t, dataset.valid_windows, dp, cfg.parallel.pp)  # before the model
     engine_class = Engine
     if cfg.engine == "deepspeed":
         from megaloop.parallel.deepspeed import DeepSpeedEngine as engine_class

@@ -6,7 +6,9 @@
     norm_penalty   λ·(1/K)·Σ_k E_tokens ‖H_k‖²_rms          (added when λ > 0)
 
 CE_k and the exit-weighted terms are token means under the loss mask. Every term is also
-returned per loop, detached, for logging.
+returned per loop, detached, for logging, with the distribution of ‖H_k‖_rms over the (masked)
+tokens of the micro-batch: its mean `hidden_rms`, p50, p99 and max (a mean hides the heavy tail
+in which per-token drift shows first).
 """
 
 from __future__ import annotations
@@ -47,6 +49,19 @@ def mean_square(h: torch.Tensor) -> torch.Tensor:
     return h.float().pow(2).mean(dim=-1).t()
 
 
+def rms_percentiles(mean_squares: list[torch.Tensor], loss_mask: Optional[torch.Tensor]
+                    ) -> dict[str, torch.Tensor]:
+    """Per loop, the p50, p99 and max of the per-token ‖H_k‖_rms over the masked tokens (detached,
+    [K] each; zeros when the mask keeps no token)."""
+    rms = torch.stack([m.detach().float().sqrt() for m in mean_squares]).flatten(1)  # [K, b·s]
+    if loss_mask is not None:
+        rms = rms[:, loss_mask.flatten() > 0]
+    if rms.shape[1] == 0:
+        rms = rms.new_zeros(rms.shape[0], 1)
+    p50, p99 = torch.quantile(rms, rms.new_tensor([0.5, 0.99]), dim=1)
+    return {"hidden_rms_p50": p50, "hidden_rms_p99": p99, "hidden_rms_max": rms.amax(dim=1)}
+
+
 @dataclass
 class ExitTerms:
     """Per-token quantities of each exit that the objectives are functions of ([b, s] each)."""
@@ -63,8 +78,9 @@ class ExitTerms:
 def compute(cfg: ObjectiveConfig, exits: ExitTerms | LoopOutput,
             loss_mask: Optional[torch.Tensor] = None
             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The scalar loss and its terms per loop (`ce`, `hidden_rms`, `norm_penalty`, ...), the
-    terms as detached tensors (converted to numbers once per step, not per micro-batch)."""
+    """The scalar loss and its terms per loop (`ce`, `hidden_rms` and its percentiles,
+    `norm_penalty`, ...), the terms as detached tensors (converted to numbers once per step, not
+    per micro-batch)."""
     if isinstance(exits, LoopOutput):
         exits = ExitTerms.from_output(exits)
     num_loops = len(exits.ce)
@@ -89,6 +105,7 @@ def compute(cfg: ObjectiveConfig, exits: ExitTerms | LoopOutput,
         "ce": ce.detach(),
         "hidden_rms": torch.stack([masked_mean(m.sqrt(), loss_mask) for m in exits.mean_square]
                                   ).detach(),
+        **rms_percentiles(exits.mean_square, loss_mask),
         "norm_penalty": (cfg.norm_penalty / num_loops * ms).detach(),
     }
     if cfg.kind == "exit_weighted":

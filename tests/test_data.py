@@ -325,7 +325,7 @@ def test_indexed_dp_ranks_disjoint_resume_exact_and_epochs(wikitext_prep):
     tokenizer = load_tokenizer(str(out / "tokenizer.json"))
     samples = samples_for_epochs(str(out / "train"), 32, epochs=4)
     data = IndexedData(str(out / "train"), str(out / "valid"), 32, seed=5,
-                       num_train_samples=samples, num_valid_samples=8, tokenizer=tokenizer)
+                       num_train_samples=samples, tokenizer=tokenizer)
     # exactly four passes: every document appears four times in GPTDataset's document order
     counts = np.bincount(data.train.document_index)
     assert (counts == 4).all() and len(data.train) == samples
@@ -369,10 +369,12 @@ def test_train_on_prepared_data_indexed_epochs_and_webdataset(wikitext_prep, web
     assert metrics["config"]["train"]["steps"] == steps == len(metrics["steps"])
     web_out = web_prep[0]
     cfg = experiment.load(tiny, [*common, "data.kind=webdataset", f"data.path={web_out}",
-                                 "data.seq_len=64", "train.steps=3",
+                                 "data.seq_len=64", "train.steps=3", "train.eval_batches=all",
                                  f"train.dir={tmp_path / 'web'}"])
-    result = experiment.build_trainer(cfg).fit()
+    trainer = experiment.build_trainer(cfg)
+    result = trainer.fit()
     assert len(result["ce"]) == 4
+    assert result["valid_windows"] == trainer.dataset.valid_windows // 4 * 4 > 0
 
 
 def test_prep_cli_reports_bad_sources_in_one_line(tmp_path):

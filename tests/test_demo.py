@@ -21,7 +21,8 @@ def test_demo_prints_the_table_for_both_readouts(tmp_path, capsys):
 
 def test_demo_trains_on_a_text_file(tmp_path):
     text = tmp_path / "t.txt"
-    text.write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    # its last 5% (the validation text) must hold a micro-batch of 32 windows of 129 bytes
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 2000)
     results = run_demo(text=str(text), steps=3, out=str(tmp_path / "runs"))
     assert "answer_ce" not in results["norm"] and len(results["raw"]["ce"]) == 4
 

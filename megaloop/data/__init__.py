@@ -8,6 +8,11 @@
 
 Every kind is sharded over data-parallel ranks (disjoint samples) and resumes from the number of
 consumed samples: exactly for the indexable kinds, at the next shard boundary for webdataset.
+
+Validation is the same for every seed, variant and layout: `batch(indices, split="valid")` reads
+the validation split in file order, sample i being its i-th window of seq_len+1 tokens
+(batches.Windows; webdataset: the i-th held-out sequence; synthetic: a fixed stream of its own),
+and `valid_windows` says how many there are (None for synthetic data, which has no end).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ class DataConfig(Config):
     """text: a text file; indexed: a dataset prefix (DIR/train); webdataset: the prep folder."""
     valid_path: Optional[str] = None
     """text: a validation text file (else the last `valid_fraction` of `path`); indexed: the
-    validation prefix (DIR/valid; else samples of the training split)."""
+    validation prefix (DIR/valid; else the training split itself, which is no held-out score)."""
     valid_fraction: float = 0.05
     tokenizer: str = "bytes"
     """`bytes` (256 tokens) or a tokenizer.json path; indexed and webdataset data bring theirs."""
@@ -92,9 +97,9 @@ class DataConfig(Config):
     def _tokenizer(self):
         return load_tokenizer(self.tokenizer_spec())
 
-    def build(self, seed: int, train_samples: int = 0, valid_samples: int = 0):
-        """The data for a run that reads `train_samples` training and `valid_samples`
-        validation samples (indexed data sizes its shuffle to them)."""
+    def build(self, seed: int, train_samples: int = 0):
+        """The data for a run that reads `train_samples` training samples (indexed data sizes
+        its shuffle to them)."""
         self.check_files()
         tokenizer = self._tokenizer()
         if self.kind == "synthetic":
@@ -110,8 +115,7 @@ class DataConfig(Config):
             from megaloop.data.indexed import IndexedData
 
             return IndexedData(self.path, self.valid_path, self.seq_len, seed,
-                               max(train_samples, 1), max(valid_samples, 1), tokenizer,
-                               self.cache_dir)
+                               max(train_samples, 1), tokenizer, self.cache_dir)
         if self.kind == "webdataset":
             from megaloop.data.shards import ShardData
 

@@ -1,4 +1,5 @@
-"""What a training step reads: this data-parallel rank's micro-batches, and the data position.
+"""What a step reads: this data-parallel rank's training micro-batches and the data position,
+and the validation split's windows.
 
 The position saved in checkpoints is the number of consumed samples (over all DP ranks), so a
 resumed run, in any layout, continues where the last one stopped.
@@ -6,7 +7,32 @@ resumed run, in any layout, continues where the last one stopped.
 
 from __future__ import annotations
 
+from typing import Callable
+
+import numpy as np
 import torch
+
+
+class Windows:
+    """The validation windows of a token stream, in order: window i is tokens[i·s : i·s + s + 1]
+    (s = seq_len), so consecutive windows share one token and every token after the first is a
+    target exactly once. The same for every seed, variant and layout."""
+
+    def __init__(self, read: Callable[[int, int], np.ndarray], num_tokens: int, seq_len: int,
+                 name: str):
+        self.read, self.num_tokens, self.seq_len, self.name = read, num_tokens, seq_len, name
+
+    def __len__(self) -> int:
+        return max(self.num_tokens - 1, 0) // self.seq_len
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if not 0 <= index < len(self):
+            raise IndexError(f"validation window {index} of {self.name}: it has {len(self)} "
+                             f"windows of data.seq_len+1={self.seq_len + 1} tokens")
+        return np.asarray(self.read(index * self.seq_len, self.seq_len + 1), dtype=np.int64)
+
+    def batch(self, indices) -> torch.Tensor:
+        return torch.from_numpy(np.stack([self[i] for i in indices]))
 
 
 class Batches:

@@ -1,7 +1,12 @@
-"""megatron-core indexed datasets (from `megaloop prep wikitext103`) through megatron-core's
-GPTDataset and its dataset builder: samples of seq_len+1 tokens across document boundaries,
-shuffled as a function of (seed, epochs) only, so "4 epochs" means four passes over the
-training tokens and any sample index is reproducible (exact resume in any layout)."""
+"""megatron-core indexed datasets (from `megaloop prep wikitext103`).
+
+Training goes through megatron-core's GPTDataset and its dataset builder: samples of seq_len+1
+tokens across document boundaries, shuffled as a function of (seed, epochs) only, so "4 epochs"
+means four passes over the training tokens and any sample index is reproducible (exact resume in
+any layout). Validation does not shuffle: it reads the valid prefix's documents back to back in
+the order they are stored, straight from megatron-core's IndexedDataset, and cuts that stream
+into windows in order (batches.Windows), the same for every seed and variant.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megaloop.data.batches import Batches
+from megaloop.data.batches import Batches, Windows
 from megaloop.data.tokenizer import Tokenizer
 
 
@@ -32,10 +37,32 @@ def samples_for_epochs(prefix: str, seq_len: int, epochs: int) -> int:
     return (epochs * tokens - 1) // seq_len
 
 
+class TokenStream:
+    """The documents of an indexed dataset back to back, in the order they are stored."""
+
+    def __init__(self, prefix: str):
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        self.dataset = IndexedDataset(prefix)
+        self.lengths = self.dataset.sequence_lengths.astype(np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(self.lengths)])
+        self.num_tokens = int(self.starts[-1])
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        """Tokens [start, start + count) of the stream, across document boundaries."""
+        parts = []
+        doc = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while count > 0:
+            offset = start - int(self.starts[doc])
+            n = min(count, int(self.lengths[doc]) - offset)
+            parts.append(self.dataset.get(doc, offset, n))
+            start, count, doc = start + n, count - n, doc + 1
+        return np.concatenate(parts).astype(np.int64)
+
+
 class IndexedData:
     def __init__(self, train_prefix: str, valid_prefix: str | None, seq_len: int, seed: int,
-                 num_train_samples: int, num_valid_samples: int, tokenizer: Tokenizer,
-                 cache_dir: str | None = None):
+                 num_train_samples: int, tokenizer: Tokenizer, cache_dir: str | None = None):
         from megatron.core.datasets.blended_megatron_dataset_builder import (
             BlendedMegatronDatasetBuilder,
         )
@@ -45,7 +72,7 @@ class IndexedData:
         eod = manifest(train_prefix).get("eos_id", tokenizer.eos_id)
         config = GPTDatasetConfig(
             random_seed=seed, sequence_length=seq_len,
-            blend_per_split=[([train_prefix], None), ([valid_prefix or train_prefix], None), None],
+            blend_per_split=[([train_prefix], None), None, None],
             path_to_cache=cache_dir, create_attention_mask=False, reset_position_ids=False,
             reset_attention_mask=False, eod_mask_loss=False,
             # what GPTDataset asks of a tokenizer (pad is unused: samples carry an extra token)
@@ -54,30 +81,33 @@ class IndexedData:
                                                           "vocab_size": tokenizer.vocab_size}))
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
 
-        def build(on_this_rank: bool):
+        def build():
             return BlendedMegatronDatasetBuilder(
-                GPTDataset, [num_train_samples, num_valid_samples, None],
-                lambda: on_this_rank, config).build()
+                GPTDataset, [num_train_samples, None, None], lambda: True, config).build()[0]
 
         # rank 0 writes the shuffle-index cache, then every rank reads it
         if rank0:
-            self.train, self.valid, _ = build(True)
+            self.train = build()
         if dist.is_initialized():
             dist.barrier()
         if not rank0:
-            self.train, self.valid, _ = build(True)
+            self.train = build()
+        # without a valid prefix, the training split's own windows (a smoke check, not held out)
+        stream = TokenStream(valid_prefix or train_prefix)
+        self.valid = Windows(stream.read, stream.num_tokens, seq_len, valid_prefix or train_prefix)
 
-    def sample(self, index: int, split: str = "train") -> np.ndarray:
-        item = (self.train if split == "train" else self.valid)[index]
+    @property
+    def valid_windows(self) -> int:
+        return len(self.valid)
+
+    def sample(self, index: int) -> np.ndarray:
+        item = self.train[index]
         return torch.cat([item["tokens"], item["labels"][-1:]]).numpy()
 
     def batch(self, indices, split: str = "train") -> torch.Tensor:
-        dataset = self.train if split == "train" else self.valid
-        rows = []
-        for i in indices:
-            item = dataset[i]
-            rows.append(torch.cat([item["tokens"], item["labels"][-1:]]))
-        return torch.stack(rows)
+        if split == "valid":
+            return self.valid.batch(indices)
+        return torch.from_numpy(np.stack([self.sample(i) for i in indices]))
 
     def batches(self, *args, **kwargs) -> Batches:
         return Batches(self, *args, **kwargs)

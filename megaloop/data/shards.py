@@ -7,7 +7,8 @@ data), so ranks see disjoint samples whose union is the epoch. `resampled=true` 
 each next shard with replacement from (seed, rank, shard number): an endless stream. The shard
 order is megaloop's, not webdataset's shardshuffle (set to False), because it must be
 reproducible: a resumed run restarts at the first shard boundary at or after the saved position.
-The last `valid_shards` shards are held out for validation.
+The last `valid_shards` shards are held out for validation: validation sample i is their i-th
+sequence, in shard name order and the order within each shard.
 """
 
 from __future__ import annotations
@@ -46,9 +47,17 @@ class ShardData:
                                 nodesplitter=None, empty_check=False).decode()
         return np.stack([s["tokens.npy"] for s in stream]).astype(np.int64)
 
+    @property
+    def valid_windows(self) -> int:
+        return len(self._valid)
+
     def batch(self, indices, split: str = "valid") -> torch.Tensor:
         assert split == "valid", "training samples are streamed (see batches())"
-        return torch.from_numpy(self._valid[[i % len(self._valid) for i in indices]])
+        indices = list(indices)
+        if indices and not 0 <= min(indices) <= max(indices) < len(self._valid):
+            raise IndexError(f"validation sequences {indices[0]}..{indices[-1]}: the held-out "
+                             f"shards of {self.folder} hold {len(self._valid)}")
+        return torch.from_numpy(self._valid[indices])
 
     def shard_order(self, dp_rank: int, dp_size: int) -> Iterator[str]:
         """This rank's endless sequence of shards."""

@@ -10,6 +10,9 @@ it in a minute on a CPU.
 induction-like attention, so it takes far longer to learn).
 
 Every sample is a pure function of (seed, index): no files, and resuming or re-sharding is exact.
+Validation samples come from a fixed stream of their own (VALID_SEED), the same whatever
+train.seed is and disjoint from every training stream; it has no end, so there is no
+"whole validation split" to evaluate.
 """
 
 from __future__ import annotations
@@ -46,11 +49,16 @@ def lookup(rng: np.random.Generator, max_hops: int, chains: int = 2) -> str:
 
 
 TASKS = {"addition": addition, "lookup": lookup}
+VALID_SEED = 1_000_003
+"""Validation sample i is drawn from [VALID_SEED, i, 1]: the third, non-zero word keeps it apart
+from every training key [seed, index] (which numpy reads as [seed, index, 0])."""
 
 
-def sample(task: str, seed: int, index: int, length: int, depth: int) -> np.ndarray:
-    """`length` byte tokens of back-to-back episodes, determined by (task, seed, index)."""
-    rng = np.random.default_rng([seed, index])
+def sample(task: str, seed: int, index: int, length: int, depth: int,
+           split: str = "train") -> np.ndarray:
+    """`length` byte tokens of back-to-back episodes, determined by (task, seed, index), or by
+    (task, index) alone for the validation split."""
+    rng = np.random.default_rng([seed, index] if split == "train" else [VALID_SEED, index, 1])
     episodes = []
     while sum(map(len, episodes)) < length:
         episodes.append(TASKS[task](rng, depth))
@@ -74,16 +82,18 @@ def answer_mask(tokens: np.ndarray, task: str) -> np.ndarray:
 
 
 class SyntheticDataset:
-    """A built-in corpus as indexable data; the valid split uses another seed."""
+    """A built-in corpus as indexable data; the valid split is the fixed VALID_SEED stream."""
+
+    valid_windows = None
+    """Unbounded: validation takes a stated number of samples (train.eval_batches)."""
 
     def __init__(self, task: str, seed: int, seq_len: int, depth: int, tokenizer):
         self.task, self.seed, self.seq_len, self.depth = task, seed, seq_len, depth
         self.tokenizer = tokenizer
 
     def batch(self, indices, split: str = "train") -> torch.Tensor:
-        seed = self.seed if split == "train" else self.seed + 1_000_003
-        return torch.from_numpy(np.stack([sample(self.task, seed, i, self.seq_len + 1,
-                                                 self.depth) for i in indices]))
+        return torch.from_numpy(np.stack([sample(self.task, self.seed, i, self.seq_len + 1,
+                                                 self.depth, split) for i in indices]))
 
     def batches(self, *args, **kwargs) -> Batches:
         return Batches(self, *args, **kwargs)

@@ -55,14 +55,23 @@ def is_main() -> bool:
 
 
 def reduce_terms(outputs: list[dict], holds_terms: bool) -> dict:
-    """Mean of the logged terms over micro-batches and data-parallel replicas, on every rank.
-    Ranks that hold terms (last pipeline stage, one tensor-parallel rank) contribute them."""
+    """The logged terms pooled over micro-batches and data-parallel replicas, on every rank.
+    Ranks that hold terms (last pipeline stage, one tensor-parallel rank) contribute them.
+
+    A `*_max` term is the max over micro-batches and replicas, so the step's max is exact.
+    Every other term is the mean: exact token means for means (micro-batches hold equal token
+    counts), and for the percentiles (`hidden_rms_p50`, `hidden_rms_p99`) the mean of each
+    micro-batch's own token percentile, not the percentile of all the step's tokens (that would
+    need every token's value gathered)."""
+    def pool(key: str, values: torch.Tensor) -> list:
+        return (values.amax(0) if key.endswith("_max") else values.mean(0)).tolist()
+
     local = None
     if outputs and holds_terms:
-        local = {key: torch.stack([o[key] for o in outputs]).double().mean(0).tolist()
+        local = {key: pool(key, torch.stack([o[key] for o in outputs]).double())
                  for key in outputs[0]}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
     replicas = [g for g in gathered if g is not None]
-    return {key: torch.tensor([r[key] for r in replicas], dtype=torch.float64).mean(0).tolist()
+    return {key: pool(key, torch.tensor([r[key] for r in replicas], dtype=torch.float64))
             for key in replicas[0]}

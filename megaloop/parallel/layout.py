@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from megaloop.config import Config, check, fail
 
@@ -46,11 +47,36 @@ def data_parallel_size(cfg, world_size: int) -> int:
           train.global_batch_size,
           f"gives {microbatches} micro-batches per step on each pipeline; the circular pipeline "
           f"(megatron-core's interleaved schedule) needs a multiple of parallel.pp={par.pp}")
-    check(train.eval_batches % dp == 0 and (train.eval_batches // dp) % par.pp == 0,
+    check(train.eval_batches == "all" or (train.eval_batches % dp == 0
+                                           and (train.eval_batches // dp) % par.pp == 0),
           "train.eval_batches", train.eval_batches,
           f"must split evenly over DP={dp} ranks into a multiple of parallel.pp={par.pp} "
-          f"micro-batches each")
+          f"micro-batches each (or be `all`)")
     return dp
+
+
+def eval_microbatches(train, valid_windows: Optional[int], dp: int, pp: int) -> int:
+    """Validation micro-batches of a run: micro-batch j holds windows [j·b, (j+1)·b) of the
+    validation split (b = micro_batch_size), so a number evaluates the same windows in every
+    layout. `all` is as many as fit the split evenly over DP ranks and the pipeline's multiple
+    of PP micro-batches: the split's longest such prefix. Checked before any compute."""
+    b, per_round = train.micro_batch_size, dp * pp
+    if train.eval_batches == "all":
+        check(valid_windows is not None, "train.eval_batches", "all",
+              "this data has no finite validation split (data.kind=synthetic); give a number of "
+              "micro-batches, e.g. train.eval_batches=16")
+        count = valid_windows // (b * per_round) * per_round
+        check(count > 0, "train.eval_batches", "all",
+              f"the validation split has {valid_windows} windows of data.seq_len+1 tokens, fewer "
+              f"than one micro-batch (train.micro_batch_size={b}) on each of the DP={dp} x "
+              f"PP={pp} pipelines; use more validation data or a smaller micro-batch")
+        return count
+    check(valid_windows is None or train.eval_batches * b <= valid_windows,
+          "train.eval_batches", train.eval_batches,
+          f"asks for {train.eval_batches * b} windows (x micro_batch_size={b}), but the "
+          f"validation split has {valid_windows}; use train.eval_batches=all or at most "
+          f"{(valid_windows or 0) // b}")
+    return train.eval_batches
 
 
 def params_per_rank(model, tp: int, pp: int, pp_rank: int) -> int:

@@ -1,8 +1,9 @@
 """Where per-step records go: a progress bar, `metrics.json` in the run directory, and wandb.
 
-A record is `{"step", "loss", "ce": [per loop], "hidden_rms": [per loop], "tokens_per_s", ...}`;
-`metrics.json` holds the resolved config and the list of records, rewritten atomically so a
-killed run never leaves it half-written.
+A record is `{"step", "loss", "ce": [per loop], "hidden_rms": [per loop], "hidden_rms_p50",
+"hidden_rms_p99", "hidden_rms_max": [per loop], "tokens_per_s", ...}`; `metrics.json` holds the
+resolved config, the lists of training and validation records and the scale alarms
+(megaloop/train/watchdog.py), rewritten atomically so a killed run never leaves it half-written.
 """
 
 from __future__ import annotations
@@ -49,10 +50,10 @@ class MetricsLogger:
                  start_step: int = 0, enabled: bool = True, history: Optional[dict] = None):
         self.enabled = enabled
         self.path = run_dir / "metrics.json"
-        self.data = {"config": config, "steps": [], "evals": []}
+        self.data = {"config": config, "steps": [], "evals": [], "alarms": []}
         if history:
-            self.data["steps"] = [r for r in history.get("steps", []) if r["step"] <= start_step]
-            self.data["evals"] = [r for r in history.get("evals", []) if r["step"] <= start_step]
+            for kind in ("steps", "evals", "alarms"):
+                self.data[kind] = [r for r in history.get(kind, []) if r["step"] <= start_step]
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                         dynamic_ncols=True, disable=not enabled or None)
         self.wandb = None
@@ -79,10 +80,28 @@ class MetricsLogger:
         if kind == "steps":
             ce = " ".join(f"{c:.3f}" for c in record["ce"])
             rms = " ".join(f"{r:.3g}" for r in record["hidden_rms"])
-            self.bar.set_postfix_str(f"loss {record['loss']:.4f} | CE/loop {ce} | RMS/loop {rms}")
+            top = " ".join(f"{r:.3g}" for r in record["hidden_rms_max"])
+            self.bar.set_postfix_str(f"loss {record['loss']:.4f} | CE/loop {ce} | RMS/loop {rms}"
+                                     f" | max {top}")
         else:
             self.bar.write(f"step {record['step']}: valid CE/loop "
-                           + " ".join(f"{c:.4f}" for c in record["ce"]))
+                           + " ".join(f"{c:.4f}" for c in record["ce"])
+                           + f" ({record['valid_windows']} windows, {record['valid_tokens']} "
+                             f"tokens)")
+
+    def alarm(self, alarm: dict, message: str) -> None:
+        """A scale alarm: a log line, an entry in metrics.json, and in wandb a value
+        `scale_alarm/RULE/loopK` and an alert (kept in an offline run's file for `wandb sync`)."""
+        if not self.enabled:
+            return
+        self.data["alarms"].append(alarm)
+        write_json_atomic(self.path, self.data)
+        self.bar.write(f"megaloop: {message}")
+        if self.wandb is not None:
+            self.wandb.log({f"scale_alarm/{alarm['rule']}/loop{alarm['loop']}": alarm["value"]},
+                           step=alarm["step"])
+            self.wandb.alert(title=f"megaloop scale alarm, loop {alarm['loop']}", text=message,
+                             level="WARN")
 
     def close(self) -> None:
         if self.enabled:

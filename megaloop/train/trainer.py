@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional, Union
 
 import torch
+import torch.distributed as dist
 
 from megaloop.config import Config, check
+from megaloop.parallel.layout import eval_microbatches
 from megaloop.train import checkpoint
 from megaloop.train.metrics import MetricsLogger
 from megaloop.train.preemption import Preempted, PreemptionWatch
+from megaloop.train.watchdog import (STOP_MARKER, ScaleAlarmConfig, ScaleWatchdog, UnhealthyRun,
+                                     write_stop_marker)
 
 
 @dataclass
@@ -32,22 +37,42 @@ class TrainConfig(Config):
     log_every: int = 10
     eval_every: int = 0
     """Validation every N steps; 0 = only after the last step."""
-    eval_batches: int = 4
+    eval_batches: Union[int, Literal["all"]] = 4
+    """Validation micro-batches: the first N·micro_batch_size windows of the validation split in
+    file order, or `all` of it (the longest prefix that splits evenly over DP and PP)."""
     save_every: int = 0
     """Checkpoint every N steps; 0 = only after the last step."""
     keep_last: int = 2
     bf16: bool = False
     """bf16 autocast of the forward pass (parameters and optimizer stay fp32)."""
+    scale_alarm: ScaleAlarmConfig = field(default_factory=ScaleAlarmConfig)
+    """Alarms on the per-loop hidden RMS (megaloop/train/watchdog.py); off by default."""
 
     def validate(self, prefix: str = "") -> None:
-        for name in ("steps", "micro_batch_size", "global_batch_size", "log_every",
-                     "eval_batches", "keep_last"):
+        for name in ("steps", "micro_batch_size", "global_batch_size", "log_every", "keep_last"):
             check(getattr(self, name) >= 1, prefix + name, getattr(self, name), "must be >= 1")
+        check(self.eval_batches == "all" or self.eval_batches >= 1, prefix + "eval_batches",
+              self.eval_batches, "must be >= 1, or `all`")
         for name in ("eval_every", "save_every"):
             check(getattr(self, name) >= 0, prefix + name, getattr(self, name), "must be >= 0")
         check(self.global_batch_size % self.micro_batch_size == 0, prefix + "global_batch_size",
               self.global_batch_size,
               f"must be a multiple of train.micro_batch_size={self.micro_batch_size}")
+
+
+class ValidMicrobatches(Sequence):
+    """This rank's validation micro-batches (j = dp_rank, dp_rank + DP, ...), read when the
+    schedule asks for them, so a whole split is never held twice."""
+
+    def __init__(self, dataset, ids: range, micro_batch_size: int):
+        self.dataset, self.ids, self.size = dataset, ids, micro_batch_size
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        j = self.ids[i]
+        return self.dataset.batch(range(j * self.size, (j + 1) * self.size), split="valid")
 
 
 class Trainer:
@@ -58,8 +83,11 @@ class Trainer:
         self.run_dir = Path(cfg.train.dir)
         self.batches = dataset.batches(cfg.train.global_batch_size, cfg.train.micro_batch_size,
                                        dp_rank=engine.dp_rank, dp_size=engine.dp_size)
+        self.eval_microbatches = eval_microbatches(cfg.train, dataset.valid_windows,
+                                                   engine.dp_size, engine.layout()["pp"])
         self.step = 0
         self.log_enabled = log
+        self.is_main = dist.get_rank() == 0
 
     def train_step(self) -> dict:
         start = time.perf_counter()
@@ -75,14 +103,16 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, num_loops: Optional[int] = None) -> dict:
-        """Validation terms per loop over `eval_batches` fixed micro-batches (the same ones every
-        time), split over data-parallel ranks."""
+        """Validation terms per loop over the first `eval_microbatches` micro-batches of the
+        validation split (the same windows every time, for every seed and layout), split over
+        data-parallel ranks; the record states the prefix it covers."""
         self.engine.train(False)
-        mbs, dp = self.cfg.train.micro_batch_size, self.engine.dp_size
-        microbatches = [self.dataset.batch(range(i * mbs, (i + 1) * mbs), split="valid")
-                        for i in range(self.engine.dp_rank, self.cfg.train.eval_batches, dp)]
-        outputs = self.engine.step(microbatches, forward_only=True, num_loops=num_loops)
-        return {"step": self.step, **self.engine.reduce(outputs)}
+        mbs, n = self.cfg.train.micro_batch_size, self.eval_microbatches
+        mine = ValidMicrobatches(self.dataset, range(self.engine.dp_rank, n, self.engine.dp_size),
+                                 mbs)
+        outputs = self.engine.step(mine, forward_only=True, num_loops=num_loops)
+        return {"step": self.step, **self.engine.reduce(outputs), "valid_windows": n * mbs,
+                "valid_tokens": n * mbs * self.dataset.seq_len}
 
     @property
     def checkpoints(self) -> Path:
@@ -106,9 +136,28 @@ class Trainer:
         path = self.run_dir / "metrics.json"
         return json.loads(path.read_text()) if self.step and path.is_file() else None
 
+    def _clear_stop_marker(self) -> None:
+        """A rerun of a stopped run is someone's decision to go on: report the old stop and
+        remove its marker, so RUN_DIR/STOPPED always means this attempt stopped."""
+        marker = self.run_dir / STOP_MARKER
+        if self.is_main and marker.is_file():
+            if self.log_enabled:
+                why = json.loads(marker.read_text()).get("message", "")
+                print(f"megaloop: an earlier attempt stopped ({why}); continuing", flush=True)
+            marker.unlink()
+
+    def stop_unhealthy(self, reason: str, message: str, **details) -> None:
+        """Save a checkpoint, write RUN_DIR/STOPPED and raise UnhealthyRun (every rank)."""
+        folder = self.save()
+        if self.is_main:
+            write_stop_marker(self.run_dir, reason, message, step=self.step,
+                              checkpoint=str(folder), **details)
+        raise UnhealthyRun(f"stopped at step {self.step}: {message}; checkpoint {folder} saved")
+
     def fit(self) -> dict:
         t = self.cfg.train
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._clear_stop_marker()
         resumed = self.resume()
         if resumed is not None and self.log_enabled:
             print(f"megaloop: resumed from {resumed} (step {self.step})", flush=True)
@@ -118,12 +167,19 @@ class Trainer:
                                start_step=self.step, enabled=self.log_enabled,
                                history=self._history() if self.log_enabled else None)
         logger.data["layout"] = layout
+        watchdog = ScaleWatchdog(t.scale_alarm)
         try:
             while self.step < t.steps:
                 record = self.train_step()
                 logger.advance()
-                if self.step % t.log_every == 0 or self.step == t.steps:
+                alarms = watchdog.check(record)
+                if self.step % t.log_every == 0 or self.step == t.steps or alarms:
                     logger.log(record)
+                for alarm in alarms:
+                    logger.alarm(alarm.to_dict(), alarm.message())
+                if alarms and t.scale_alarm.action == "stop":
+                    self.stop_unhealthy("scale_alarm", "scale alarm, " + "; ".join(
+                        a.what() for a in alarms), alarms=[a.to_dict() for a in alarms])
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
                     logger.log(self.evaluate(), kind="evals")
                 if preemption.requested():
