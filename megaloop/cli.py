@@ -109,7 +109,8 @@ def cmd_eval_downstream(args) -> int:
 
     tasks = tuple(t for t in args.tasks.split(",") if t) if args.tasks else downstream.STUDY_TASKS
     summary = downstream.run(Path(args.model), args.loops, tasks, Path(args.out), args.limit,
-                             Path(args.data_dir) if args.data_dir else None, args.batch_size)
+                             Path(args.data_dir) if args.data_dir else None, args.batch_size,
+                             split=args.split)
     print(downstream.table(summary))
     print(f"results and samples in {args.out}")
     return 0
@@ -235,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     down.add_argument("--data-dir", help="run the built-in tasks from DIR/<task>/<split>.jsonl "
                                          "(hub schema) instead of the hub")
     down.add_argument("--batch-size", type=int, default=8)
+    down.add_argument("--split", choices=["validation", "default"], default="validation",
+                      help="validation (the study: every task's validation split) or default "
+                           "(the split lm-eval evaluates each task on)")
     down.add_argument("--out", required=True, help="results folder (results, samples, summary)")
     down.set_defaults(fn=cmd_eval_downstream)
     cmp = evaluate.add_parser("compare", help="paired bootstrap CIs between two results folders")

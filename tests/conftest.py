@@ -62,6 +62,21 @@ def reference_run(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def export_dir(tmp_path_factory):
+    """A briefly trained tiny model (bytes tokenizer), exported once a session. 256 positions:
+    lm-eval needs the longest continuation of a real task row to fit."""
+    from multiproc import train_here
+
+    from megaloop.export import export
+    from megaloop.parallel import distributed
+
+    root = tmp_path_factory.mktemp("eval")
+    train_here(root / "run", ["train.steps=6", "train.save_every=6", "model.max_seq_len=256"])
+    distributed.init(seed=0)
+    return export(root / "run", root / "hf")
+
+
 _MEMORY_REPORTS: list[tuple[str, dict]] = []
 
 

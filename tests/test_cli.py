@@ -19,7 +19,7 @@ SUBCOMMANDS = {
 }
 CKPT_ACTIONS = {"consolidate": ["checkpoint", "out"]}
 EVAL_ACTIONS = {"downstream": ["model", "loops", "tasks", "limit", "data_dir", "batch_size",
-                               "out"],
+                               "split", "out"],
                 "compare": ["a", "b", "resamples", "seed", "out"]}
 BENCH_ACTIONS = {"fixed-k": ["model", "data", "loops", "batch_size", "seq_len", "batches",
                              "warmup", "dtype", "out"]}

@@ -12,20 +12,6 @@ from megaloop.evaluation import compare, downstream, fixed_k
 from megaloop.evaluation.exported import EvalError
 
 
-@pytest.fixture(scope="module")
-def export_dir(tmp_path_factory):
-    """A briefly trained tiny model (bytes tokenizer), exported."""
-    from multiproc import train_here
-
-    from megaloop.export import export
-    from megaloop.parallel import distributed
-
-    root = tmp_path_factory.mktemp("eval")
-    train_here(root / "run", ["train.steps=6", "train.save_every=6"])
-    distributed.init(seed=0)
-    return export(root / "run", root / "hf")
-
-
 def write_tasks(root: Path) -> Path:
     """Two built-in tasks in their hub schema: ARC-Easy (3-5 choices, evaluated on `test`) and
     BoolQ (yes/no, evaluated on `validation`)."""
@@ -52,11 +38,13 @@ def test_lm_eval_runs_builtin_tasks_from_local_files(export_dir, tmp_path, capsy
     data = write_tasks(tmp_path / "data")
     out = tmp_path / "results"
     assert main(["eval", "downstream", str(export_dir), "--loops", "2", "--tasks",
-                 "arc_easy,boolq", "--data-dir", str(data), "--out", str(out)]) == 0
+                 "arc_easy,boolq", "--data-dir", str(data), "--split", "default", "--out",
+                 str(out)]) == 0
     assert "| **macro** |" in capsys.readouterr().out
     results = json.loads((out / "results.json").read_text())
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["loops"] == 2
+    assert summary["loops"] == 2 and summary["split"] == "default"
+    assert summary["splits"] == {"arc_easy": "test", "boolq": "validation"}
     for task, n in (("arc_easy", 7), ("boolq", 5)):
         samples = [json.loads(line) for line in open(out / f"samples_{task}.jsonl")]
         assert len(samples) == n == summary["tasks"][task]["n"]
@@ -78,9 +66,14 @@ def test_local_task_data_must_hold_the_evaluated_split(export_dir, tmp_path, cap
     from megaloop.cli import main
 
     data = write_tasks(tmp_path / "data")
-    (data / "arc_easy/test.jsonl").rename(data / "arc_easy/validation.jsonl")
     assert main(["eval", "downstream", str(export_dir), "--loops", "1", "--tasks", "arc_easy",
                  "--data-dir", str(data), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("megaloop: error: --data-dir") and (
+        "arc_easy/validation.jsonl" in err[-1])  # --split validation by default
+    (data / "arc_easy/test.jsonl").rename(data / "arc_easy/validation.jsonl")
+    assert main(["eval", "downstream", str(export_dir), "--loops", "1", "--tasks", "arc_easy",
+                 "--data-dir", str(data), "--split", "default", "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("megaloop: error: --data-dir") and "arc_easy/test.jsonl" in err[-1]
     assert main(["eval", "downstream", str(export_dir), "--loops", "1", "--tasks", "nope",
@@ -122,12 +115,13 @@ def test_compare_pairs_examples_and_reports_the_differences(tmp_path):
     result = compare.compare(a, b, resamples=2000)
     assert result["pairs"] == 50
     nll = result["metrics"]["gold NLL / char"]
-    expected = np.mean([-0.5 / len(c) for c in [" a", " bb", " ccc", " dddd"] * 13][:50])
+    expected = np.mean([-0.5 / len(c) for c in ["a", "bb", "ccc", "dddd"] * 13][:50])
     assert nll["delta"] == pytest.approx(expected)
     assert nll["ci95"][0] <= nll["delta"] <= nll["ci95"][1] < 0
     assert result["metrics"]["p(gold)"]["delta"] > 0
     assert result["macro_acc"]["b"] >= result["macro_acc"]["a"]
-    assert "| margin ↑ |" in compare.table(result)
+    assert result["metrics"]["margin / char"]["delta"] == pytest.approx(-expected)
+    assert "| margin / char ↑ |" in compare.table(result)
 
 
 def test_fixed_k_bench_gives_a_row_per_k(export_dir, tmp_path):

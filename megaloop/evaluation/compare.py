@@ -1,11 +1,15 @@
 """Two models on the same examples: paired bootstrap CIs of per-example differences.
 
 Accuracy moves in steps of 1/n and hides how much more likely the right answer became, so the
-study compares continuous per-example quantities of the gold answer, paired by (task, doc_id):
+study compares continuous per-example quantities of the gold answer, paired by (task, doc_id).
+Like the study (Table 7) every one is computed from length-normalised scores
+s_i = log p(choice i) / len(choice i in characters), lm-eval's acc_norm score, so that long
+choices are not penalised for their length (the choice is doc_to_choice's text, without the
+delimiting space; for WinoGrande the option-filled context: downstream.choices):
 
-    gold NLL / char   −log p(gold continuation) per character (lower is better)
-    margin            log p(gold) − max over distractors of log p(distractor)
-    p(gold)           p(gold) normalized over the choices (softmax of the log-likelihoods)
+    gold NLL / char   −s_gold (lower is better)
+    margin / char     s_gold − max over distractors of s_i
+    p(gold)           softmax(s)_gold, over the choices
 
 and reports B − A with a 95% percentile CI from 10,000 resamples of the paired examples.
 """
@@ -16,19 +20,20 @@ from pathlib import Path
 
 import numpy as np
 
-from megaloop.evaluation.downstream import accuracies, choices, read_samples
+from megaloop.evaluation.downstream import accuracies, choices, normalised, read_samples
 from megaloop.evaluation.exported import EvalError
 
-METRICS = {"gold NLL / char": "lower", "margin": "higher", "p(gold)": "higher"}
+METRICS = {"gold NLL / char": "lower", "margin / char": "higher", "p(gold)": "higher"}
 
 
 def per_example(sample: dict) -> dict[str, float]:
-    lls, continuations, gold = choices(sample)
-    others = np.delete(lls, gold)
-    p = np.exp(lls - lls.max())
-    return {"gold NLL / char": -lls[gold] / max(len(continuations[gold]), 1),
-            "margin": lls[gold] - others.max() if others.size else 0.0,
-            "p(gold)": p[gold] / p.sum()}
+    lls, texts, gold = choices(sample)
+    s = normalised(lls, texts)
+    others = np.delete(s, gold)
+    p = np.exp(s - s.max())
+    return {"gold NLL / char": float(-s[gold]),
+            "margin / char": float(s[gold] - others.max()) if others.size else 0.0,
+            "p(gold)": float(p[gold] / p.sum())}
 
 
 def paired_bootstrap(diffs: np.ndarray, resamples: int = 10_000, seed: int = 0,
@@ -57,7 +62,7 @@ def compare(a: Path, b: Path, resamples: int = 10_000, seed: int = 0) -> dict:
             for side, values in enumerate((per_example(s), per_example(by_doc[s["doc_id"]]))):
                 for m, v in values.items():
                     rows[m][side].append(v)
-    n = len(rows["margin"][0])
+    n = len(rows["gold NLL / char"][0])
     if n == 0:
         raise EvalError(f"{a} and {b} share no (task, doc_id) pairs")
     result = {"tasks": tasks, "pairs": n, "resamples": resamples, "seed": seed, "metrics": {}}
@@ -72,13 +77,14 @@ def compare(a: Path, b: Path, resamples: int = 10_000, seed: int = 0) -> dict:
 
 
 def table(result: dict, a: str = "A", b: str = "B") -> str:
-    lines = [f"| metric ({result['pairs']} paired examples, {len(result['tasks'])} tasks) | "
-             f"{a} | {b} | Δ (B − A) | 95% CI |", "|---|---|---|---|---|"]
+    lines = [f"| metric ({result['pairs']} paired examples, {len(result['tasks'])} tasks; "
+             f"scores per character) | {a} | {b} | Δ (B − A) | 95% CI |",
+             "|---|---|---|---|---|"]
     for m, r in result["metrics"].items():
         arrow = "↓" if r["better"] == "lower" else "↑"
         lines.append(f"| {m} {arrow} | {r['a']:.4f} | {r['b']:.4f} | {r['delta']:+.4f} | "
                      f"[{r['ci95'][0]:+.4f}, {r['ci95'][1]:+.4f}] |")
-    lines.append(f"| macro accuracy ↑ | {result['macro_acc']['a']:.4f} | "
+    lines.append(f"| macro accuracy (acc) ↑ | {result['macro_acc']['a']:.4f} | "
                  f"{result['macro_acc']['b']:.4f} | "
                  f"{result['macro_acc']['b'] - result['macro_acc']['a']:+.4f} | |")
     return "\n".join(lines)

@@ -1,14 +1,17 @@
 """Downstream multiple-choice tasks with lm-eval (HFLM) on an exported model at a chosen K.
 
-Continuation likelihood, zero-shot, the study's nine tasks by default. `data_dir` runs the same
-built-in tasks from local files (no hub): DIR/<task>/<split>.jsonl in the hub dataset's schema,
-wired in by a generated task YAML that includes the built-in one and overrides where the data
-comes from (lm-eval merges an include-path YAML with the built-in config; a dict of overrides
-passed to simple_evaluate replaces it instead).
+Continuation likelihood, zero-shot, the study's nine tasks by default, each on its validation
+split (`split="validation"`, the study's protocol) or on the split lm-eval evaluates by default
+(`split="default"`: its test split where the config names one). Both the split and `data_dir`
+(the built-in tasks from local files, DIR/<task>/<split>.jsonl in the hub dataset's schema) are
+wired in by a generated task YAML per task that includes the built-in one and overrides keys
+(lm-eval merges an include-path YAML with the built-in config; a dict of overrides passed to
+simple_evaluate replaces it instead).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 from pathlib import Path
@@ -19,44 +22,117 @@ from megaloop.evaluation.exported import EvalError, load_model, load_tokenizer, 
 
 STUDY_TASKS = ("boolq", "winogrande", "commonsense_qa", "sciq", "piqa", "arc_easy",
                "arc_challenge", "hellaswag", "openbookqa")
+SPLITS = ("validation", "default")
 SPLIT_KEYS = ("training_split", "validation_split", "test_split", "fewshot_split")
+TARGET_DELIMITER = " "  # lm-eval's default; none of the study's tasks sets another
 
 
-def local_task_configs(tasks, data_dir: Path, into: Path, task_manager) -> None:
-    """One YAML per task in `into`: the built-in task, reading DIR/<task>/<split>.jsonl."""
+@functools.cache
+def builtin_tasks():
+    """lm-eval's index of its built-in tasks: scanning their YAMLs takes ~15 s, so once."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager()
+
+
+def task_configs(tasks, split: str, data_dir: Path | None, into: Path) -> bool:
+    """One YAML per task in `into`, the built-in task with its test split nulled (`validation`:
+    lm-eval evaluates the test split when there is one) and/or reading DIR/<task>/<split>.jsonl.
+    Returns whether any was needed (`default` from the hub runs the built-in tasks as they are).
+    Refuses, before any model is loaded, a task that cannot be run as asked."""
     import yaml
-    from lm_eval.tasks._yaml_loader import load_yaml
+
+    if split not in SPLITS:
+        raise EvalError(f"--split {split}: one of {', '.join(SPLITS)}")
+    if split == "default" and data_dir is None:
+        return False
+    from lm_eval.tasks._index import Kind
 
     for name in tasks:
-        entry = task_manager.task_index[name]
-        cfg = load_yaml(entry.yaml_path, resolve_func=False)
-        evaluated = cfg.get("test_split") or cfg.get("validation_split")
-        override = {"include": str(entry.yaml_path), "task": name, "dataset_path": "json",
-                    "dataset_name": None}
-        files = {}
-        for key in SPLIT_KEYS:
-            split = cfg.get(key)
-            if split is None:
-                continue
-            path = data_dir / name / f"{split}.jsonl"
-            if path.is_file():
-                files[split] = str(path.resolve())
-            else:
-                override[key] = None
-        if evaluated not in files:
-            raise EvalError(f"--data-dir {data_dir}: no {name}/{evaluated}.jsonl (lm-eval "
-                            f"evaluates {name} on its {evaluated!r} split; one JSON object per "
-                            f"line in the schema of the hub dataset {cfg.get('dataset_path')})")
-        override["dataset_kwargs"] = {"data_files": files}
+        entry = builtin_tasks().task_index[name]
+        if entry.kind is not Kind.TASK:
+            raise EvalError(f"{name} is an lm-eval {entry.kind.name.lower()}, not a task: "
+                            f"give its tasks by name (--split {split}"
+                            f"{' and --data-dir' if data_dir else ''} are set per task)")
+        cfg = entry.cfg
+        override = {"include": str(entry.yaml_path), "task": name}
+        if split == "validation":
+            if not cfg.get("validation_split"):
+                raise EvalError(f"--split validation: lm-eval's {name} has no validation split "
+                                f"(its splits: {splits_of(cfg)}); run it with --split default")
+            override["test_split"] = None
+        if data_dir is not None:
+            override.update(local_data(name, {**cfg, **override}, Path(data_dir)))
         (into / f"{name}.yaml").write_text(yaml.safe_dump(override, sort_keys=False))
+    return True
+
+
+def splits_of(cfg: dict) -> dict:
+    return {key: cfg[key] for key in SPLIT_KEYS if cfg.get(key)}
+
+
+def evaluated_split(cfg: dict) -> str | None:
+    """The split lm-eval evaluates (ConfigurableTask.eval_docs): test if set, else validation."""
+    return cfg.get("test_split") or cfg.get("validation_split")
+
+
+def local_data(name: str, cfg: dict, data_dir: Path) -> dict:
+    """Overrides that read the task's splits from DIR/<task>/<split>.jsonl; splits without a
+    file are nulled (zero-shot needs no training split), the evaluated one must be there."""
+    override, files = {"dataset_path": "json", "dataset_name": None}, {}
+    for key, split in splits_of(cfg).items():
+        path = data_dir / name / f"{split}.jsonl"
+        if path.is_file():
+            files[split] = str(path.resolve())
+        else:
+            override[key] = None
+    evaluated = evaluated_split(cfg)
+    if evaluated not in files:
+        raise EvalError(f"--data-dir {data_dir}: no {name}/{evaluated}.jsonl (lm-eval "
+                        f"evaluates {name} on its {evaluated!r} split here; one JSON object per "
+                        f"line in the schema of the hub dataset {cfg.get('dataset_path')})")
+    override["dataset_kwargs"] = {"data_files": files}
+    return override
 
 
 def choices(sample: dict) -> tuple[np.ndarray, list[str], int]:
-    """Per-choice log-likelihoods, continuations and the gold index of one logged sample."""
+    """Per-choice log-likelihoods, choice texts and gold index of one logged lm-eval sample, as
+    lm-eval's ConfigurableTask.process_results forms them (zero-shot, no chat template).
+
+    Most tasks put the choices in the continuation: `arguments` are (context, " " + choice) and
+    `target` is the gold index, or the gold choice itself (CommonsenseQA's letter). WinoGrande
+    ("multiple input") puts them in the context: `arguments` are (choice, " " + the shared
+    rest of the sentence), `target` is that shared text, and lm-eval takes the gold from the
+    doc (doc_to_text: `answer`, "1" or "2"). The choice texts are what acc_norm divides by.
+    """
     lls = np.array([float(r[0]) for r in sample["filtered_resps"]])
-    continuations = [context_and_continuation[1] for context_and_continuation in
-                     sample["arguments"]]
-    return lls, continuations, int(sample["target"])
+    contexts, continuations = (list(side) for side in zip(*sample["arguments"]))
+    target, doc = sample["target"], sample.get("doc", {})
+    if len(set(contexts)) > 1:
+        texts = contexts
+        if str(doc.get("answer")) not in ("1", "2"):
+            raise EvalError(f"doc {sample.get('doc_id')}: the choices differ in the context "
+                            f"(lm-eval's multiple input) but the doc has no WinoGrande answer")
+        gold = int(doc["answer"]) - 1
+    else:
+        texts = [c[len(TARGET_DELIMITER):] if c.startswith(TARGET_DELIMITER) else c
+                 for c in continuations]
+        if isinstance(target, int) and 0 <= target < len(texts):
+            gold = target
+        elif isinstance(target, str) and target in texts:
+            gold = texts.index(target)
+        else:
+            raise EvalError(f"doc {sample.get('doc_id')}: target {target!r} is neither a choice "
+                            f"index nor one of the choices {texts}")
+    if "acc" in sample and float(np.argmax(lls) == gold) != sample["acc"]:
+        raise EvalError(f"doc {sample.get('doc_id')}: gold index {gold} disagrees with "
+                        f"lm-eval's acc {sample['acc']}")
+    return lls, texts, gold
+
+
+def normalised(lls: np.ndarray, texts: list[str]) -> np.ndarray:
+    """Log-likelihood per character of the choice text (lm-eval's acc_norm score)."""
+    return lls / np.array([len(t) for t in texts], dtype=float)
 
 
 def accuracies(samples: list[dict]) -> dict:
@@ -64,44 +140,45 @@ def accuracies(samples: list[dict]) -> dict:
     recomputed from the logged samples, for every task alike."""
     acc, acc_norm = [], []
     for s in samples:
-        lls, continuations, gold = choices(s)
-        lengths = np.array([len(c) for c in continuations], dtype=float)
+        lls, texts, gold = choices(s)
         acc.append(float(np.argmax(lls) == gold))
-        acc_norm.append(float(np.argmax(lls / lengths) == gold))
+        acc_norm.append(float(np.argmax(normalised(lls, texts)) == gold))
     return {"acc": float(np.mean(acc)), "acc_norm": float(np.mean(acc_norm)), "n": len(samples)}
 
 
 def run(model_path: Path, loops: int, tasks=STUDY_TASKS, out: Path = Path("eval_results"),
         limit: int | None = None, data_dir: Path | None = None, batch_size: int = 8,
-        device: str | None = None) -> dict:
+        device: str | None = None, split: str = "validation") -> dict:
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    task_manager = TaskManager()
-    unknown = [t for t in tasks if t not in task_manager.task_index]
+    unknown = [t for t in tasks if t not in builtin_tasks().task_index]
     if unknown:
         raise EvalError(f"unknown lm-eval task(s): {', '.join(unknown)}")
     if loops < 1:
         raise EvalError(f"--loops {loops}: must be >= 1")
-    tokenizer = load_tokenizer(model_path)
-    device, dtype = placement(device)
-    model = load_model(model_path, device, dtype, num_loops=loops)
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
     with tempfile.TemporaryDirectory() as tmp:
-        if data_dir is not None:
-            local_task_configs(tasks, Path(data_dir), Path(tmp), task_manager)
-            task_manager = TaskManager(include_path=tmp)
+        task_manager = builtin_tasks()
+        if task_configs(tasks, split, data_dir, Path(tmp)):
+            task_manager = TaskManager(include_path=tmp, include_defaults=False)
+        tokenizer = load_tokenizer(model_path)
+        device, dtype = placement(device)
+        model = load_model(model_path, device, dtype, num_loops=loops)
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
         results = simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=0, limit=limit,
                                   log_samples=True, task_manager=task_manager,
                                   bootstrap_iters=0)
-    return write(results, out, {"model": str(model_path), "loops": loops, "limit": limit,
-                                "data_dir": str(data_dir) if data_dir else None})
+    return write(results, out, {
+        "model": str(model_path), "loops": loops, "limit": limit,
+        "data_dir": str(data_dir) if data_dir else None, "split": split,
+        "splits": {t: evaluated_split(cfg) for t, cfg in results["configs"].items()}})
 
 
 def write(results: dict, out: Path, run_info: dict) -> dict:
-    """lm-eval's results.json and samples_<task>.jsonl, plus summary.json: per task acc and
-    acc_norm recomputed from the samples, and their macro averages."""
+    """lm-eval's results.json (with `megaloop`: run_info) and samples_<task>.jsonl, plus
+    summary.json: per task acc and acc_norm recomputed from the samples and the split
+    evaluated, and their macro averages."""
     out.mkdir(parents=True, exist_ok=True)
     samples = results.pop("samples")
     (out / "results.json").write_text(json.dumps({**results, "megaloop": run_info}, indent=1,
@@ -111,7 +188,7 @@ def write(results: dict, out: Path, run_info: dict) -> dict:
         with open(out / f"samples_{task}.jsonl", "w") as f:
             for row in rows:
                 f.write(json.dumps(row, default=str) + "\n")
-        per_task[task] = accuracies(rows)
+        per_task[task] = {**accuracies(rows), "split": run_info["splits"].get(task)}
     summary = {**run_info, "tasks": per_task,
                "macro_acc": float(np.mean([t["acc"] for t in per_task.values()])),
                "macro_acc_norm": float(np.mean([t["acc_norm"] for t in per_task.values()]))}
@@ -128,8 +205,10 @@ def read_samples(folder: Path) -> dict[str, list[dict]]:
 
 
 def table(summary: dict) -> str:
-    lines = ["| task | n | acc | acc_norm |", "|---|---|---|---|"]
+    lines = ["| task | split | n | acc | acc_norm |", "|---|---|---|---|---|"]
     for task, r in summary["tasks"].items():
-        lines.append(f"| {task} | {r['n']} | {r['acc']:.4f} | {r['acc_norm']:.4f} |")
-    lines.append(f"| **macro** | | {summary['macro_acc']:.4f} | {summary['macro_acc_norm']:.4f} |")
+        lines.append(f"| {task} | {r.get('split')} | {r['n']} | {r['acc']:.4f} | "
+                     f"{r['acc_norm']:.4f} |")
+    lines.append(f"| **macro** | | | {summary['macro_acc']:.4f} | "
+                 f"{summary['macro_acc_norm']:.4f} |")
     return "\n".join(lines)

@@ -1,0 +1,263 @@
+"""The study's nine lm-eval tasks from local files in their hub schema: the split each is
+scored on, the gold index of every sample format, and acc / acc_norm as lm-eval computes them."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megaloop.evaluation import compare, downstream
+from megaloop.evaluation.exported import EvalError
+
+ARC = [  # hub rows of allenai/ai2_arc: 3-5 choices, some labelled "1".."4" instead of "A".."E"
+    {"id": "Mercury_7175875", "question": "An astronomer observes that a planet rotates faster "
+     "after a meteorite impact. Which is the most likely effect of this increase in rotation?",
+     "choices": {"text": ["Planetary density will decrease.", "Planetary years will become "
+                          "longer.", "Planetary days will become shorter.",
+                          "Planetary gravity will become stronger."],
+                 "label": ["A", "B", "C", "D"]}, "answerKey": "C"},
+    {"id": "NYSEDREGENTS_2015_4_8", "question": "Which object is the best conductor?",
+     "choices": {"text": ["a wooden spoon", "a copper wire", "a rubber band"],
+                 "label": ["1", "2", "3"]}, "answerKey": "2"},
+    {"id": "Mercury_SC_401169", "question": "Which form of energy is produced when a rubber "
+     "band vibrates?", "choices": {"text": ["chemical", "light", "electrical", "sound", "heat"],
+                                  "label": ["A", "B", "C", "D", "E"]}, "answerKey": "D"},
+    {"id": "MCAS_2000_4_6", "question": "Which tool should a student use to measure mass?",
+     "choices": {"text": ["a balance", "a ruler", "a thermometer", "a stopwatch"],
+                 "label": ["A", "B", "C", "D"]}, "answerKey": "A"},
+]
+
+ROWS = {  # task -> (rows of its validation split, the gold index of each)
+    "boolq": [{"question": "do iran and afghanistan speak the same language",
+               "passage": "Persian, also known by its endonym Farsi, is one of the Western "
+               "Iranian languages. It is primarily spoken in Iran, Afghanistan and Tajikistan.",
+               "idx": 0, "label": 1},
+              {"question": "is a wolverine the same as a badger", "passage": "The wolverine is "
+               "the largest land-dwelling species of the family Mustelidae.", "idx": 1,
+               "label": 0},
+              {"question": "is there a sequel to the movie the golden compass", "passage":
+               "A sequel was planned but was cancelled after the film's disappointing "
+               "sales in North America.", "idx": 2, "label": 0}],
+    "winogrande": [{"sentence": "Sarah was a much better surgeon than Maria so _ always got "
+                    "the easier cases.", "option1": "Sarah", "option2": "Maria", "answer": "2"},
+                   {"sentence": "The trophy doesn't fit into the brown suitcase because the _ "
+                    "is too large.", "option1": "trophy", "option2": "suitcase",
+                    "answer": "1"},
+                   {"sentence": "Kyle doesn't wear leg warmers to bed, while Logan almost "
+                    "always does. _ is more likely to live in a colder climate.",
+                    "option1": "Kyle", "option2": "Logan", "answer": "2"}],
+    "commonsense_qa": [
+        {"id": "075e483d21c29a511267ef62bedc0461", "question": "The sanctions against the "
+         "school were a punishing blow, and they seemed to what the efforts the school had "
+         "made to change?", "question_concept": "punishing",
+         "choices": {"label": ["A", "B", "C", "D", "E"],
+                     "text": ["ignore", "enforce", "authoritarian", "yell at", "avoid"]},
+         "answerKey": "A"},
+        {"id": "61fe6e879ff18686d7552425a36344c8", "question": "Sammy wanted to go to where "
+         "the people were. Where might he go?", "question_concept": "people",
+         "choices": {"label": ["A", "B", "C", "D", "E"],
+                     "text": ["race track", "populated areas", "the desert", "apartment",
+                              "roadblock"]}, "answerKey": "B"},
+        {"id": "4c1cb0e95b99f72d55c068ba0255c54d", "question": "To locate a choker not "
+         "located in a jewelry box or boutique where would you go?", "question_concept":
+         "choker", "choices": {"label": ["A", "B", "C", "D", "E"],
+                               "text": ["jewelry store", "neck", "jewlery box",
+                                        "jewelry box", "boutique"]}, "answerKey": "A"}],
+    "sciq": [{"question": "What type of organism is commonly used in preparation of foods "
+              "such as cheese and yogurt?", "distractor3": "viruses", "distractor1":
+              "protozoa", "distractor2": "gymnosperms", "correct_answer": "mesophilic "
+              "organisms", "support": "Mesophiles grow best in moderate temperature."},
+             {"question": "What phenomenon makes global winds blow northeast to southwest?",
+              "distractor3": "tropical effect", "distractor1": "muon effect", "distractor2":
+              "centrifugal effect", "correct_answer": "coriolis effect", "support": ""}],
+    "piqa": [{"goal": "How do I ready a guinea pig cage for it's new occupants?", "sol1":
+              "Provide the guinea pig with a cage full of a few inches of bedding made of "
+              "ripped paper strips.", "sol2": "Provide the guinea pig with a cage full of a few "
+              "inches of bedding made of ripped jeans material.", "label": 0},
+             {"goal": "dresser", "sol1": "replace drawer with bobby pin ",
+              "sol2": "finish, woodgrain with  bobby pin ", "label": 1}],
+    "arc_easy": ARC,
+    "arc_challenge": ARC[:3],
+    "hellaswag": [
+        {"ind": 24, "activity_label": "Roof shingle removal", "ctx_a": "A man is sitting on a "
+         "roof.", "ctx_b": "he", "ctx": "A man is sitting on a roof. he",
+         "endings": ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
+                     "is holding a rubik's cube.", "starts pulling up roofing on a roof."],
+         "source_id": "activitynet~v_-JhWjGDPHMY", "split": "val", "split_type": "indomain",
+         "label": "3"},
+        {"ind": 92, "activity_label": "Clean and jerk", "ctx_a": "A lady walks to a barbell. "
+         "She bends down and grabs the pole.", "ctx_b": "the lady", "ctx": "A lady walks to a "
+         "barbell. She bends down and grabs the pole. the lady",
+         "endings": ["swings and lands in her arms.", "pulls the barbell forward.",
+                     "pulls a rope attached to the barbell.", "stands and lifts the weight "
+                     "over her head."], "source_id": "activitynet~v_-lJS58hyo1c",
+         "split": "val", "split_type": "zeroshot", "label": "3"},
+        {"ind": 106, "activity_label": "Canoeing", "ctx_a": "Two women in a child are shown "
+         "in a canoe while a man pulls the canoe while standing in the water, with other "
+         "individuals visible in the background.", "ctx_b": "the child and a different man",
+         "ctx": "", "endings": ["are then shown paddling down a river in a boat while a woman "
+                                "talks.", "are driving the canoe, they go down the river "
+                                "flowing side to side.", "sit in a canoe while the man paddles.",
+                                "walking go down the rapids, while the man in his helicopter "
+                                "almost falls and goes out of canoehood."],
+         "source_id": "activitynet~v_-xQvJmC2jhk", "split": "val", "split_type": "indomain",
+         "label": "2"}],
+    "openbookqa": [
+        {"id": "8-376", "question_stem": "Frilled sharks and angler fish live far beneath the "
+         "surface of the ocean, which is why they are known as", "choices": {"text": [
+             "Deep sea animals", "fish", "Long Sea Fish", "Far Sea Animals"],
+             "label": ["A", "B", "C", "D"]}, "answerKey": "A"},
+        {"id": "8-80", "question_stem": "Which of these would let the most heat travel "
+         "through?", "choices": {"text": ["a new pair of jeans.", "a steel spoon in a "
+                                          "cafeteria.", "a cotton candy at a store.",
+                                          "a calvin klein cotton hat."],
+                                 "label": ["A", "B", "C", "D"]}, "answerKey": "B"}],
+}
+
+
+def gold(task: str, row: dict) -> int:
+    if task in ("boolq", "piqa"):
+        return row["label"]
+    if task == "winogrande":
+        return int(row["answer"]) - 1
+    if task == "sciq":
+        return 3
+    if task == "hellaswag":
+        return int(row["label"])
+    return row["choices"]["label"].index(row["answerKey"])
+
+
+def choice_texts(task: str, row: dict) -> list[str]:
+    """What lm-eval's doc_to_choice gives (the hellaswag endings above need no cleaning)."""
+    if task == "boolq":
+        return ["no", "yes"]
+    if task == "winogrande":
+        blank = row["sentence"].index("_")
+        return [row["sentence"][:blank] + row[o] for o in ("option1", "option2")]
+    if task == "commonsense_qa":
+        return list("ABCDE")
+    if task == "sciq":
+        return [row["distractor1"], row["distractor2"], row["distractor3"],
+                row["correct_answer"]]
+    if task == "piqa":
+        return [row["sol1"], row["sol2"]]
+    if task == "hellaswag":
+        return row["endings"]
+    return row["choices"]["text"]
+
+
+@pytest.fixture(scope="module")
+def task_data(tmp_path_factory) -> Path:
+    """ROWS as DIR/<task>/validation.jsonl, and a different test split for the tasks that
+    lm-eval scores on test by default (its first row only)."""
+    root = tmp_path_factory.mktemp("tasks")
+    for task, rows in ROWS.items():
+        (root / task).mkdir()
+        splits = {"validation": rows}
+        if task in ("sciq", "arc_easy", "arc_challenge", "openbookqa"):
+            splits["test"] = rows[:1]
+        for split, split_rows in splits.items():
+            with open(root / task / f"{split}.jsonl", "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in split_rows)
+    return root
+
+
+def check(out: Path, summary: dict, expected: dict[str, list[dict]], split: dict[str, str]):
+    """Per task: counts, the gold index of every sample, the choice texts, acc and acc_norm
+    (per sample and overall) as lm-eval computed them, and the split recorded."""
+    results = json.loads((out / "results.json").read_text())
+    assert results["megaloop"]["splits"] == summary["splits"] == split
+    for task, rows in expected.items():
+        samples = [json.loads(line) for line in open(out / f"samples_{task}.jsonl")]
+        assert len(samples) == len(rows) == summary["tasks"][task]["n"]
+        assert summary["tasks"][task]["split"] == split[task]
+        lm_eval = results["results"][task]
+        mine = downstream.accuracies(samples)
+        assert mine["acc"] == pytest.approx(lm_eval["acc,none"], abs=1e-12), task
+        for s in samples:
+            row = rows[s["doc_id"]]
+            lls, texts, gold_index = downstream.choices(s)
+            assert gold_index == gold(task, row), (task, s["doc_id"])
+            assert texts == choice_texts(task, row), (task, s["doc_id"])
+            assert s["acc"] == float(np.argmax(lls) == gold_index)
+            if "acc_norm" in s:
+                assert s["acc_norm"] == float(
+                    np.argmax(downstream.normalised(lls, texts)) == gold_index), task
+        if "acc_norm,none" in lm_eval:
+            assert mine["acc_norm"] == pytest.approx(lm_eval["acc_norm,none"], abs=1e-12), task
+
+
+def test_the_nine_tasks_on_their_validation_splits(export_dir, task_data, tmp_path):  # noqa: F811
+    out = tmp_path / "val"
+    summary = downstream.run(export_dir, 2, downstream.STUDY_TASKS, out, data_dir=task_data,
+                             batch_size=16, split="validation")
+    assert summary["split"] == "validation" and set(summary["tasks"]) == set(ROWS)
+    check(out, summary, ROWS, {t: "validation" for t in ROWS})
+    reported = json.loads((out / "results.json").read_text())["results"]
+    assert {t for t in ROWS if "acc_norm,none" in reported[t]} == {
+        "sciq", "piqa", "arc_easy", "arc_challenge", "hellaswag", "openbookqa"}
+
+
+def test_split_default_keeps_lm_evals_choice(export_dir, task_data, tmp_path):  # noqa: F811
+    out = tmp_path / "default"
+    summary = downstream.run(export_dir, 1, ("arc_easy", "boolq"), out, data_dir=task_data,
+                             split="default")
+    check(out, summary, {"arc_easy": ARC[:1], "boolq": ROWS["boolq"]},
+          {"arc_easy": "test", "boolq": "validation"})
+    assert "| arc_easy | test | 1 |" in downstream.table(summary)
+
+
+def test_the_hub_path_keeps_the_dataset_and_nulls_the_test_split(tmp_path):
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    assert downstream.task_configs(("arc_challenge", "piqa"), "validation", None, tmp_path)
+    index = TaskManager(include_path=str(tmp_path), include_defaults=False).task_index
+    arc = load_yaml(index["arc_challenge"].yaml_path, resolve_func=False)
+    assert (arc["dataset_path"], arc["dataset_name"]) == ("allenai/ai2_arc", "ARC-Challenge")
+    assert arc["test_split"] is None and arc["validation_split"] == "validation"
+    assert load_yaml(index["piqa"].yaml_path, resolve_func=False)["dataset_path"] == "baber/piqa"
+    assert not downstream.task_configs(("arc_challenge",), "default", None, tmp_path / "none")
+
+
+def test_a_task_without_a_validation_split_is_refused_before_loading(tmp_path):
+    with pytest.raises(EvalError, match="lambada_openai has no validation split"):
+        downstream.run(tmp_path / "no-model", 1, ("boolq", "lambada_openai"), tmp_path / "r",
+                       split="validation")
+
+
+def logged(arguments, lls, target, doc=None) -> dict:
+    return {"doc_id": 0, "doc": doc or {}, "target": target, "arguments": arguments,
+            "filtered_resps": [[ll, False] for ll in lls]}
+
+
+def test_gold_index_and_choice_texts_of_each_sample_format():
+    ctx = "Question: q\nAnswer:"
+    letters = logged([[ctx, f" {c}"] for c in "ABCDE"], [-3, -2, -1, -4, -5], "B")
+    assert downstream.choices(letters)[1:] == (list("ABCDE"), 1)
+    index = logged([[ctx, " no"], [ctx, " yes"]], [-1, -2], 1)
+    assert downstream.choices(index)[1:] == (["no", "yes"], 1)
+    # WinoGrande: the choice is in the context, the continuation shared, the gold the answer
+    wino = logged([["The trophy", " is too large."], ["The suitcase", " is too large."]],
+                  [-9.0, -8.0], "is too large.", {"answer": "1"})
+    assert downstream.choices(wino)[1:] == (["The trophy", "The suitcase"], 0)
+    with pytest.raises(EvalError, match="disagrees with lm-eval"):
+        downstream.choices({**wino, "acc": 1.0})
+
+
+def test_acc_norm_divides_by_the_choice_without_the_delimiting_space():
+    # per character of " a" / " bbbb" the first wins (-0.55 > -0.8), of "a" / "bbbb" the second
+    sample = logged([["Q:", " a"], ["Q:", " bbbb"]], [-1.1, -4.0], 1)
+    assert downstream.accuracies([sample]) == {"acc": 0.0, "acc_norm": 1.0, "n": 1}
+
+
+def test_compare_metrics_are_length_normalised():
+    sample = logged([["Q:", " ab"], ["Q:", " c"], ["Q:", " defg"]], [-3.0, -2.5, -6.0], 0)
+    s = np.array([-3.0 / 2, -2.5 / 1, -6.0 / 4])  # gold -1.5, distractors -2.5 and -1.5
+    got = compare.per_example(sample)
+    assert got["gold NLL / char"] == pytest.approx(1.5)
+    assert got["margin / char"] == pytest.approx(0.0)
+    assert got["p(gold)"] == pytest.approx(np.exp(-1.5) / np.exp(s).sum())
+    raw_winner = logged([["Q:", " ab"], ["Q:", " c"]], [-3.0, -2.0], 0)
+    assert compare.per_example(raw_winner)["margin / char"] == pytest.approx(-1.5 + 2.0)
