@@ -150,6 +150,57 @@ def cmd_bench_fixed_k(args) -> int:
     return 0
 
 
+def cmd_depth(args) -> int:
+    from pathlib import Path
+
+    from megaloop.evaluation import depth, harness
+
+    result = depth.run(Path(args.model), Path(args.data), harness.parse_loops(args.loops),
+                       args.sequences, args.seq_len, args.batch_size, args.clamp, args.dtype,
+                       out=Path(args.out))
+    print(depth.markdown(result))
+    return 0
+
+
+def cmd_halt(args) -> int:
+    from pathlib import Path
+
+    from megaloop.evaluation import halting
+
+    threshold = args.tau if args.rule == "margin" else args.q
+    if (args.tau is not None and args.rule == "gate") or (args.q is not None
+                                                          and args.rule == "margin"):
+        print("megaloop: error: --tau is the margin rule's threshold and --q the gate rule's; "
+              f"give the one of --rule {args.rule}", file=sys.stderr)
+        return 2
+    result = halting.run(Path(args.model), Path(args.data), args.k_max, args.rho, args.calib,
+                         args.bench, args.batch, args.seq_len, args.rule, threshold, args.dtype,
+                         out=Path(args.out))
+    print(halting.markdown(result))
+    return 0
+
+
+def cmd_diagnose(args) -> int:
+    from pathlib import Path
+
+    from megaloop.evaluation import diagnostics
+
+    result = diagnostics.run(Path(args.model), Path(args.data), args.tokens, args.seq_len,
+                             args.rollout, args.batch_size, out=Path(args.out))
+    print(diagnostics.markdown(result))
+    return 0
+
+
+def cmd_report(args) -> int:
+    from pathlib import Path
+
+    from megaloop.evaluation import report
+
+    path = report.build([Path(p) for p in args.inputs], Path(args.out))
+    print(f"wrote {path} and its figures")
+    return 0
+
+
 def cmd_prep(args) -> int:
     import data_prep
     from data_prep.common import PrepError
@@ -265,6 +316,58 @@ def build_parser() -> argparse.ArgumentParser:
                                   "frontier beside it)")
     fk.set_defaults(fn=cmd_bench_fixed_k)
 
+    def measurement(name, help_text):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("model", help="a run directory, a checkpoint folder or a `megaloop "
+                                     "export` folder")
+        p.add_argument("--data", required=True,
+                       help="held-out tokens: a text file, a .npy of ids, an indexed split "
+                            "PREFIX (PREFIX.bin/.idx) or webdataset shards")
+        p.add_argument("--out", required=True, help=f"writes OUT/{name}.json and OUT/{name}.md")
+        return p
+
+    dp = measurement("depth", "fixed-depth CE/PPL at each K from one pass (Table 5)")
+    dp.add_argument("--loops", default="1,2,3,4", help="depths to read, e.g. 1,2,3,4,8")
+    dp.add_argument("--clamp", action="store_true",
+                    help="hold every loop at its loop-1 RMS (the recurrent-scale clamp)")
+    dp.add_argument("--sequences", type=int, default=160, help="windows in the slice")
+    dp.add_argument("--seq-len", type=int, default=256)
+    dp.add_argument("--batch-size", type=int, default=8)
+    dp.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
+    dp.set_defaults(fn=cmd_depth)
+    ht = measurement("halt", "calibrated halting and its timed speedup (Appendix H)")
+    ht.add_argument("--k-max", type=int, default=4)
+    ht.add_argument("--rho", type=float, default=1.01,
+                    help="PPL budget: dynamic PPL <= rho x fixed-K_max PPL on the calibration "
+                         "slice")
+    ht.add_argument("--calib", type=int, default=160, help="calibration sequences")
+    ht.add_argument("--bench", type=int, default=160,
+                    help="benchmark sequences (the windows after the calibration slice)")
+    ht.add_argument("--batch", type=int, default=8)
+    ht.add_argument("--seq-len", type=int, default=256)
+    ht.add_argument("--rule", choices=["margin", "gate"], default="margin",
+                    help="margin: per sequence, mean top-1 minus top-2 logit; gate: per token, "
+                         "Ouro's cumulative exit probability")
+    ht.add_argument("--tau", type=float, help="margin threshold (skip calibration)")
+    ht.add_argument("--q", type=float, help="gate threshold (skip calibration)")
+    ht.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="auto: bfloat16 on a GPU, float32 on a CPU")
+    ht.set_defaults(fn=cmd_halt)
+    dg = measurement("diagnose", "scale, radial gradients, 30-loop rollout, scale sweep, "
+                                 "clamp (Tables 3, 4, 6)")
+    dg.add_argument("--tokens", type=int, default=4096, help="held-out tokens in the slice")
+    dg.add_argument("--seq-len", type=int, default=256)
+    dg.add_argument("--rollout", type=int, default=30, help="loops of the rollout")
+    dg.add_argument("--batch-size", type=int, default=8)
+    dg.set_defaults(fn=cmd_diagnose)
+    rp = sub.add_parser("report", help="the study's tables and figures from runs and "
+                                       "measurement results")
+    rp.add_argument("inputs", nargs="+", metavar="RUN_OR_RESULT",
+                    help="run directories (metrics.json) and folders or JSON files written by "
+                         "depth / halt / diagnose")
+    rp.add_argument("--out", required=True, help="writes OUT/report.md and OUT/*.png")
+    rp.set_defaults(fn=cmd_report)
+
     slurm = sub.add_parser("slurm", help="Slurm jobs (slurm/*.sbatch)").add_subparsers(
         dest="slurm_command", required=True, metavar="ACTION")
     submit = with_config(slurm.add_parser(
@@ -304,7 +407,7 @@ def main(argv=None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:  # key=value overrides may also follow the options
         args.overrides = [*args.overrides, *extra]
-    if args.command not in ("prep", "eval", "bench"):  # these never touch megatron-core
+    if args.command not in ("prep", "eval", "bench", "report"):  # these never touch megatron-core
         from megaloop import _cpu_compat
 
         _cpu_compat.apply()

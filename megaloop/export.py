@@ -75,6 +75,22 @@ def to_hf(state: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().contiguous() for k, v in out.items()}
 
 
+def hf_model(state: dict[str, torch.Tensor], model):
+    """The exported model, in memory: what `from_pretrained` of an export of `state` gives."""
+    from megaloop.hf.configuration_megaloop import MegaloopConfig
+    from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
+
+    config = {k: v for k, v in hf_config(model).items()
+              if k not in ("auto_map", "architectures", "model_type", "torch_dtype")}
+    hf = MegaloopForCausalLM(MegaloopConfig(**config))
+    missing, unexpected = hf.load_state_dict(to_hf(state, model), strict=False)
+    if unexpected or set(missing) - ({"lm_head.weight"} if model.tie_embeddings else set()):
+        raise ValueError(f"the checkpoint does not fit the exported model: missing {missing}, "
+                         f"unexpected {unexpected}")
+    hf.tie_weights()
+    return hf.eval()
+
+
 def save_tokenizer(spec: str, out: Path) -> None:
     """tokenizer.json (+ config) for AutoTokenizer: the run's own, or the byte tokenizer."""
     from transformers import PreTrainedTokenizerFast

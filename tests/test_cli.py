@@ -16,6 +16,12 @@ SUBCOMMANDS = {
     "eval": ["eval_command"],
     "bench": ["bench_command"],
     "slurm": ["slurm_command"],
+    "depth": ["model", "data", "out", "loops", "clamp", "sequences", "seq_len", "batch_size",
+              "dtype"],
+    "halt": ["model", "data", "out", "k_max", "rho", "calib", "bench", "batch", "seq_len", "rule",
+             "tau", "q", "dtype"],
+    "diagnose": ["model", "data", "out", "tokens", "seq_len", "rollout", "batch_size"],
+    "report": ["inputs", "out"],
 }
 CKPT_ACTIONS = {"consolidate": ["checkpoint", "out"]}
 EVAL_ACTIONS = {"downstream": ["model", "loops", "tasks", "limit", "data_dir", "batch_size",

@@ -13,22 +13,18 @@ import torch
 from conftest import build
 from multiproc import train
 
-from megaloop.export import hf_config, to_hf
-from megaloop.hf.configuration_megaloop import MegaloopConfig
+from megaloop.export import hf_model
 from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
 from megaloop.model import ModelConfig
 
 
 def exported(model, cfg: ModelConfig, **overrides) -> MegaloopForCausalLM:
-    """The export of `model` (a trainer LoopedLM), in memory."""
-    config = {k: v for k, v in hf_config(cfg).items()
-              if k not in ("auto_map", "architectures", "model_type", "torch_dtype")}
-    hf = MegaloopForCausalLM(MegaloopConfig(**{**config, **overrides})).eval()
+    """The export of `model` (a trainer LoopedLM), in memory, with config `overrides`."""
     state = {k: v for k, v in model.state_dict().items()
              if isinstance(v, torch.Tensor) and "_extra_state" not in k}
-    missing, unexpected = hf.load_state_dict(to_hf(state, cfg), strict=False)
-    assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg.tie_embeddings else set())
-    hf.tie_weights()
+    hf = hf_model(state, cfg)
+    for key, value in overrides.items():
+        setattr(hf.config, key, value)
     return hf
 
 

@@ -172,11 +172,10 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
 
     def embed(self, input_ids: torch.LongTensor, position_ids: torch.LongTensor | None = None
               ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """H_0 and the rotary tables for `loop` (positions 0..s-1 unless given)."""
-        b, s = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(s, device=input_ids.device)[None]
-        return self.embed_tokens(input_ids), self.rotary(position_ids.expand(b, s))
+        """H_0 and the rotary tables for `loop` (positions 0..s-1 unless given, [b or 1, s])."""
+        if position_ids is None:  # [1, s]: the tables broadcast over any batch (rows may leave)
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        return self.embed_tokens(input_ids), self.rotary(position_ids)
 
     def loop(self, h: torch.Tensor, k: int, rope: tuple[torch.Tensor, torch.Tensor],
              cache: Cache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:

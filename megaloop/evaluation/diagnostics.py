@@ -1,0 +1,183 @@
+"""Why hidden norms drift: the readout hides scale, the recurrence carries it (the study's
+Tables 3, 4 and 6, Figures 3 and 6, Appendix D). Formulas: docs/diagnostics.md.
+
+On a held-out slice, at the trained depth K:
+  scale      token-level ‖H_k‖_rms at every loop: mean and p50/p90/p99/p99.9/max (and as L2
+             norms, √d·RMS), and the quantiles of its distribution
+  radial     r_k = mean over tokens of ⟨g, u⟩²/‖g‖², g = ∇_{H_k} L_k, u = H_k/‖H_k‖; and the
+             signed g_K = ∂L_K/∂log‖H_K‖ (the whole slice's H_K scaled together)
+  rollout    loops 1..R (R = 30): s_k, the radial increment a_rad,k = ⟨u_k, b_k⟩/d with
+             u_k = H_k/‖H_k‖_rms and b_k = F(H_k) − H_k, ‖b_k‖_rms, the angle between H_k and
+             H_{k+1}, and CE at every exit
+  sweep      CE of the final readout of c·H_K, c on a log grid 0.01..100
+  clamp      every loop held at its loop-1 RMS: norm ratio and ΔCE at K against no clamp
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from megaloop.evaluation import harness
+from megaloop.evaluation.exported import EvalError
+
+PERCENTILES = (50, 90, 99, 99.9)
+SCALES = np.logspace(-2, 2, 17)
+
+
+def rms(h: torch.Tensor) -> torch.Tensor:
+    """Per-token ‖H‖_rms, [b, s]."""
+    return h.double().pow(2).mean(-1).sqrt()
+
+
+def radial_terms(model, h: torch.Tensor, loop: int, targets: torch.Tensor
+                 ) -> tuple[torch.Tensor, float]:
+    """Per-token radial share ⟨g, u⟩²/‖g‖² of exit `loop`'s CE gradient, and Σ_t ⟨g_t, H_t⟩
+    (with the CE summed over tokens, so each token's gradient is its own CE's)."""
+    h = h.detach().requires_grad_(True)
+    with torch.enable_grad():
+        loss = harness.token_ce(model.readout(h, loop), targets).sum()
+        (grad,) = torch.autograd.grad(loss, h)
+    g, x = grad.double(), h.detach().double()
+    inner = (g * x).sum(-1)
+    share = inner.pow(2) / (g.pow(2).sum(-1) * x.pow(2).sum(-1)).clamp_min(1e-300)
+    return share, inner.sum().item()
+
+
+def run(model_path: Path, data: Path, tokens: int = 4096, seq_len: int = 256,
+        rollout: int = 30, batch_size: int = 8, device: Optional[str] = None,
+        out: Optional[Path] = None) -> dict:
+    if rollout < 2:
+        raise EvalError(f"--rollout {rollout}: needs at least 2 loops")
+    if tokens < 1 or seq_len < 1 or batch_size < 1:
+        raise EvalError(f"--tokens {tokens}, --seq-len {seq_len}: each must be >= 1 (an empty "
+                        f"slice measures nothing)")
+    harness.check_data(data)
+    device, dtype = harness.device_and_dtype("float32", device)
+    opened = harness.open_model(model_path, device, dtype)
+    harness.check_seq_len(opened, seq_len)
+    model, K = opened.model, opened.trained_loops
+    sequences = max(1, math.ceil(tokens / seq_len))
+    slice_ = harness.windows(harness.read_tokens(data, opened.encode), seq_len, sequences)
+    deepest = max(rollout, K)
+    token_rms = [[] for _ in range(deepest)]
+    shares = [[] for _ in range(K)]
+    signed_g = 0.0
+    ce = np.zeros(deepest)
+    sweep = np.zeros(len(SCALES))
+    roll = {key: np.zeros(deepest - 1) for key in ("a_rad", "update_rms", "angle_deg",
+                                                   "scale_step")}
+    clamped_ce, clamped_rms, clamp_drift, count = 0.0, [], 0.0, 0
+    with torch.no_grad():
+        for batch in harness.batches(slice_, batch_size, "diagnose"):
+            batch = batch.to(device)
+            inputs, targets = batch[:, :-1], batch[:, 1:]
+            previous = None
+            for k, h in harness.trajectory(model, inputs, deepest):
+                s = rms(h)
+                token_rms[k - 1].append(s.flatten().cpu())
+                ce[k - 1] += harness.token_ce(model.readout(h, k), targets).double().sum().item()
+                if k <= K:
+                    share, inner = radial_terms(model, h, k, targets)
+                    shares[k - 1].append(share.flatten().cpu())
+                    if k == K:
+                        signed_g += inner
+                        for i, c in enumerate(SCALES):
+                            sweep[i] += harness.token_ce(model.readout(c * h, k),
+                                                         targets).double().sum().item()
+                if previous is not None:
+                    x, b = previous.double(), h.double() - previous.double()
+                    d = x.shape[-1]
+                    u = x / rms(previous)[..., None]
+                    cos = (x * h.double()).sum(-1) / (x.norm(dim=-1) * h.double().norm(dim=-1))
+                    roll["a_rad"][k - 2] += ((u * b).sum(-1) / d).sum().item()
+                    roll["update_rms"][k - 2] += rms(b).sum().item()
+                    roll["angle_deg"][k - 2] += torch.rad2deg(
+                        torch.arccos(cos.clamp(-1, 1))).sum().item()
+                    roll["scale_step"][k - 2] += (s - rms(previous)).sum().item()
+                previous = h
+            loop1 = None
+            for k, h in harness.trajectory(model, inputs, K, clamp=True):
+                loop1 = rms(h) if loop1 is None else loop1
+                clamp_drift = max(clamp_drift, ((rms(h) / loop1) - 1).abs().max().item())
+                if k == K:
+                    clamped_ce += harness.token_ce(model.readout(h, k),
+                                                   targets).double().sum().item()
+                    clamped_rms.append(rms(h).flatten().cpu())
+            count += targets.numel()
+    d = model.config.hidden_size
+    scale = [_distribution(torch.cat(token_rms[k]).numpy(), d) for k in range(K)]
+    free_rms = torch.cat(token_rms[K - 1]).mean().item()
+    result = {
+        "model": opened.info,
+        "settings": {"data": str(data), "tokens": count, "sequences": sequences,
+                     "seq_len": seq_len, "rollout": rollout, "batch_size": batch_size,
+                     "device": device, "dtype": dtype, "hidden_size": d,
+                     "num_loops_trained": K},
+        "scale": scale,
+        "radial": {"r": [torch.cat(x).mean().item() for x in shares],
+                   "g_K": signed_g / count},
+        "rollout": {"loops": list(range(1, deepest + 1)),
+                    "s": [torch.cat(x).mean().item() for x in token_rms],
+                    "ce": (ce / count).tolist(),
+                    **{key: (v / count).tolist() for key, v in roll.items()}},
+        "scale_sweep": {"c": SCALES.tolist(), "ce": (sweep / count).tolist()},
+        "clamp": {"norm_ratio": torch.cat(clamped_rms).mean().item() / free_rms,
+                  "ce_clamped": clamped_ce / count, "ce_free": ce[K - 1] / count,
+                  "delta_ce": (clamped_ce - ce[K - 1]) / count,
+                  "max_rms_drift_from_loop1": clamp_drift},
+    }
+    if out is not None:
+        harness.write(out, "diagnose", result, markdown(result))
+    return result
+
+
+def _distribution(values: np.ndarray, d: int) -> dict:
+    """Token-level ‖H_k‖_rms statistics (L2 = √d·RMS) and its quantile curve."""
+    stats = {"mean": float(values.mean()), "max": float(values.max())}
+    stats.update({f"p{p:g}": float(np.percentile(values, p)) for p in PERCENTILES})
+    return {"rms": stats, "l2": {k: v * math.sqrt(d) for k, v in stats.items()},
+            "quantiles": np.percentile(values, np.linspace(0, 100, 101)).tolist()}
+
+
+def markdown(result: dict) -> str:
+    s = result["settings"]
+    K = s["num_loops_trained"]
+    lines = [f"# Diagnostics: {result['model']['path']}", "",
+             f"{s['tokens']:,} tokens of {s['data']} ({s['sequences']} x {s['seq_len']}), trained "
+             f"at K = {K}, d = {s['hidden_size']}.", "",
+             "## Hidden scale per loop (token-level ‖H_k‖_rms; L2 norm = √d·RMS)", "",
+             "| loop | mean | p50 | p90 | p99 | p99.9 | max | mean L2 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for k, dist in enumerate(result["scale"], start=1):
+        r = dist["rms"]
+        lines.append(f"| {k} | {r['mean']:.4g} | {r['p50']:.4g} | {r['p90']:.4g} | "
+                     f"{r['p99']:.4g} | {r['p99.9']:.4g} | {r['max']:.4g} | "
+                     f"{dist['l2']['mean']:.4g} |")
+    radial = result["radial"]
+    lines += ["", "## Radial gradient fraction of each exit's loss", "",
+              "| loop | r_k |", "|---|---|"]
+    lines += [f"| {k} | {r:.3e} |" for k, r in enumerate(radial["r"], start=1)]
+    lines += ["", f"Signed g_K = ∂L/∂log‖H_K‖ = {radial['g_K']:.3e}.", "",
+              f"## Rollout to {s['rollout']} loops", "",
+              "| loop | s_k (RMS) | a_rad,k | Δs_k measured | ‖b_k‖_rms | angle (deg) | CE |",
+              "|---|---|---|---|---|---|---|"]
+    roll = result["rollout"]
+    for i, k in enumerate(roll["loops"]):
+        step = (f"{roll['a_rad'][i]:.4g} | {roll['scale_step'][i]:.4g} | "
+                f"{roll['update_rms'][i]:.4g} | {roll['angle_deg'][i]:.3g}"
+                if i < len(roll["a_rad"]) else " | | | ")
+        lines.append(f"| {k} | {roll['s'][i]:.4g} | {step} | {roll['ce'][i]:.4f} |")
+    sweep, clamp = result["scale_sweep"], result["clamp"]
+    lines += ["", f"## Final-readout CE of c·H_{K}", "", "| c | CE |", "|---|---|"]
+    lines += [f"| {c:.3g} | {v:.4f} |" for c, v in zip(sweep["c"], sweep["ce"])]
+    lines += ["", "## Recurrent-scale clamp", "",
+              f"Norm ratio (clamped / free RMS at K = {K}): {clamp['norm_ratio']:.4g}; "
+              f"ΔCE (clamped − free): {clamp['delta_ce']:+.4f} nats "
+              f"(free {clamp['ce_free']:.4f}); largest token RMS drift from loop 1 under the "
+              f"clamp: {clamp['max_rms_drift_from_loop1']:.1e}."]
+    return "\n".join(lines)

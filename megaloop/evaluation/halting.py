@@ -1,0 +1,273 @@
+"""Calibrated halting and its real speedup (the study's Appendix H).
+
+Rule `margin` (per sequence): the margin at loop k is the mean over the sequence's tokens of
+top-1 minus top-2 logit; a sequence exits at the first k with margin ≥ τ, else at K_max.
+Rule `gate` (per token, Ouro's): a token exits at the first k whose cumulative exit probability
+1 − Π_{j≤k}(1 − λ_j) reaches q, else at K_max; its prediction is that loop's.
+
+Calibration (one slice): a single K_max pass caches every loop's per-token CE and the rule's
+scores; the threshold is the smallest whose dynamic PPL is within ρ of fixed-K_max PPL on the
+same slice. Dynamic CE only changes where the threshold crosses a score, so every candidate
+(each distinct score, and "never early") is evaluated exactly, in one sort.
+
+Benchmark (a different slice): batches of the same geometry at fixed K = 1..K_max, and with
+dynamic batching: a sequence that halts at loop k leaves the batch before loop k+1 (under the
+gate rule, when all its tokens have exited), so later loops run on fewer rows. Throughput is
+total tokens over total wall-clock time, the removal of halted rows included.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+
+from megaloop.evaluation import harness
+from megaloop.evaluation.exported import EvalError
+
+Rule = Literal["margin", "gate"]
+
+
+def exit_loops(scores: np.ndarray, threshold: Optional[float]) -> np.ndarray:
+    """1-based exit loop of each unit: the first k < K with scores[:, k-1] ≥ threshold, else K.
+    `scores` is [units, K-1]; threshold None never exits early."""
+    K = scores.shape[1] + 1
+    if threshold is None:
+        return np.full(len(scores), K)
+    hit = scores >= threshold
+    return np.where(hit.any(1), hit.argmax(1) + 1, K)
+
+
+def calibrate(scores: np.ndarray, ce: np.ndarray, tokens: int, rho: float) -> dict:
+    """The smallest threshold whose dynamic PPL ≤ ρ · fixed-K_max PPL.
+
+    scores [units, K-1]: the rule's score of each unit at loops 1..K-1; ce [units, K]: each
+    unit's summed CE if it exits at loop k; tokens: the tokens all units hold together."""
+    K = ce.shape[1]
+    fixed = ce[:, -1].sum()
+    budget = fixed + tokens * np.log(rho)
+    # a unit exits at the first k whose prefix maximum of scores reaches τ: as τ passes
+    # M[u, k-1] the unit moves from exit k to exit k+1
+    prefix_max = np.maximum.accumulate(scores, axis=1)
+    values = prefix_max.ravel()
+    deltas = (ce[:, 1:] - ce[:, :-1]).ravel()
+    order = np.argsort(values, kind="stable")
+    values, cumulative = values[order], np.concatenate([[0.0], np.cumsum(deltas[order])])
+    candidates = np.unique(values)
+    dynamic = ce[:, 0].sum() + cumulative[np.searchsorted(values, candidates, side="left")]
+    meets = np.nonzero(dynamic <= budget)[0]
+    threshold = float(candidates[meets[0]]) if len(meets) else None
+    exits = exit_loops(scores, threshold)
+    dynamic_ce = ce[np.arange(len(ce)), exits - 1].sum() / tokens
+    return {"threshold": threshold, "candidates": len(candidates) + 1,
+            "ce_fixed": fixed / tokens, "ppl_fixed": harness.ppl(fixed / tokens),
+            "ce_dynamic": dynamic_ce, "ppl_dynamic": harness.ppl(dynamic_ce),
+            "ppl_ratio": harness.ppl(dynamic_ce - fixed / tokens), "rho": rho,
+            "exit_histogram": np.bincount(exits, minlength=K + 1)[1:].tolist(),
+            "mean_exit_loop": float(exits.mean())}
+
+
+def sequence_margin(logits: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of top-1 minus top-2 logit, per sequence: [b, s, V] → [b]."""
+    top = logits.float().topk(2, dim=-1).values
+    return (top[..., 0] - top[..., 1]).mean(-1)
+
+
+def cached_pass(model, slice_: torch.Tensor, k_max: int, rule: Rule, batch_size: int,
+                device: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per-unit scores [units, K-1] and per-unit summed CE [units, K] from one K_max pass
+    (units: sequences for `margin`, tokens for `gate`)."""
+    scores, ce = [], []
+    with torch.no_grad():
+        for batch in harness.batches(slice_, batch_size, "calibration pass"):
+            batch = batch.to(device)
+            inputs, targets = batch[:, :-1], batch[:, 1:]
+            loop_ce, loop_score, survive = [], [], None
+            for k, h in harness.trajectory(model, inputs, k_max):
+                logits = model.readout(h, k)
+                token_ce = harness.token_ce(logits, targets).double()
+                if rule == "margin":
+                    loop_ce.append(token_ce.sum(1))
+                    loop_score.append(sequence_margin(logits).double())
+                else:
+                    lam = model.exit_probability(h).squeeze(-1).double()
+                    survive = (1 - lam) if survive is None else survive * (1 - lam)
+                    loop_ce.append(token_ce.flatten())
+                    loop_score.append((1 - survive).flatten())
+            ce.append(torch.stack(loop_ce, 1).cpu().numpy())
+            scores.append(torch.stack(loop_score[:-1], 1).cpu().numpy() if k_max > 1
+                          else np.zeros((len(loop_ce[0]), 0)))
+    return np.concatenate(scores), np.concatenate(ce)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def fixed_depth(model, batch: torch.Tensor, k: int) -> tuple[float, int]:
+    """Summed CE of one batch at fixed depth k, and its loop×token forward steps."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    h, rope = model.embed(inputs)
+    for loop in range(1, k + 1):
+        h = model.loop(h, loop, rope)
+    return harness.token_ce(model.readout(h, k), targets).double().sum().item(), k * inputs.numel()
+
+
+def reaches(score: torch.Tensor, threshold: Optional[float], last: bool) -> torch.Tensor:
+    """Where a score meets the threshold (all at the last loop; none early without one)."""
+    if last or threshold is None:
+        return torch.full_like(score, last, dtype=torch.bool)
+    return score >= threshold
+
+
+def dynamic_depth(model, batch: torch.Tensor, k_max: int, rule: Rule, threshold: Optional[float]
+                  ) -> tuple[float, int, list[int], list[int]]:
+    """One batch with dynamic batching: summed CE, loop×token forward steps, each sequence's
+    exit loop and (gate rule) each token's exit loop."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    h, rope = model.embed(inputs)
+    rows = torch.arange(len(inputs), device=inputs.device)
+    seq_exit, token_exit = [0] * len(inputs), []
+    total_ce, steps, survive, exited = 0.0, 0, None, None
+    for k in range(1, k_max + 1):
+        h = model.loop(h, k, rope)
+        steps += h.shape[0] * h.shape[1]
+        if rule == "margin":
+            logits = model.readout(h, k)
+            halt = reaches(sequence_margin(logits), threshold, k == k_max)
+            if halt.any():
+                total_ce += harness.token_ce(logits[halt], targets[rows[halt]]).double().sum().item()
+        else:
+            lam = model.exit_probability(h).squeeze(-1)
+            survive = (1 - lam) if survive is None else survive * (1 - lam)
+            exited = torch.zeros_like(lam, dtype=torch.bool) if exited is None else exited
+            new = reaches(1 - survive, threshold, k == k_max) & ~exited
+            if new.any():  # only the tokens that exit here are read out
+                logits = model.readout(h[new], k)
+                total_ce += harness.token_ce(logits[None], targets[rows][new][None]).double().sum().item()
+                token_exit += [k] * int(new.sum())
+            exited = exited | new
+            halt = exited.all(1)
+        for r in rows[halt].tolist():
+            seq_exit[r] = k
+        keep = ~halt
+        if not keep.any():
+            break
+        h, rows = h[keep], rows[keep]
+        if rule == "gate":
+            survive, exited = survive[keep], exited[keep]
+    return total_ce, steps, seq_exit, token_exit
+
+
+def benchmark(model, slice_: torch.Tensor, k_max: int, rule: Rule, threshold: Optional[float],
+              batch_size: int, device: str) -> dict:
+    """Timed fixed K = 1..K_max and dynamic batching over the same batches."""
+    batches = [b.to(device) for b in slice_.split(batch_size)]
+    tokens = sum(b[:, :-1].numel() for b in batches)
+
+    def timed(fn):
+        fn(batches[0])  # warm-up, untimed
+        _sync(device)
+        start = time.perf_counter()
+        results = [fn(b) for b in batches]
+        _sync(device)
+        return time.perf_counter() - start, results
+
+    fixed = []
+    with torch.no_grad():
+        for k in harness.progress(range(1, k_max + 1), "fixed-K benchmark", unit="K"):
+            seconds, results = timed(lambda b: fixed_depth(model, b, k))
+            ce = sum(r[0] for r in results) / tokens
+            fixed.append({"loops": k, "tokens_per_s": tokens / seconds, "seconds": seconds,
+                          "ce": ce, "ppl": harness.ppl(ce),
+                          "loop_token_steps": sum(r[1] for r in results)})
+        seconds, results = timed(lambda b: dynamic_depth(model, b, k_max, rule, threshold))
+    seq_exits = np.array([e for r in results for e in r[2]])
+    ce = sum(r[0] for r in results) / tokens
+    dynamic = {"tokens_per_s": tokens / seconds, "seconds": seconds, "ce": ce,
+               "ppl": harness.ppl(ce), "mean_loops": float(seq_exits.mean()),
+               "exit_histogram": np.bincount(seq_exits, minlength=k_max + 1)[1:].tolist(),
+               "loop_token_steps": sum(r[1] for r in results),
+               "speedup": (tokens / seconds) / fixed[-1]["tokens_per_s"]}
+    if rule == "gate":
+        dynamic["mean_token_exit_loop"] = float(np.mean([e for r in results for e in r[3]]))
+    return {"tokens": tokens, "fixed": fixed, "dynamic": dynamic}
+
+
+def run(model_path: Path, data: Path, k_max: int = 4, rho: float = 1.01, calib: int = 160,
+        bench: int = 160, batch_size: int = 8, seq_len: int = 256, rule: Rule = "margin",
+        threshold: Optional[float] = None, dtype: str = "auto", device: Optional[str] = None,
+        out: Optional[Path] = None) -> dict:
+    """Calibrate (unless `threshold` is given: τ for margin, q for gate) and benchmark."""
+    if rho < 1:
+        raise EvalError(f"--rho {rho}: the PPL budget is a ratio to fixed-K_max PPL, >= 1 "
+                        f"(the study: 1.01)")
+    if k_max < 1 or calib < 1 or bench < 1 or batch_size < 1:
+        raise EvalError("--k-max, --calib, --bench and --batch must be >= 1")
+    harness.check_data(data)
+    device, dtype = harness.device_and_dtype(dtype, device)
+    opened = harness.open_model(model_path, device, dtype)
+    model = opened.model
+    if rule == "gate" and model.exit_gate is None:
+        raise EvalError(f"--rule gate: {model_path} has no exit gate (trained without "
+                        f"model.exit_gate); use --rule margin")
+    harness.check_seq_len(opened, seq_len)
+    tokens = harness.read_tokens(data, opened.encode)
+    calib_slice = harness.windows(tokens, seq_len, calib, what="--data (calibration slice)")
+    bench_slice = harness.windows(tokens, seq_len, bench, start=calib,
+                                  what="--data (benchmark slice, after the calibration slice)")
+    scores, ce = cached_pass(model, calib_slice, k_max, rule, batch_size, device)
+    calibration = calibrate(scores, ce, calib_slice[:, 1:].numel(), rho)
+    if threshold is not None:
+        calibration = {**evaluate_threshold(scores, ce, calib_slice[:, 1:].numel(), threshold),
+                       "given": True}
+    timing = benchmark(model, bench_slice, k_max, rule, calibration["threshold"], batch_size,
+                       device)
+    result = {"model": opened.info,
+              "settings": {"data": str(data), "rule": rule, "k_max": k_max, "rho": rho,
+                           "calib": calib, "bench": bench, "batch_size": batch_size,
+                           "seq_len": seq_len, "device": device, "dtype": dtype,
+                           "threshold_given": threshold,
+                           "calib_windows": [0, calib], "bench_windows": [calib, calib + bench]},
+              "calibration": calibration, "benchmark": timing}
+    if out is not None:
+        harness.write(out, "halt", result, markdown(result))
+    return result
+
+
+def evaluate_threshold(scores: np.ndarray, ce: np.ndarray, tokens: int, threshold: float
+                       ) -> dict:
+    """Calibration-slice figures of a given threshold (no search)."""
+    exits = exit_loops(scores, threshold)
+    fixed, dynamic = ce[:, -1].sum() / tokens, ce[np.arange(len(ce)), exits - 1].sum() / tokens
+    return {"threshold": threshold, "ce_fixed": fixed, "ppl_fixed": harness.ppl(fixed),
+            "ce_dynamic": dynamic, "ppl_dynamic": harness.ppl(dynamic),
+            "ppl_ratio": harness.ppl(dynamic - fixed),
+            "exit_histogram": np.bincount(exits, minlength=ce.shape[1] + 1)[1:].tolist(),
+            "mean_exit_loop": float(exits.mean())}
+
+
+def markdown(result: dict) -> str:
+    s, c, b = result["settings"], result["calibration"], result["benchmark"]
+    name = "τ (margin)" if s["rule"] == "margin" else "q (cumulative exit probability)"
+    threshold = "never early" if c["threshold"] is None else f"{c['threshold']:.4g}"
+    d = b["dynamic"]
+    lines = [f"# Halting ({s['rule']} rule): {result['model']['path']}", "",
+             f"K_max = {s['k_max']}, ρ = {s['rho']}, {s['calib']} calibration and {s['bench']} "
+             f"benchmark sequences of {s['seq_len']} tokens, batch {s['batch_size']}, "
+             f"{s['device']} {s['dtype']}.", "",
+             f"Calibration: {name} = {threshold}"
+             f"{' (given)' if c.get('given') else ''}; dynamic PPL {c['ppl_dynamic']:.3f} vs "
+             f"fixed-K_max {c['ppl_fixed']:.3f} (ratio {c['ppl_ratio']:.4f}); mean exit loop "
+             f"{c['mean_exit_loop']:.2f}; exits per loop {c['exit_histogram']}.", "",
+             "| depth | tokens/s | PPL | loop×token steps |", "|---|---|---|---|"]
+    lines += [f"| K = {r['loops']} | {r['tokens_per_s']:,.0f} | {r['ppl']:.3f} | "
+              f"{r['loop_token_steps']:,} |" for r in b["fixed"]]
+    lines += [f"| dynamic (mean {d['mean_loops']:.2f} loops) | {d['tokens_per_s']:,.0f} | "
+              f"{d['ppl']:.3f} | {d['loop_token_steps']:,} |", "",
+              f"Speedup over fixed K_max: {d['speedup']:.2f}x."]
+    return "\n".join(lines)
