@@ -133,18 +133,10 @@ def cmd_eval_compare(args) -> int:
 def cmd_bench_fixed_k(args) -> int:
     from pathlib import Path
 
-    from megaloop.evaluation import fixed_k
+    from megaloop.evaluation import fixed_k, harness
 
-    try:
-        loops = [int(k) for k in args.loops.split(",")]
-    except ValueError:
-        loops = []
-    if not loops or min(loops) < 1:
-        print(f"megaloop: error: --loops {args.loops!r}: give loop counts >= 1 like 1,2,3,4",
-              file=sys.stderr)
-        return 2
-    rows = fixed_k.run(Path(args.model), Path(args.data), loops, args.batch_size, args.seq_len,
-                       args.batches, args.warmup, args.dtype,
+    rows = fixed_k.run(Path(args.model), Path(args.data), harness.parse_loops(args.loops),
+                       args.batch_size, args.seq_len, args.batches, args.warmup, args.dtype,
                        out=Path(args.out) if args.out else None)
     print(fixed_k.table(rows))
     return 0
@@ -300,11 +292,14 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--out", help="write the table (.md) or the numbers (.json)")
     cmp.set_defaults(fn=cmd_eval_compare)
 
-    bench = sub.add_parser("bench", help="benchmarks of exported models").add_subparsers(
+    bench = sub.add_parser("bench", help="benchmarks of trained or exported models").add_subparsers(
         dest="bench_command", required=True, metavar="ACTION")
     fk = bench.add_parser("fixed-k", help="tokens/s and CE per token at each fixed K")
-    fk.add_argument("model", help="a folder from `megaloop export`")
-    fk.add_argument("--data", required=True, help="held-out tokens: .npy of ids or a text file")
+    fk.add_argument("model", help="a run directory, a checkpoint folder or a `megaloop export` "
+                                  "folder")
+    fk.add_argument("--data", required=True,
+                    help="held-out tokens: a text file, a .npy of ids, an indexed split PREFIX "
+                         "or webdataset shards")
     fk.add_argument("--loops", default="1,2,3,4")
     fk.add_argument("--batch-size", type=int, default=1, help="study: 2")
     fk.add_argument("--seq-len", type=int, default=128, help="study: 2048")
@@ -407,7 +402,7 @@ def main(argv=None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:  # key=value overrides may also follow the options
         args.overrides = [*args.overrides, *extra]
-    if args.command not in ("prep", "eval", "bench", "report"):  # these never touch megatron-core
+    if args.command not in ("prep", "eval", "report"):  # these never touch megatron-core
         from megaloop import _cpu_compat
 
         _cpu_compat.apply()

@@ -135,5 +135,7 @@ def test_fixed_k_bench_gives_a_row_per_k(export_dir, tmp_path):
     saved = json.loads((tmp_path / "fk.json").read_text())
     assert saved["rows"] == rows and saved["timed_batches"] == 3
     assert (tmp_path / "fk.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    with pytest.raises(EvalError, match="fewer than"):
+    with pytest.raises(EvalError, match="--seq-len 4096: the model takes 1 to 256 positions"):
         fixed_k.run(export_dir, text, seq_len=4096)
+    with pytest.raises(EvalError, match="are needed"):
+        fixed_k.run(export_dir, text, seq_len=200, batches=100)

@@ -1,6 +1,7 @@
 """Throughput and cross-entropy at fixed depth K: what each extra loop costs and buys.
 
-Forward passes of an exported model over held-out tokens at each K, no cache: tokens/s is the
+Forward passes of a model (a run, checkpoint or export, opened as the exported model:
+megaloop/evaluation/harness.py) over a slice of held-out tokens at each K, no cache: tokens/s is the
 median over timed batches (warm-up excluded, the device synchronized around each), CE is the
 mean next-token cross-entropy over the same batches. The study: batch 2, sequence 2,048, 128
 timed batches, bf16 on a GPU.
@@ -15,16 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megaloop.evaluation.exported import EvalError, load_model, load_tokenizer, placement
-
-
-def load_tokens(path: Path, tokenizer) -> np.ndarray:
-    """A .npy of token ids, or a text file tokenized with the model's tokenizer."""
-    if not path.is_file():
-        raise EvalError(f"--data {path}: no such file (a .npy of token ids or a text file)")
-    if path.suffix == ".npy":
-        return np.load(path).astype(np.int64).reshape(-1)
-    return np.asarray(tokenizer(path.read_text(encoding="utf-8"))["input_ids"], dtype=np.int64)
+from megaloop.evaluation import harness
+from megaloop.evaluation.exported import EvalError
 
 
 def run(model_path: Path, data: Path, loops=(1, 2, 3, 4), batch_size: int = 1,
@@ -34,16 +27,16 @@ def run(model_path: Path, data: Path, loops=(1, 2, 3, 4), batch_size: int = 1,
     import torch.nn.functional as F
     from tqdm import tqdm
 
-    device, dtype = placement(device, dtype)
-    tokens = load_tokens(data, load_tokenizer(model_path))
-    need = (warmup + batches) * batch_size * (seq_len + 1)
-    if len(tokens) < need:
-        raise EvalError(f"--data {data}: {len(tokens):,} tokens, fewer than the {need:,} that "
-                        f"{warmup} warm-up + {batches} timed batches of {batch_size} x "
-                        f"{seq_len + 1} need; lower --batches/--batch-size/--seq-len")
-    model = load_model(model_path, device, dtype)
-    windows = torch.from_numpy(tokens[:need].reshape(warmup + batches, batch_size,
-                                                     seq_len + 1)).to(device)
+    harness.check_data(data)
+    if min(batch_size, seq_len, batches) < 1 or warmup < 0:
+        raise EvalError("--batch-size, --seq-len and --batches must be >= 1, --warmup >= 0")
+    device, dtype = harness.device_and_dtype(dtype, device)
+    opened = harness.open_model(model_path, device, dtype)
+    model = opened.model
+    harness.check_seq_len(opened, seq_len)
+    windows = harness.windows(harness.read_tokens(data, opened.encode), seq_len,
+                              (warmup + batches) * batch_size).view(warmup + batches, batch_size,
+                                                                    seq_len + 1).to(device)
 
     def sync():
         if device.startswith("cuda"):
