@@ -29,7 +29,7 @@ def test_composition_and_overrides():
 def test_ablation_table_has_one_file_per_row_for_both_sizes():
     rows = {"terminal_norm", "terminal_raw", "per_loop_norm", "per_loop_raw",
             "per_loop_norm_penalty", "terminal_norm_penalty", "final_norm", "exit_weighted",
-            "spectral_damping", "interloop_rmsnorm"}
+            "spectral_damping", "spectral_damping_terminal", "interloop_rmsnorm"}
     for size, d in (("44m", 512), ("129m", 768)):
         files = {p.stem for p in (ROOT / f"configs/experiments/wikitext103/{size}").glob("*.yaml")}
         assert files == rows

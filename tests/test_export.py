@@ -28,11 +28,12 @@ def exported(model, cfg: ModelConfig, **overrides) -> MegaloopForCausalLM:
     return hf
 
 
-def variant(readout, recurrence, gate, tie=True, gate_input="normed") -> tuple:
+def variant(readout, recurrence, gate, tie=True, gate_input="normed", damping="channel"
+            ) -> tuple:
     cfg = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_query_groups=2,
                       num_layers=2, num_loops=4, max_seq_len=32, readout=readout,
                       recurrence=recurrence, exit_gate=gate, tie_embeddings=tie,
-                      exit_gate_input=gate_input)
+                      exit_gate_input=gate_input, damping_shape=damping)
     model = build(cfg).eval()
     with torch.no_grad():  # norms, damping and gate away from their initial constants
         for name, p in model.named_parameters():
@@ -59,6 +60,16 @@ def test_exported_logits_equal_the_trainer_models_at_any_k(readout, recurrence, 
             assert rel_err(hf(tokens, num_loops=k, use_cache=False).logits, ref) <= 1e-5, k
             ref = model(tokens, num_loops=k, clamp=True).logits[-1].transpose(0, 1)
             assert rel_err(clamped(tokens, num_loops=k, use_cache=False).logits, ref) <= 1e-5
+
+
+def test_a_scalar_damping_factor_exports_too():
+    cfg, model = variant("norm", "damping", gate=False, damping="scalar")
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        for k in (1, 4, 6):
+            ref = model(tokens, num_loops=k).logits[-1].transpose(0, 1)
+            assert rel_err(exported(model, cfg)(tokens, num_loops=k, use_cache=False).logits,
+                           ref) <= 1e-5
 
 
 @pytest.mark.parametrize("readout, recurrence, clamp", [

@@ -40,9 +40,11 @@ def test_clamp_holds_every_loop_at_the_loop1_rms(tiny_cfg):
     assert (rms(free.hidden[-1]) / rms(free.hidden[0])).mean() > 1.5
 
 
-@pytest.mark.parametrize("mode", ["none", "rmsnorm", "damping"])
-def test_recurrence_modes_feed_back_what_they_say(tiny_cfg, mode):
-    model = build(dataclasses.replace(tiny_cfg, recurrence=mode, damping_init=0.5))
+@pytest.mark.parametrize("mode, shape", [("none", "channel"), ("rmsnorm", "channel"),
+                                         ("damping", "channel"), ("damping", "scalar")])
+def test_recurrence_modes_feed_back_what_they_say(tiny_cfg, mode, shape):
+    model = build(dataclasses.replace(tiny_cfg, recurrence=mode, damping_init=0.5,
+                                      damping_shape=shape))
     h = 5.0 * torch.randn(16, 2, tiny_cfg.hidden_size)
     fed = model.recurrence(h)
     if mode == "none":
@@ -52,6 +54,7 @@ def test_recurrence_modes_feed_back_what_they_say(tiny_cfg, mode):
     else:
         torch.testing.assert_close(fed, 0.5 * h)
         assert model.recurrence.damping_logit.requires_grad
+        assert model.recurrence.damping_logit.numel() == (1 if shape == "scalar" else 32)
 
 
 def test_exit_gate_gives_one_lambda_per_token_and_loop(tiny_cfg):

@@ -13,6 +13,9 @@ from megaloop.parallel.layout import params_per_rank
     # Ouro-1.4B's shape; the shipped config adds its inter-loop norm (d) and exit gate (d + 1)
     ("configs/model/1p4b.yaml", ["model.recurrence=none", "model.exit_gate=false"], 1_434_552_320),
     ("configs/model/1p4b.yaml", [], 1_434_552_320 + 2048 + 2049),
+    ("configs/model/44m.yaml", ["model.recurrence=damping"], 44_048_896 + 512),
+    ("configs/model/44m.yaml", ["model.recurrence=damping", "model.damping_shape=scalar"],
+     44_048_896 + 1),
 ])
 def test_parameter_counts(path, overrides, total):
     model = experiment.load(path, overrides).model

@@ -26,6 +26,7 @@ class MegaloopConfig(PretrainedConfig):
         rms_norm_eps: float = 1e-5,
         readout: str = "norm",
         recurrence: str = "none",
+        damping_shape: str = "channel",
         exit_gate: bool = False,
         exit_gate_input: str = "normed",
         clamp: bool = False,
@@ -41,6 +42,8 @@ class MegaloopConfig(PretrainedConfig):
             raise ValueError(f"recurrence={recurrence!r}: use none, rmsnorm or damping")
         if exit_gate_input not in ("normed", "raw"):
             raise ValueError(f"exit_gate_input={exit_gate_input!r}: use normed or raw")
+        if damping_shape not in ("channel", "scalar"):
+            raise ValueError(f"damping_shape={damping_shape!r}: use channel or scalar")
         if early_exit not in ("none", "gate"):
             raise ValueError(f"early_exit={early_exit!r}: use none or gate")
         if early_exit == "gate" and not exit_gate:
@@ -65,6 +68,8 @@ class MegaloopConfig(PretrainedConfig):
         normalised from there on."""
         self.recurrence = recurrence
         """What H_k becomes before re-entering the stack: as is, RMSNorm (Ouro), or damped."""
+        self.damping_shape = damping_shape
+        """damping: one learned factor per channel, or one scalar."""
         self.exit_gate = exit_gate
         self.exit_gate_input = exit_gate_input
         """normed: the gate reads H_k/‖H_k‖_rms; raw: H_k."""

@@ -109,7 +109,8 @@ class Recurrence(nn.Module):
         if self.mode == "rmsnorm":
             self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         elif self.mode == "damping":
-            self.damping_logit = nn.Parameter(torch.zeros(config.hidden_size))
+            size = config.hidden_size if config.damping_shape == "channel" else 1
+            self.damping_logit = nn.Parameter(torch.zeros(size))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.mode == "rmsnorm":

@@ -32,7 +32,7 @@ from megatron.core.transformer.utils import (
 from megaloop.config import Config, check
 from megaloop.model.exit_gate import ExitGate, GateInput
 from megaloop.model.readout import Readout, ReadoutMode
-from megaloop.model.recurrence import Recurrence, RecurrenceMode, clamp_to, rms
+from megaloop.model.recurrence import DampingShape, Recurrence, RecurrenceMode, clamp_to, rms
 from megaloop.model.specs import layer_spec
 
 
@@ -59,7 +59,9 @@ class ModelConfig(Config):
     readout: ReadoutMode = "norm"
     recurrence: RecurrenceMode = "none"
     damping_init: float = 0.9
-    """Initial per-channel factor of the `damping` recurrence, in (0, 1)."""
+    """Initial factor of the `damping` recurrence, in (0, 1)."""
+    damping_shape: DampingShape = "channel"
+    """`damping`: one learned factor per channel, or one `scalar` for the whole state."""
     exit_gate: bool = False
     """Ouro's per-token exit gate λ_k (needed by the exit-weighted objective)."""
     exit_gate_input: GateInput = "normed"
@@ -136,7 +138,7 @@ class LoopedLM(LanguageModule):
         # H_k re-enters the stack where the embedding does; exits are read where W_out lives.
         if pre_process:
             self.recurrence = Recurrence(cfg.recurrence, cfg.hidden_size, cfg.norm_eps,
-                                         cfg.damping_init)
+                                         cfg.damping_init, cfg.damping_shape)
         self.exit_gate = (ExitGate(cfg.hidden_size, cfg.exit_gate_input, cfg.norm_eps)
                           if cfg.exit_gate and post_process else None)
         if post_process:

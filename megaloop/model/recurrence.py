@@ -2,7 +2,7 @@
 
 `none` feeds H_k back as is (the pre-norm residual stream carries and grows its scale: the
 study's ablation); `rmsnorm` is Ouro's inter-loop RMSNorm; `damping` multiplies H_k by a learned
-per-channel factor in (0, 1), a contraction of the recurrent map's spectrum.
+factor in (0, 1), per channel or one scalar, a contraction of the recurrent map's spectrum.
 """
 
 from __future__ import annotations
@@ -13,17 +13,20 @@ from typing import Literal
 import torch
 
 RecurrenceMode = Literal["none", "rmsnorm", "damping"]
+DampingShape = Literal["channel", "scalar"]
 
 
 class Recurrence(torch.nn.Module):
-    def __init__(self, mode: RecurrenceMode, hidden_size: int, eps: float, damping_init: float):
+    def __init__(self, mode: RecurrenceMode, hidden_size: int, eps: float, damping_init: float,
+                 damping_shape: DampingShape = "channel"):
         super().__init__()
         self.mode = mode
         if mode == "rmsnorm":
             self.norm = torch.nn.RMSNorm(hidden_size, eps=eps)
         elif mode == "damping":
             logit = math.log(damping_init / (1.0 - damping_init))
-            self.damping_logit = torch.nn.Parameter(torch.full((hidden_size,), logit))
+            size = hidden_size if damping_shape == "channel" else 1
+            self.damping_logit = torch.nn.Parameter(torch.full((size,), logit))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.mode == "rmsnorm":

@@ -90,7 +90,9 @@ def params_per_rank(model, tp: int, pp: int, pp_rank: int) -> int:
     count = layer * model.num_layers // pp
     first, last = pp_rank == 0, pp_rank == pp - 1
     if first:
-        count += V * d // tp + (d if model.recurrence != "none" else 0)
+        recurrence = {"none": 0, "rmsnorm": d,
+                      "damping": d if model.damping_shape == "channel" else 1}
+        count += V * d // tp + recurrence[model.recurrence]
     if last:
         count += d if model.readout != "raw" else 0
         count += (d + 1) if model.exit_gate else 0
