@@ -205,15 +205,21 @@ def cmd_prep(args) -> int:
     return 0
 
 
-def cmd_slurm_submit(args) -> int:
+def _slurm_job(args, config: str, overrides: list):
     from megaloop import slurm
 
-    job = slurm.TrainJob(
-        config=args.config, overrides=args.overrides, nodes=args.nodes,
+    return slurm.TrainJob(
+        config=config, overrides=overrides, nodes=args.nodes,
         gpus_per_node=args.gpus_per_node, tasks_per_node=args.tasks_per_node,
         cpus_per_task=args.cpus_per_task, time=args.time, warning_seconds=args.warning_seconds,
         partition=args.partition, account=args.account, gpu_memory_gib=args.gpu_memory_gib,
         sbatch_args=tuple(args.sbatch_arg), job_name=args.job_name)
+
+
+def cmd_slurm_submit(args) -> int:
+    from megaloop import slurm
+
+    job = _slurm_job(args, args.config, args.overrides)
     script, run_dir, layout = slurm.prepare(job)
     summary = (f"layout: TP={layout.tp} PP={layout.pp} DP={layout.dp} on {job.nodes} node(s) x "
                f"{job.ranks_per_node} rank(s): {layout.why}")
@@ -221,9 +227,74 @@ def cmd_slurm_submit(args) -> int:
         print(script, end="")
         print(f"# {summary}", file=sys.stderr)
         return 0
-    job_id = slurm.submit(script, run_dir)
+    job_id = slurm.submit(script, run_dir / "logs")
     print(f"{summary}\nsubmitted job {job_id}; logs in {run_dir / 'logs'}")
     return 0
+
+
+def cmd_sweep(args) -> int:
+    from pathlib import Path
+
+    from megaloop import sweep
+
+    configs = [c for c in args.configs if "=" not in c]
+    overrides = [c for c in args.configs if "=" in c] + args.overrides
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        seeds = []
+    if not configs or not seeds:
+        print("megaloop: error: give one or more config files and --seeds like 0,1,2",
+              file=sys.stderr)
+        return 2
+    root = Path(args.root)
+    runs = sweep.plan(configs, seeds, overrides, root)
+    todo = [r for r in runs if not sweep.finished(r)]
+    for run in runs:
+        if run not in todo:
+            print(f"sweep: {run.run_dir} is finished; skipped")
+    if not todo:
+        print(f"sweep: all {len(runs)} runs are finished")
+        return 0
+    if args.executor == "slurm":
+        if args.nodes is None or args.gpus_per_node is None:
+            print("megaloop: error: --executor slurm needs --nodes and --gpus-per-node",
+                  file=sys.stderr)
+            return 2
+        out = sweep.submit_slurm(_slurm_job(args, todo[0].config, []), todo, root,
+                                 args.dry_run)
+        if args.dry_run:
+            print(out, end="")
+        else:
+            print(f"submitted job {out}: {len(todo)} run(s), one per array task; Slurm logs in "
+                  f"{root.resolve() / 'sweep-logs'}")
+        return 0
+    failed = sweep.run_local(todo)
+    print(f"sweep: {len(todo) - len(failed)} of {len(todo)} run(s) trained"
+          + (f"; failed: {', '.join(str(r.run_dir) for r, _ in failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+def slurm_options(p, required: bool) -> None:
+    """What a Slurm job asks for (`slurm submit`, `sweep --executor slurm`)."""
+    p.add_argument("--nodes", type=int, required=required)
+    p.add_argument("--gpus-per-node", type=int, required=required,
+                   help="GPUs per node, one rank each (0: CPU nodes)")
+    p.add_argument("--tasks-per-node", type=int, help="ranks per node on CPU nodes")
+    p.add_argument("--cpus-per-task", type=int,
+                   help="CPUs (and OMP threads) per rank (default: 8 with GPUs, else 1)")
+    p.add_argument("--time", default="24:00:00", help="Slurm time limit of each attempt")
+    p.add_argument("--warning-seconds", type=int, default=300,
+                   help="USR1 this long before the limit: checkpoint and requeue")
+    p.add_argument("--partition")
+    p.add_argument("--account")
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0,
+                   help="memory per GPU, for choosing the layout")
+    p.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
+                   help="extra #SBATCH line, e.g. --sbatch-arg=--exclusive (repeatable)")
+    p.add_argument("--job-name")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the script (and the layout, on stderr); submit nothing")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -355,6 +426,18 @@ def build_parser() -> argparse.ArgumentParser:
     dg.add_argument("--rollout", type=int, default=30, help="loops of the rollout")
     dg.add_argument("--batch-size", type=int, default=8)
     dg.set_defaults(fn=cmd_diagnose)
+    sw = sub.add_parser("sweep", help="every config x seed in a run directory of its own; "
+                                      "finished runs skipped, unfinished ones resumed")
+    sw.add_argument("configs", nargs="+", metavar="CONFIG",
+                    help="YAML configs, then key=value overrides for every run")
+    sw.add_argument("--seeds", default="0", help="e.g. 0,1,2")
+    sw.add_argument("--executor", choices=["local", "slurm"], default="local",
+                    help="local: one run after another here; slurm: one job array")
+    sw.add_argument("--root", default="runs",
+                    help="run directories go to ROOT/<config path under configs/experiments>/"
+                         "seedN")
+    slurm_options(sw, required=False)
+    sw.set_defaults(fn=cmd_sweep, overrides=[])
     rp = sub.add_parser("report", help="the study's tables and figures from runs and "
                                        "measurement results")
     rp.add_argument("inputs", nargs="+", metavar="RUN_OR_RESULT",
@@ -369,24 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
         "submit", help="render slurm/train.sbatch for this config and sbatch it",
         description="One srun task per rank; the layout (parallel.tp/pp) is chosen to fit the "
                     "GPUs unless given as overrides. See docs/slurm.md."))
-    submit.add_argument("--nodes", type=int, required=True)
-    submit.add_argument("--gpus-per-node", type=int, required=True,
-                        help="GPUs per node, one rank each (0: CPU nodes)")
-    submit.add_argument("--tasks-per-node", type=int, help="ranks per node on CPU nodes")
-    submit.add_argument("--cpus-per-task", type=int,
-                        help="CPUs (and OMP threads) per rank (default: 8 with GPUs, else 1)")
-    submit.add_argument("--time", default="24:00:00", help="Slurm time limit of each attempt")
-    submit.add_argument("--warning-seconds", type=int, default=300,
-                        help="USR1 this long before the limit: checkpoint and requeue")
-    submit.add_argument("--partition")
-    submit.add_argument("--account")
-    submit.add_argument("--gpu-memory-gib", type=float, default=80.0,
-                        help="memory per GPU, for choosing the layout")
-    submit.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
-                        help="extra #SBATCH line, e.g. --sbatch-arg=--exclusive (repeatable)")
-    submit.add_argument("--job-name")
-    submit.add_argument("--dry-run", action="store_true",
-                        help="print the script (and the layout, on stderr); submit nothing")
+    slurm_options(submit, required=True)
     submit.set_defaults(fn=cmd_slurm_submit)
     return parser
 

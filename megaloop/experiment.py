@@ -12,11 +12,13 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-from typing import Literal
+from pathlib import Path
+from typing import Literal, Optional
 
 from megaloop import config as config_lib
-from megaloop.config import Config, check
+from megaloop.config import CONFIG_ROOT, Config, ConfigError, check
 from megaloop.data import DataConfig
 from megaloop.model import ModelConfig
 from megaloop.objectives import ObjectiveConfig
@@ -56,8 +58,89 @@ class ExperimentConfig(Config):
               "give a number of micro-batches, e.g. train.eval_batches=16")
 
 
+RESUMABLE = ("train.steps", "train.dir", "train.log_every", "train.eval_every",
+             "train.eval_batches", "train.save_every", "train.keep_last", "train.scale_alarm",
+             "parallel", "deepspeed.zero_stage", "wandb")
+"""Config keys (or sections) that may change when a run resumes: its length, cadence and
+monitoring, and the layout (checkpoints reshard; `slurm submit` rewrites it). Any other
+difference from the checkpoint's saved config stops the resume."""
+
+
 def load(path, overrides=()) -> ExperimentConfig:
-    return config_lib.load(ExperimentConfig, path, list(overrides))
+    """The resolved config of `path` with `overrides`; a run directory is filled in if none is
+    given (default_run_dir)."""
+    cfg = config_lib.load(ExperimentConfig, path, list(overrides))
+    if cfg.train.dir is None:
+        cfg.train.dir = str(default_run_dir(path, cfg.train.seed))
+    return cfg
+
+
+def default_run_dir(path, seed: int) -> Path:
+    """runs/<the config's path under configs/experiments (or configs), without .yaml>/seed<N>:
+    configs/experiments/wikitext103/44m/per_loop_norm.yaml, seed 1 ->
+    runs/wikitext103/44m/per_loop_norm/seed1."""
+    if path is None:
+        return Path("runs", "default", f"seed{seed}")
+    resolved = Path(path).resolve()
+    for root in (CONFIG_ROOT / "experiments", CONFIG_ROOT):
+        if resolved.is_relative_to(root):
+            return Path("runs", resolved.relative_to(root).with_suffix(""), f"seed{seed}")
+    return Path("runs", resolved.stem, f"seed{seed}")
+
+
+def resolve_steps(cfg: ExperimentConfig) -> Optional[str]:
+    """Fill in train.steps from data.epochs when it is not given; an explicit train.steps wins.
+    Returns a note for the log when both were given."""
+    if cfg.data.epochs is None:
+        check(cfg.train.steps is not None, "train.steps", None,
+              "set the number of optimizer steps (or data.epochs, for indexed data)")
+        return None
+    epoch_steps = cfg.data.steps_for_epochs(cfg.train.global_batch_size)
+    if cfg.train.steps is None:
+        cfg.train.steps = epoch_steps
+        return None
+    return (f"train.steps={cfg.train.steps} is given, so it is used: data.epochs="
+            f"{cfg.data.epochs} ({epoch_steps} steps) is ignored")
+
+
+def _flat(config: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_changes(saved: dict, requested: dict) -> list[str]:
+    """`key: saved -> requested` for every key outside RESUMABLE whose value differs (keys a
+    checkpoint of an older megaloop does not hold are not compared)."""
+    old, new = _flat(saved), _flat(requested)
+    changes = []
+    for key in sorted(set(old) & set(new)):
+        if any(key == r or key.startswith(r + ".") for r in RESUMABLE):
+            continue
+        if old[key] != new[key]:
+            changes.append(f"{key}: {json.dumps(old[key])} -> {json.dumps(new[key])}")
+    return changes
+
+
+def check_resume(cfg: ExperimentConfig) -> None:
+    """Before any compute: the newest complete checkpoint of train.dir, if any, was written by
+    this same experiment (collective)."""
+    from megaloop.train import checkpoint
+
+    folder = checkpoint.find_latest(Path(cfg.train.dir) / "checkpoints")
+    if folder is None:
+        return
+    changes = config_changes(checkpoint.read_meta(folder)["config"], cfg.to_dict())
+    if changes:
+        raise ConfigError(
+            f"train.dir={cfg.train.dir} holds a run with another config (checkpoint "
+            f"{folder.name}); it would resume with {len(changes)} changed key(s): "
+            f"{'; '.join(changes)}. Resume it with its own values, or give another train.dir "
+            f"(keys that may change on resume: {', '.join(RESUMABLE)})")
 
 
 def build_trainer(cfg: ExperimentConfig, log: bool = True):
@@ -67,11 +150,13 @@ def build_trainer(cfg: ExperimentConfig, log: bool = True):
     from megaloop.train.trainer import Trainer
 
     cfg.data.check_files()
-    if cfg.data.epochs:
-        cfg.train.steps = cfg.data.steps_for_epochs(cfg.train.global_batch_size)
+    note = resolve_steps(cfg)
     dp = layout.data_parallel_size(cfg, distributed.world_size())
     distributed.init(cfg.train.seed, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
                      virtual_pp=cfg.model.num_loops if cfg.parallel.pp > 1 else None)
+    if note and log and distributed.is_main():
+        print(f"megaloop: {note}", flush=True)
+    check_resume(cfg)
     t = cfg.train
     dataset = cfg.data.build(t.seed, train_samples=t.steps * t.global_batch_size)
     vocab = dataset.tokenizer.vocab_size

@@ -181,15 +181,28 @@ class TrainJob:
         return self.cpus_per_task or (8 if self.gpus_per_node else 1)
 
 
-def prepare(job: TrainJob) -> tuple[str, Path, Layout]:
-    """Check the request and the config together, choose the layout, render the script.
-    Nothing is written and nothing is submitted."""
+@dataclass
+class Run:
+    """One training run of a job: what its srun step starts, where, in which layout."""
+    config: str
+    overrides: list
+    run_dir: Path
+    layout: Layout
+
+    def command(self) -> str:
+        """Bash: RUN_DIR and the RUN array of `megaloop train` arguments, every value quoted."""
+        args = [str(Path(self.config).resolve()), *self.overrides]
+        return (f"RUN_DIR={shlex.quote(str(self.run_dir))}; "
+                f"RUN=({' '.join(shlex.quote(a) for a in args)})")
+
+
+def plan(job: TrainJob, config: str, overrides: list) -> Run:
+    """Check one run's config against the job, choose its layout, fix its run directory."""
     from megaloop import experiment
 
-    job.check()
-    cfg = experiment.load(job.config, job.overrides)
+    cfg = experiment.load(config, overrides)
     world = job.nodes * job.ranks_per_node
-    explicit = any(o.split("=", 1)[0] in ("parallel.tp", "parallel.pp") for o in job.overrides)
+    explicit = any(o.split("=", 1)[0] in ("parallel.tp", "parallel.pp") for o in overrides)
     if explicit:
         from megaloop.parallel.layout import data_parallel_size, memory_per_rank
 
@@ -199,32 +212,48 @@ def prepare(job: TrainJob) -> tuple[str, Path, Layout]:
     else:
         layout = choose_layout(cfg, world, job.gpus_per_node, job.gpu_memory_gib)
     run_dir = Path(cfg.train.dir).resolve()
-    overrides = [o for o in job.overrides if not o.startswith(("train.dir=", "parallel.tp=",
-                                                               "parallel.pp="))]
-    overrides += [f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}", f"train.dir={run_dir}"]
+    kept = [o for o in overrides if not o.startswith(("train.dir=", "parallel.tp=",
+                                                      "parallel.pp="))]
+    kept += [f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}", f"train.dir={run_dir}"]
+    return Run(config, kept, run_dir, layout)
+
+
+def render_job(job: TrainJob, runs: list[Run], output: Path, name: str) -> str:
+    """slurm/train.sbatch for one run, or a job array of runs (array task i trains runs[i])."""
     lines = [f"#SBATCH --{k}={v}" for k, v in (("partition", job.partition),
                                                  ("account", job.account),
                                                  ("gpus-per-node", job.gpus_per_node)) if v]
+    if len(runs) > 1:
+        lines.append(f"#SBATCH --array=0-{len(runs) - 1}")
+        select = "\n".join(['case "$SLURM_ARRAY_TASK_ID" in'] + [
+            f"  {i}) {run.command()} ;;" for i, run in enumerate(runs)] + ["esac"])
+    else:
+        select = runs[0].command()
     lines += [f"#SBATCH {a}" for a in job.sbatch_args]
-    script = render(TEMPLATES / "train.sbatch", {
-        "job_name": job.job_name or f"megaloop-{run_dir.name}",
-        "nodes": job.nodes, "tasks_per_node": job.ranks_per_node,
-        "cpus_per_task": job.cpus, "time": job.time,
-        "warning_seconds": job.warning_seconds, "run_dir": shlex.quote(str(run_dir)),
-        "sbatch_lines": "\n".join(lines),
-        "python": shlex.quote(sys.executable),
-        "config": shlex.quote(str(Path(job.config).resolve())),
-        "overrides": " ".join(shlex.quote(o) for o in overrides)})
-    return script, run_dir, layout
+    return render(TEMPLATES / "train.sbatch", {
+        "job_name": job.job_name or name, "nodes": job.nodes,
+        "tasks_per_node": job.ranks_per_node, "cpus_per_task": job.cpus, "time": job.time,
+        "warning_seconds": job.warning_seconds, "output": shlex.quote(str(output)),
+        "sbatch_lines": "\n".join(lines), "runs": select,
+        "python": shlex.quote(sys.executable)})
 
 
-def submit(script: str, run_dir: Path) -> str:
-    """Write the script into RUN_DIR/logs (Slurm does not create the --output folder) and
-    sbatch it; return the job id."""
-    logs = run_dir / "logs"
+def prepare(job: TrainJob) -> tuple[str, Path, Layout]:
+    """Check the request and the config together, choose the layout, render the script.
+    Nothing is written and nothing is submitted."""
+    job.check()
+    run = plan(job, job.config, job.overrides)
+    script = render_job(job, [run], run.run_dir / "logs" / "slurm-%j.out",
+                        f"megaloop-{run.run_dir.name}")
+    return script, run.run_dir, run.layout
+
+
+def submit(script: str, logs: Path, name: str = "train") -> str:
+    """Write the script into `logs` (Slurm does not create its --output folder) and sbatch it;
+    return the job id."""
     logs.mkdir(parents=True, exist_ok=True)
-    n = len(list(logs.glob("train-*.sbatch")))
-    path = logs / f"train-{n}.sbatch"
+    n = len(list(logs.glob(f"{name}-*.sbatch")))
+    path = logs / f"{name}-{n}.sbatch"
     path.write_text(script)
     try:
         out = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True,

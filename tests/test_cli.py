@@ -22,6 +22,9 @@ SUBCOMMANDS = {
              "tau", "q", "dtype"],
     "diagnose": ["model", "data", "out", "tokens", "seq_len", "rollout", "batch_size"],
     "report": ["inputs", "out"],
+    "sweep": ["configs", "seeds", "executor", "root", "nodes", "gpus_per_node", "tasks_per_node",
+              "cpus_per_task", "time", "warning_seconds", "partition", "account",
+              "gpu_memory_gib", "sbatch_arg", "job_name", "dry_run"],
 }
 CKPT_ACTIONS = {"consolidate": ["checkpoint", "out"]}
 EVAL_ACTIONS = {"downstream": ["model", "loops", "tasks", "limit", "data_dir", "batch_size",

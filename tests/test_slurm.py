@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from multiproc import BASE, ROOT, TINY
 
@@ -190,12 +191,13 @@ def jobs(cluster, tmp_path_factory):
     """Everything the tests below check, submitted at once as a cluster's users would: the same
     training run twice (uninterrupted, and with a 1-minute time limit; each node has a CPU for
     each), and a prep job array that starts when CPUs free up."""
-    uninterrupted, limited, prep = (tmp_path_factory.mktemp(name) for name in (
-        "uninterrupted", "limited", "prep"))
+    uninterrupted, limited, prep, swept = (tmp_path_factory.mktemp(name) for name in (
+        "uninterrupted", "limited", "prep", "sweep"))
     return {"uninterrupted": (uninterrupted, submit(cluster, uninterrupted, "--time", "10")),
             "limited": (limited, submit(cluster, limited, "--time", "1", "--warning-seconds",
                                         "10")),
-            "prep": (prep, submit_prep(cluster, prep))}
+            "prep": (prep, submit_prep(cluster, prep)),
+            "sweep": (swept, submit_sweep(cluster, swept))}
 
 
 @pytest.fixture(scope="module")
@@ -244,6 +246,36 @@ def test_time_limit_requeues_and_finishes_from_the_checkpoint(cluster, jobs, uni
     assert got["steps"][-1]["step"] == 300
     assert got["steps"][-1]["loss"] == reference["steps"][-1]["loss"]
     assert got["evals"][-1]["ce"] == reference["evals"][-1]["ce"]
+
+
+SWEEP = ["sweep", TINY, "--seeds", "0,1", "--executor", "slurm", "--nodes", "1",
+         "--gpus-per-node", "0", "--job-name", "test-sweep", "--time", "10", *BASE,
+         "train.steps=4", "train.save_every=2"]
+
+
+def submit_sweep(env, root: Path) -> str:
+    """`megaloop sweep` of the tiny config over seeds 0 and 1 as one job array."""
+    proc = subprocess.run([sys.executable, "-m", "megaloop", *SWEEP], capture_output=True,
+                          text=True, env=env, cwd=root, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "2 run(s), one per array task" in proc.stdout
+    return proc.stdout.split("submitted job ")[1].split(":")[0]
+
+
+def test_sweep_is_one_job_array_and_skips_what_it_finished(cluster, jobs):
+    root, job = jobs["sweep"]
+    script = next((root / "runs/sweep-logs").glob("sweep-*.sbatch")).read_text()
+    assert "#SBATCH --array=0-1" in script and script.count("train.seed=") == 2
+    wait_queue_empty(cluster, timeout=420, name="test-sweep")
+    for seed in (0, 1):
+        run_dir = root / f"runs/tiny/seed{seed}"
+        m = metrics(run_dir)
+        assert m["config"]["train"]["seed"] == seed and m["evals"][-1]["step"] == 4, logs(run_dir)
+        assert all(np.isfinite(r["loss"]) for r in m["steps"])
+        assert "ended with 0" in (run_dir / "logs/attempt-0.log").read_text()
+    again = subprocess.run([sys.executable, "-m", "megaloop", *SWEEP], capture_output=True,
+                           text=True, env=cluster, cwd=root, timeout=120)
+    assert again.returncode == 0 and "all 2 runs are finished" in again.stdout, again.stderr
 
 
 def submit_prep(env, root: Path) -> list:

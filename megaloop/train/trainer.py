@@ -27,9 +27,13 @@ from megaloop.train.watchdog import (STOP_MARKER, ScaleAlarmConfig, ScaleWatchdo
 
 @dataclass
 class TrainConfig(Config):
-    dir: str = "runs/default"
-    """The run directory: checkpoints/, metrics.json, wandb/."""
-    steps: int = 1000
+    dir: Optional[str] = None
+    """The run directory (checkpoints/, metrics.json, wandb/); null: built from the config
+    file's path and the seed, runs/<path under configs/experiments>/seed<seed>, so seeds and
+    variants never share one (megaloop.experiment.default_run_dir)."""
+    steps: Optional[int] = None
+    """Optimizer steps. Null with data.epochs set: as many as those epochs take. Given together
+    with data.epochs, train.steps wins (and the run says so)."""
     seed: int = 0
     micro_batch_size: int = 8
     global_batch_size: int = 8
@@ -49,8 +53,10 @@ class TrainConfig(Config):
     """Alarms on the per-loop hidden RMS (megaloop/train/watchdog.py); off by default."""
 
     def validate(self, prefix: str = "") -> None:
-        for name in ("steps", "micro_batch_size", "global_batch_size", "log_every", "keep_last"):
+        for name in ("micro_batch_size", "global_batch_size", "log_every", "keep_last"):
             check(getattr(self, name) >= 1, prefix + name, getattr(self, name), "must be >= 1")
+        check(self.steps is None or self.steps >= 1, prefix + "steps", self.steps,
+              "must be >= 1 (or null to train for data.epochs)")
         check(self.eval_batches == "all" or self.eval_batches >= 1, prefix + "eval_batches",
               self.eval_batches, "must be >= 1, or `all`")
         for name in ("eval_every", "save_every"):

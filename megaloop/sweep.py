@@ -1,0 +1,100 @@
+"""`megaloop sweep`: every config × seed in a run directory of its own, finished runs skipped.
+
+    megaloop sweep configs/experiments/wikitext103/44m/*.yaml --seeds 0,1,2 [key=value ...]
+
+Run i of a sweep is `megaloop train CONFIG train.seed=S train.dir=ROOT/<config path>/seedS`
+(experiment.default_run_dir), so a sweep and a hand-started run of the same config and seed
+share a directory. A run is finished when its metrics.json holds the final validation record of
+its step count; an unfinished one resumes from its newest checkpoint (which refuses a changed
+config). `local` trains the runs one after another in child processes; `slurm` submits one job
+array of slurm/train.sbatch (array task i trains run i, with the options of `slurm submit`).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from megaloop.config import ConfigError
+
+
+@dataclass
+class SweepRun:
+    config: str
+    seed: int
+    run_dir: Path
+    overrides: list
+    """What `megaloop train CONFIG` is given: the sweep's overrides, the seed, the directory."""
+    steps: Optional[int]
+    """train.steps as requested (None: from data.epochs)."""
+
+
+def plan(configs: list[str], seeds: list[int], overrides: list[str], root: Path
+         ) -> list[SweepRun]:
+    """Every config × seed, each config checked (loaded and validated) before anything runs."""
+    from megaloop import experiment
+
+    given = {o.split("=", 1)[0] for o in overrides}
+    for key in ("train.dir", "train.seed"):
+        if key in given:
+            raise ConfigError(f"{key} cannot be given to a sweep: every run gets its own "
+                              f"(--seeds, and --root for where the run directories go)")
+    if not seeds:
+        raise ConfigError("--seeds: give at least one seed, e.g. --seeds 0,1,2")
+    runs = []
+    for config in configs:
+        for seed in seeds:
+            run_dir = root / experiment.default_run_dir(config, seed).relative_to("runs")
+            run_overrides = [*overrides, f"train.seed={seed}", f"train.dir={run_dir}"]
+            cfg = experiment.load(config, run_overrides)
+            runs.append(SweepRun(config, seed, run_dir, run_overrides, cfg.train.steps))
+    dirs = [r.run_dir.resolve() for r in runs]
+    if len(set(dirs)) < len(dirs):
+        raise ConfigError("two configs of the sweep map to one run directory (the same file "
+                          "given twice?); give each config once")
+    return runs
+
+
+def finished(run: SweepRun) -> bool:
+    """The run wrote the final validation record of its step count (the requested one, or the
+    one its saved config resolved from data.epochs)."""
+    path = run.run_dir / "metrics.json"
+    if not path.is_file():
+        return False
+    metrics = json.loads(path.read_text())
+    steps = metrics["config"]["train"]["steps"]
+    if run.steps is not None and run.steps != steps:
+        return False
+    return bool(metrics["evals"]) and metrics["evals"][-1]["step"] == steps
+
+
+def run_local(runs: list[SweepRun]) -> list[tuple[SweepRun, int]]:
+    """Train each run in a child process, one after another; returns the failures."""
+    failed = []
+    for i, run in enumerate(runs, start=1):
+        print(f"sweep: [{i}/{len(runs)}] {run.config} seed {run.seed} -> {run.run_dir}",
+              flush=True)
+        code = subprocess.run([sys.executable, "-m", "megaloop", "train", run.config,
+                               *run.overrides]).returncode
+        if code != 0:
+            print(f"sweep: {run.run_dir} ended with exit code {code}", flush=True)
+            failed.append((run, code))
+    return failed
+
+
+def submit_slurm(job, runs: list[SweepRun], root: Path, dry_run: bool = False) -> str:
+    """One job array, a run per array task; returns the job id (or the script, dry)."""
+    from megaloop import slurm
+
+    job.check()
+    planned = [slurm.plan(job, run.config, run.overrides) for run in runs]
+    logs = root.resolve() / "sweep-logs"
+    output = logs / ("slurm-%A_%a.out" if len(planned) > 1 else "slurm-%j.out")
+    script = slurm.render_job(job, planned, output, "megaloop-sweep")
+    if dry_run:
+        return script
+    return slurm.submit(script, logs, name="sweep")

@@ -1,0 +1,99 @@
+"""Run directories that cannot collide: names from the config and the seed, resumes that refuse
+another experiment, train.steps never silently replaced, and `megaloop sweep`."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megaloop import experiment
+from megaloop.config import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "configs/experiments/tiny.yaml"
+QUICK = ["train.steps=3", "data.seq_len=32", "train.log_every=1", "wandb.mode=disabled"]
+
+
+def test_two_seeds_of_one_config_get_two_run_directories():
+    path = ROOT / "configs/experiments/wikitext103/44m/per_loop_norm.yaml"
+    dirs = {experiment.load(path, [f"train.seed={s}"]).train.dir for s in (0, 1, 2)}
+    assert dirs == {f"runs/wikitext103/44m/per_loop_norm/seed{s}" for s in (0, 1, 2)}
+    assert experiment.load(TINY).train.dir == "runs/tiny/seed0"
+    assert experiment.load(TINY, ["train.dir=elsewhere"]).train.dir == "elsewhere"
+
+
+def train(run_dir: Path, *overrides) -> None:
+    cfg = experiment.load(TINY, [*QUICK, f"train.dir={run_dir}", *overrides])
+    experiment.build_trainer(cfg).fit()
+    steps = json.loads((run_dir / "metrics.json").read_text())["steps"]
+    assert all(np.isfinite(r["loss"]) for r in steps)
+
+
+def test_a_resume_with_another_model_stops_naming_the_key(tmp_path, capsys):
+    from megaloop.cli import main
+
+    run = tmp_path / "run"
+    train(run)
+    before = (run / "metrics.json").read_text()
+    capsys.readouterr()
+    code = main(["train", str(TINY), *QUICK, f"train.dir={run}", "model.readout=raw",
+                 "train.seed=1"])
+    err = [line for line in capsys.readouterr().err.splitlines() if "megaloop" in line]
+    assert code == 2 and len(err) == 1 and err[0].startswith("megaloop: error: train.dir=")
+    assert 'model.readout: "norm" -> "raw"' in err[0] and "train.seed: 0 -> 1" in err[0]
+    assert (run / "metrics.json").read_text() == before  # nothing written
+    # the keys a resume may change: length, cadence, layout
+    train(run, "train.steps=5", "train.log_every=2", "parallel.tp=1")
+    assert json.loads((run / "metrics.json").read_text())["evals"][-1]["step"] == 5
+
+
+@pytest.fixture
+def indexed(tmp_path):
+    """A prepared indexed split of 1,000 tokens (megatron-core's builder)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(str(tmp_path / "train.bin"), dtype=np.uint16)
+    for doc in np.split(np.arange(1000) % 200 + 1, [300, 700]):
+        builder.add_document(torch.from_numpy(doc), [len(doc)])
+    builder.finalize(str(tmp_path / "train.idx"))
+    return ["data.kind=indexed", f"data.path={tmp_path / 'train'}", "data.seq_len=32"]
+
+
+def test_an_explicit_train_steps_wins_over_data_epochs_and_says_so(indexed):
+    cfg = experiment.load(TINY, [*indexed, "data.epochs=2", "train.steps=null"])
+    assert experiment.resolve_steps(cfg) is None
+    assert cfg.train.steps == (2 * 1000 - 1) // 32 // 16  # two passes, 16 sequences a step
+    cfg = experiment.load(TINY, [*indexed, "data.epochs=2", "train.steps=3"])
+    note = experiment.resolve_steps(cfg)
+    assert cfg.train.steps == 3 and "train.steps=3" in note and "data.epochs=2" in note
+    with pytest.raises(ConfigError, match="train.steps"):
+        experiment.resolve_steps(experiment.load(TINY, ["train.steps=null"]))
+
+
+def sweep(cwd: Path, *args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    return subprocess.run([sys.executable, "-m", "megaloop", "sweep", str(TINY), *args, *QUICK],
+                          capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
+
+
+def test_sweep_trains_each_seed_once_and_skips_finished_runs(tmp_path):
+    first = sweep(tmp_path, "--seeds", "0,1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "sweep: 2 of 2 run(s) trained" in first.stdout
+    runs = [tmp_path / f"runs/tiny/seed{s}" for s in (0, 1)]
+    metrics = [json.loads((r / "metrics.json").read_text()) for r in runs]
+    assert [m["config"]["train"]["seed"] for m in metrics] == [0, 1]
+    assert metrics[0]["steps"][0]["loss"] != metrics[1]["steps"][0]["loss"]
+    stamps = [(r / "metrics.json").stat().st_mtime_ns for r in runs]
+    again = sweep(tmp_path, "--seeds", "0,1")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("is finished; skipped") == 2 and "all 2 runs are finished" in (
+        again.stdout)
+    assert [(r / "metrics.json").stat().st_mtime_ns for r in runs] == stamps
+    refused = sweep(tmp_path, "--seeds", "0", "train.dir=x")
+    assert refused.returncode == 2 and "train.dir cannot be given to a sweep" in refused.stderr
