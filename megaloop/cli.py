@@ -65,7 +65,13 @@ def cmd_params(args) -> int:
 def cmd_demo(args) -> int:
     from megaloop.demo import run_demo
 
-    run_demo(text=args.text, steps=args.steps, out=args.out, tokenizer=args.tokenizer)
+    if args.seeds < 1:
+        print("megaloop: error: --seeds must be >= 1", file=sys.stderr)
+        return 2
+    from megaloop import _cpu_compat
+
+    run_demo(text=args.text, steps=args.steps, out=args.out, tokenizer=args.tokenizer,
+             seed=args.seed, seeds=args.seeds, workers=2, initializer=_cpu_compat.apply)
     return 0
 
 
@@ -316,8 +322,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train norm vs raw readouts on a tiny model, print a table")
     demo.add_argument("--text", help="train on this text file instead of the built-in corpus")
     demo.add_argument("--tokenizer", default="bytes", help="'bytes' or a tokenizer.json path")
-    demo.add_argument("--steps", type=int, default=None, help="training steps per variant")
+    demo.add_argument("--steps", type=int, default=None,
+                      help="training steps per run (default 400)")
     demo.add_argument("--out", default="runs/demo", help="run directories go here")
+    demo.add_argument("--seed", type=int, default=0, help="the first seed")
+    demo.add_argument("--seeds", type=int, default=4,
+                      help="seeds to train (seed, seed+1, ...); only what holds in all of them "
+                           "is stated as a finding")
     demo.set_defaults(fn=cmd_demo)
     prep = sub.add_parser("prep", help="prepare a corpus with datatrove (wikitext103, fineweb)")
     corpora = prep.add_subparsers(dest="corpus", required=True, metavar="CORPUS")

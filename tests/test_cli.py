@@ -9,7 +9,7 @@ from megaloop.cli import build_parser
 SUBCOMMANDS = {
     "train": ["config", "overrides"],
     "params": ["config", "overrides", "world"],
-    "demo": ["text", "tokenizer", "steps", "out"],
+    "demo": ["text", "tokenizer", "steps", "out", "seed", "seeds"],
     "ckpt": ["ckpt_command"],
     "prep": ["corpus"],
     "export": ["source", "out"],
