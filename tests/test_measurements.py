@@ -217,8 +217,8 @@ def test_report_renders_every_table_and_figure(runs, tmp_path):
                   "(Appendix D", "(Figure 3)"):
         assert title in text
     for name in VARIANTS:  # one row per variant, seeds pooled
-        assert f"| readout={name} | 2 | 40 |" in text
-        assert f"| readout={name} | 2 | margin |" in text
+        assert f"| {name} | 2 | 40 |" in text  # named by their runs' folder
+        assert f"| {name} | 2 | margin |" in text
     assert "No `megaloop" not in text
     variants = report.group(*report.collect([runs / "runs", runs / "results"]))
     figures = report.figures(variants)
@@ -281,3 +281,16 @@ def test_every_kind_of_data_gives_the_same_token_stream(tmp_path):
     windows = harness.windows(stream, 10, 3, start=2)
     assert windows.tolist() == [stream[20:31].tolist(), stream[30:41].tolist(),
                                 stream[40:51].tolist()]
+
+
+def test_variants_are_named_by_their_folder_or_else_by_what_differs():
+    def run(path, readout, lr):
+        config = {"model": {"readout": readout}, "optim": {"lr": lr}, "train": {"seed": 0}}
+        return {"path": path, "config": config, "metrics": {"evals": []}}
+
+    apart = report.group([run("r/a/seed0", "norm", 1.0), run("r/b/seed0", "raw", 1.0)], [])
+    assert [v.label for v in apart] == ["a", "b"]
+    shared = report.group([run("one/s/seed0", "norm", 1.0), run("two/s/seed0", "raw", 2.0),
+                           run("two/s/seed1", "raw", 2.0)], [])
+    assert [v.label for v in shared] == ["lr=1.0, readout=norm", "lr=2.0, readout=raw"]
+    assert [len(v.runs) for v in shared] == [1, 2]

@@ -33,6 +33,13 @@ class Variant:
     runs: list = field(default_factory=list)
     results: dict = field(default_factory=lambda: defaultdict(list))
 
+    def run_paths(self) -> set[str]:
+        """The run directories behind this variant's runs and results (a result of an export or
+        a checkpoint folder names none)."""
+        paths = {r["path"] for r in self.runs}
+        return paths | {r["model"]["path"] for rs in self.results.values() for r in rs
+                        if r["model"].get("kind") == "run"}
+
 
 def flatten(config: dict, prefix: str = "") -> dict:
     flat = {}
@@ -105,7 +112,14 @@ def group(runs: list[dict], results: list[dict]) -> list[Variant]:
 
 
 def label(variants: list[Variant]) -> None:
-    """Name each variant by the config values that tell it apart from the others."""
+    """Name each variant by the folder its seeds' run directories share (runs/<variant>/seedN)
+    when that tells the variants apart, else by the config values that do."""
+    folders = [{Path(p).parent.name for p in v.run_paths()} for v in variants]
+    names = [f.pop() if len(f) == 1 else None for f in folders]
+    if None not in names and len(set(names)) == len(names):
+        for v, name in zip(variants, names):
+            v.label = name
+        return
     known = [v for v in variants if v.config is not None]
     keys = sorted({k for v in known for k in v.config
                    if len({json.dumps(w.config.get(k), default=str) for w in known}) > 1})
