@@ -116,6 +116,17 @@ def check(cond: bool, key: str, value: Any, allowed: str) -> None:
         fail(key, value, allowed)
 
 
+def flatten(config: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} → {"a.b": 1}: a resolved config as its dotted keys."""
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def _deep_merge(base: dict, update: dict) -> dict:
     out = dict(base)
     for k, v in update.items():

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from megaloop import config as config_lib
-from megaloop.config import CONFIG_ROOT, Config, ConfigError, check
+from megaloop.config import CONFIG_ROOT, Config, ConfigError, check, flatten
 from megaloop.data import DataConfig
 from megaloop.model import ModelConfig
 from megaloop.objectives import ObjectiveConfig
@@ -103,20 +103,10 @@ def resolve_steps(cfg: ExperimentConfig) -> Optional[str]:
             f"{cfg.data.epochs} ({epoch_steps} steps) is ignored")
 
 
-def _flat(config: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def config_changes(saved: dict, requested: dict) -> list[str]:
     """`key: saved -> requested` for every key outside RESUMABLE whose value differs (keys a
     checkpoint of an older megaloop does not hold are not compared)."""
-    old, new = _flat(saved), _flat(requested)
+    old, new = flatten(saved), flatten(requested)
     changes = []
     for key in sorted(set(old) & set(new)):
         if any(key == r or key.startswith(r + ".") for r in RESUMABLE):

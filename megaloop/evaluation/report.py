@@ -17,6 +17,7 @@ from typing import Optional
 
 import numpy as np
 
+from megaloop.config import flatten
 from megaloop.evaluation.exported import EvalError
 
 COMMANDS = ("depth", "halt", "diagnose")
@@ -39,16 +40,6 @@ class Variant:
         paths = {r["path"] for r in self.runs}
         return paths | {r["model"]["path"] for rs in self.results.values() for r in rs
                         if r["model"].get("kind") == "run"}
-
-
-def flatten(config: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def variant_config(config: Optional[dict]) -> Optional[dict]:
