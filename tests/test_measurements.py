@@ -292,5 +292,5 @@ def test_variants_are_named_by_their_folder_or_else_by_what_differs():
     assert [v.label for v in apart] == ["a", "b"]
     shared = report.group([run("one/s/seed0", "norm", 1.0), run("two/s/seed0", "raw", 2.0),
                            run("two/s/seed1", "raw", 2.0)], [])
-    assert [v.label for v in shared] == ["lr=1.0, readout=norm", "lr=2.0, readout=raw"]
+    assert [v.label for v in shared] == ["readout=norm, lr=1.0", "readout=raw, lr=2.0"]
     assert [len(v.runs) for v in shared] == [1, 2]
