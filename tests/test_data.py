@@ -361,7 +361,7 @@ def test_train_on_prepared_data_indexed_epochs_and_webdataset(wikitext_prep, web
     common = ["model.vocab_size=512", "model.max_seq_len=64", "train.global_batch_size=8",
               "train.micro_batch_size=4", "wandb.mode=disabled", "train.log_every=1"]
     cfg = experiment.load(tiny, [*common, "data.kind=indexed", f"data.path={out}/train",
-                                 f"data.valid_path={out}/valid", "data.epochs=2",
+                                 f"data.valid_path={out}/valid", "data.epochs=2", "train.steps=null",
                                  "data.seq_len=32", f"train.dir={tmp_path / 'wt'}"])
     experiment.build_trainer(cfg).fit()
     metrics = json.loads((tmp_path / "wt/metrics.json").read_text())

@@ -172,8 +172,8 @@ def test_job_script_never_requeues_an_unhealthy_stop(tmp_path, warned):
                               f'exit 0\n')
     script = slurm.render(ROOT / "slurm/train.sbatch", {
         "job_name": "t", "nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1, "time": "10",
-        "warning_seconds": 5, "run_dir": str(run_dir), "sbatch_lines": "", "python": "python",
-        "config": "c.yaml", "overrides": ""})
+        "warning_seconds": 5, "output": str(run_dir / "logs/slurm.out"), "sbatch_lines": "",
+        "python": "python", "runs": f"RUN_DIR={run_dir}; RUN=(c.yaml)"})
     (tmp_path / "job.sh").write_text(script)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
            "SLURM_JOB_NODELIST": "n1", "SLURM_NTASKS": "1"}
