@@ -116,6 +116,9 @@ def test_warn_logs_the_alarm_and_keeps_training(tmp_path, capsys):
         assert a["value"] == logged[a["step"]]["hidden_rms_max"][a["loop"] - 1]
     out = capsys.readouterr().out
     assert "scale alarm at step 1, loop 4: max hidden RMS" in out
+    import wandb
+
+    wandb.teardown()  # finish() may return before wandb's service has flushed the run file
     run_file = next((tmp_path / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
     assert b"megaloop scale alarm, loop 4" in run_file and b"scale_alarm/max_rms/loop4" in run_file
 
