@@ -23,12 +23,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
 
 "$PY" bench/mfu.py configs/experiments/wikitext103/129m/per_loop_norm.yaml \
   --steps "${steps[0]}" "${shape[@]}" | tee "$OUT/mfu_129m.md"
-"$PY" bench/mfu.py configs/experiments/fineweb/1p4b.yaml --steps "${steps[1]}" "${shape[@]}" \
+"$PY" bench/mfu.py configs/experiments/fineweb/1p4b_baseline.yaml --steps "${steps[1]}" "${shape[@]}" \
   | tee "$OUT/mfu_1p4b.md"
 
 # fixed K: the 1.4B shape after one step (throughput does not depend on the weights), on random
 # tokens of its vocabulary
-"$PY" -m megaloop train configs/experiments/fineweb/1p4b.yaml data.kind=synthetic \
+"$PY" -m megaloop train configs/experiments/fineweb/1p4b_baseline.yaml data.kind=synthetic \
   train.steps=1 train.global_batch_size=1 train.eval_batches=1 train.dir="$OUT/1p4b" \
   "${shape[@]}"
 "$PY" -m megaloop export "$OUT/1p4b" "$OUT/1p4b-hf"

@@ -1,7 +1,7 @@
 """Training-step throughput and model FLOPs utilization of a config, next to the same model at
 K=1 (one pass of the stack: what a looped step costs over an ordinary one).
 
-    .venv/bin/python bench/mfu.py configs/experiments/fineweb/1p4b.yaml [--steps 10]
+    .venv/bin/python bench/mfu.py configs/experiments/fineweb/1p4b_42b_tokens.yaml [--steps 10]
         [--warmup 3] [--peak-tflops 989] [key=value ...]
 
 One process, the real trainer (megatron engine, bf16 autocast where the config asks for it) on
@@ -37,6 +37,7 @@ def measure(config: str, overrides: list, steps: int, warmup: int) -> dict:
         cfg = experiment.load(config, overrides)
         mbs = cfg.train.micro_batch_size
         cfg = experiment.load(config, [*overrides, "data.kind=synthetic", "data.epochs=null",
+                                       f"train.steps={warmup + steps}",
                                        f"train.global_batch_size={mbs}", f"train.dir={run_dir}",
                                        "wandb.mode=disabled", "train.eval_batches=1"])
         trainer = experiment.build_trainer(cfg, log=False)

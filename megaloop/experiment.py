@@ -48,9 +48,10 @@ class ExperimentConfig(Config):
               "engine=deepspeed runs ZeRO stage 0-3 over DP with megatron-core TP and no "
               "pipeline (DeepSpeed refuses ZeRO-2/3 with pipelines). Supported: engine=megatron "
               "with any parallel.tp x parallel.pp x DP, or engine=deepspeed with parallel.pp=1")
-        check(self.objective.kind != "exit_weighted" or self.model.exit_gate,
+        check(not self.objective.gated or self.model.exit_gate,
               "model.exit_gate", self.model.exit_gate,
-              "objective.kind=exit_weighted needs the exit gate: set model.exit_gate=true")
+              f"objective.kind={self.objective.kind} needs the exit gate: set "
+              f"model.exit_gate=true")
         check(self.data.seq_len <= self.model.max_seq_len, "data.seq_len", self.data.seq_len,
               f"must be <= model.max_seq_len={self.model.max_seq_len}")
         check(self.train.eval_batches != "all" or self.data.kind != "synthetic",

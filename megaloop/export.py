@@ -36,7 +36,8 @@ def hf_config(model) -> dict:
         "rope_theta": model.rope_base, "rms_norm_eps": model.norm_eps,
         "readout": model.readout, "recurrence": model.recurrence,
         "damping_shape": model.damping_shape, "exit_gate": model.exit_gate,
-        "exit_gate_input": model.exit_gate_input,
+        "exit_gate_input": model.exit_gate_input, "layer_norms": model.layer_norms,
+        "loop_norm": model.loop_norm,
         "clamp": False, "early_exit": "none", "exit_threshold": 0.5,
         "tie_word_embeddings": model.tie_embeddings, "torch_dtype": "float32",
     }
@@ -66,9 +67,14 @@ def to_hf(state: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
             dst + "mlp.gate_proj.weight": gate.contiguous(),
             dst + "mlp.up_proj.weight": up.contiguous(),
             dst + "mlp.down_proj.weight": state[src + "mlp.linear_fc2.weight"]})
+        if model.layer_norms == "sandwich":
+            out[dst + "input_layernorm_2.weight"] = state[
+                src + "self_attention.linear_proj.post_norm.weight"]
+            out[dst + "post_attention_layernorm_2.weight"] = state[
+                src + "mlp.linear_fc2.post_norm.weight"]
     renames = {"recurrence.norm.weight": "recurrence.norm.weight",
                "recurrence.damping_logit": "recurrence.damping_logit",
-               "readout.norm.weight": "readout_norm.weight",
+               "readout.norm.weight": "readout_norm.weight", "loop_norm.weight": "norm.weight",
                "exit_gate.proj.weight": "exit_gate.weight", "exit_gate.proj.bias": "exit_gate.bias"}
     if not model.tie_embeddings:
         renames["readout.output_layer.weight"] = "lm_head.weight"

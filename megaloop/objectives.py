@@ -3,6 +3,8 @@
     terminal       CE_K
     per_loop       (1/K)·Σ_k CE_k
     exit_weighted  Σ_k p_k·CE_k − β·H(p),  p_k = λ_k·Π_{j<k}(1 − λ_j), p_K the remaining mass
+    exit_mixture   CE(Σ_k p_k·logits_k)     Ouro's label path: CE of the exit-weighted mixture
+                                            of logits, no entropy term (the study's 1.4B runs)
     norm_penalty   λ·(1/K)·Σ_k E_tokens ‖H_k‖²_rms          (added when λ > 0)
 
 CE_k and the exit-weighted terms are token means under the loss mask. Every term is also
@@ -13,10 +15,11 @@ in which per-token drift shows first).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 import torch
+from megatron.core import tensor_parallel
 
 from megaloop.config import Config, check
 from megaloop.model.exit_gate import exit_probabilities
@@ -25,7 +28,7 @@ from megaloop.model.looped import LoopOutput
 
 @dataclass
 class ObjectiveConfig(Config):
-    kind: Literal["terminal", "per_loop", "exit_weighted"] = "per_loop"
+    kind: Literal["terminal", "per_loop", "exit_weighted", "exit_mixture"] = "per_loop"
     entropy_beta: float = 0.0
     """β: weight of the exit-distribution entropy bonus (exit_weighted only)."""
     norm_penalty: float = 0.0
@@ -36,6 +39,16 @@ class ObjectiveConfig(Config):
         check(self.entropy_beta == 0 or self.kind == "exit_weighted", prefix + "entropy_beta",
               self.entropy_beta, "is only used by kind=exit_weighted; set it to 0")
         check(self.norm_penalty >= 0, prefix + "norm_penalty", self.norm_penalty, "must be >= 0")
+
+    @property
+    def gated(self) -> bool:
+        """The objective weights exits by the exit gate's distribution."""
+        return self.kind in ("exit_weighted", "exit_mixture")
+
+    @property
+    def needs_logits(self) -> bool:
+        """The loss is a function of the exits' logits, not only of their CE."""
+        return self.kind == "exit_mixture"
 
 
 def masked_mean(x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -64,15 +77,30 @@ def rms_percentiles(mean_squares: list[torch.Tensor], loss_mask: Optional[torch.
 
 @dataclass
 class ExitTerms:
-    """Per-token quantities of each exit that the objectives are functions of ([b, s] each)."""
+    """Per-token quantities of each exit that the objectives are functions of ([b, s] each),
+    and for exit_mixture the exits' vocab-parallel logits [s, b, V/tp] and the labels [b, s]."""
 
     ce: list[torch.Tensor]
     mean_square: list[torch.Tensor]
     gates: list[torch.Tensor]
+    logits: list[torch.Tensor] = field(default_factory=list)
+    labels: Optional[torch.Tensor] = None
 
     @classmethod
     def from_output(cls, out: LoopOutput) -> "ExitTerms":
-        return cls(out.token_ce, [mean_square(h) for h in out.hidden], out.gates)
+        return cls(out.token_ce, [mean_square(h) for h in out.hidden], out.gates, out.logits,
+                   out.labels)
+
+
+def mixture_ce(probs: torch.Tensor, logits: list[torch.Tensor], labels: torch.Tensor
+               ) -> torch.Tensor:
+    """Per-token CE [b, s] of Σ_k p_k·logits_k (probs [K, b, s]); the mixture of vocab-parallel
+    logits is vocab-parallel, so the CE is megatron-core's vocabulary-parallel one. Each
+    tensor-parallel rank holds p_k whole but only its vocabulary shard of the logits, so the
+    gradient of p_k is summed over the ranks (megatron-core's copy into a parallel region)."""
+    probs = tensor_parallel.copy_to_tensor_model_parallel_region(probs)
+    mixed = sum(p.t().unsqueeze(-1) * l.float() for p, l in zip(probs, logits))
+    return tensor_parallel.vocab_parallel_cross_entropy(mixed, labels.t().contiguous()).t()
 
 
 def compute(cfg: ObjectiveConfig, exits: ExitTerms | LoopOutput,
@@ -91,13 +119,16 @@ def compute(cfg: ObjectiveConfig, exits: ExitTerms | LoopOutput,
         loss = ce.mean()
     else:
         if len(exits.gates) != num_loops:
-            raise ValueError("the exit_weighted objective needs the model's exit gate "
+            raise ValueError(f"the {cfg.kind} objective needs the model's exit gate "
                              "(model.exit_gate=true)")
         probs = exit_probabilities(exits.gates)  # [K, b, s]
         token_ce = torch.stack(exits.ce)
         entropy = -(probs * probs.clamp_min(1e-12).log()).sum(0)
-        loss = masked_mean((probs * token_ce).sum(0), loss_mask) - cfg.entropy_beta * masked_mean(
-            entropy, loss_mask)
+        if cfg.kind == "exit_mixture":
+            loss = masked_mean(mixture_ce(probs, exits.logits, exits.labels), loss_mask)
+        else:
+            loss = masked_mean((probs * token_ce).sum(0), loss_mask) - (
+                cfg.entropy_beta * masked_mean(entropy, loss_mask))
     ms = torch.stack([masked_mean(m, loss_mask) for m in exits.mean_square])
     if cfg.norm_penalty > 0:
         loss = loss + cfg.norm_penalty * ms.mean()
@@ -108,7 +139,7 @@ def compute(cfg: ObjectiveConfig, exits: ExitTerms | LoopOutput,
         **rms_percentiles(exits.mean_square, loss_mask),
         "norm_penalty": (cfg.norm_penalty / num_loops * ms).detach(),
     }
-    if cfg.kind == "exit_weighted":
+    if cfg.gated:
         terms["exit_prob"] = torch.stack([masked_mean(p, loss_mask) for p in probs]).detach()
         terms["weighted_ce"] = torch.stack([masked_mean(p * c, loss_mask)
                                             for p, c in zip(probs, token_ce)]).detach()

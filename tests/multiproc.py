@@ -83,6 +83,10 @@ OBJECTIVES = {
     "per_loop+penalty": ["objective.kind=per_loop", "objective.norm_penalty=0.01"],
     "exit_weighted": ["objective.kind=exit_weighted", "model.exit_gate=true",
                       "objective.entropy_beta=0.1"],
+    # Ouro's architecture and label path: sandwich norms, the shared loop norm, untied W_out
+    "exit_mixture": ["objective.kind=exit_mixture", "model.exit_gate=true",
+                     "model.layer_norms=sandwich", "model.loop_norm=shared",
+                     "model.tie_embeddings=false"],
 }
 
 

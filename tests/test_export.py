@@ -28,12 +28,13 @@ def exported(model, cfg: ModelConfig, **overrides) -> MegaloopForCausalLM:
     return hf
 
 
-def variant(readout, recurrence, gate, tie=True, gate_input="normed", damping="channel"
-            ) -> tuple:
+def variant(readout, recurrence, gate, tie=True, gate_input="normed", damping="channel",
+            layer_norms="pre", loop_norm="separate") -> tuple:
     cfg = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_query_groups=2,
                       num_layers=2, num_loops=4, max_seq_len=32, readout=readout,
                       recurrence=recurrence, exit_gate=gate, tie_embeddings=tie,
-                      exit_gate_input=gate_input, damping_shape=damping)
+                      exit_gate_input=gate_input, damping_shape=damping,
+                      layer_norms=layer_norms, loop_norm=loop_norm)
     model = build(cfg).eval()
     with torch.no_grad():  # norms, damping and gate away from their initial constants
         for name, p in model.named_parameters():
@@ -60,6 +61,27 @@ def test_exported_logits_equal_the_trainer_models_at_any_k(readout, recurrence, 
             assert rel_err(hf(tokens, num_loops=k, use_cache=False).logits, ref) <= 1e-5, k
             ref = model(tokens, num_loops=k, clamp=True).logits[-1].transpose(0, 1)
             assert rel_err(clamped(tokens, num_loops=k, use_cache=False).logits, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("readout", ["norm", "raw", "final_norm"])
+@pytest.mark.parametrize("layer_norms, loop_norm", [("sandwich", "shared"), ("sandwich", "separate"),
+                                                    ("pre", "shared")])
+def test_ouro_wiring_exports_the_same_logits_and_gate(readout, layer_norms, loop_norm):
+    """Sandwich norms and the shared loop norm (next loop, gate, normalising readout) in the
+    export: every exit's logits and λ_k at any K, and the parameter count, equal the trainer's."""
+    cfg, model = variant(readout, "none", gate=True, tie=False, layer_norms=layer_norms,
+                         loop_norm=loop_norm)
+    hf = exported(model, cfg)
+    assert sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in model.parameters())
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        for k in (1, 4, 6):
+            out = model(tokens, num_loops=k)
+            h, rope = hf.embed(tokens)
+            for j in range(1, k + 1):
+                h = hf.loop(h, j, rope)
+                assert rel_err(hf.readout(h, j), out.logits[j - 1].transpose(0, 1)) <= 1e-5
+                assert rel_err(hf.exit_probability(h)[..., 0], out.gates[j - 1]) <= 1e-5
 
 
 def test_a_scalar_damping_factor_exports_too():

@@ -85,6 +85,40 @@ def test_exit_gate_reads_the_scale_free_direction_unless_raw(tiny_cfg, reads):
     assert sum(p.numel() for p in gate.parameters()) == tiny_cfg.hidden_size + 1
 
 
+def test_ouros_shared_loop_norm_feeds_the_next_loop_the_gate_and_the_readout(tiny_cfg):
+    """loop_norm=shared: one norm N after every loop; loop k+1 runs on N(H_k), λ_k and the
+    normalised exit read N(H_k); sandwich layers hold four norms each."""
+    cfg = dataclasses.replace(tiny_cfg, loop_norm="shared", layer_norms="sandwich",
+                              exit_gate=True)
+    model = build(cfg)
+    with torch.no_grad():
+        model.loop_norm.weight.uniform_(0.5, 1.5)
+        torch.nn.init.normal_(model.exit_gate.proj.weight, std=0.5)
+    x = tokens(cfg)
+    with torch.no_grad():
+        out = model(x, num_loops=2)
+        normed = model.loop_norm(out.hidden[0])
+        torch.testing.assert_close(model.stack(normed, model.rotary_pos_emb(x.shape[1])),
+                                   out.hidden[1])
+        gate = torch.sigmoid(model.exit_gate.proj(normed)).squeeze(-1).t()
+        torch.testing.assert_close(out.gates[0], gate)
+        w_out = model.shared_embedding_or_output_weight()  # tied in tiny_cfg
+        torch.testing.assert_close(out.logits[0], model.readout.output_layer(normed, w_out)[0])
+    assert model.readout.norm is None and model.recurrence.mode == "none"
+    norms = [n for n, _ in model.named_parameters() if n.startswith("layers.0.")
+             and "norm" in n]
+    assert len(norms) == 4, norms
+
+
+@pytest.mark.parametrize("change, key", [({"recurrence": "rmsnorm"}, "recurrence"),
+                                         ({"exit_gate_input": "raw"}, "exit_gate_input")])
+def test_shared_loop_norm_refuses_a_second_inter_loop_norm_or_a_raw_gate(tiny_cfg, change, key):
+    from megaloop.config import ConfigError
+
+    with pytest.raises(ConfigError, match=key):
+        dataclasses.replace(tiny_cfg, loop_norm="shared", **change).validate("model.")
+
+
 def test_labels_give_per_token_ce_equal_to_torch_cross_entropy(tiny_cfg):
     model = build(tiny_cfg)
     x = tokens(tiny_cfg)

@@ -69,6 +69,28 @@ def test_loss_mask_restricts_the_token_mean():
     assert terms["ce"].tolist() == pytest.approx([2.0, 1.0, 0.5])
 
 
-def test_exit_weighted_without_gate_is_refused():
+@pytest.mark.parametrize("kind", ["exit_weighted", "exit_mixture"])
+def test_gated_objectives_without_gate_are_refused(kind):
     with pytest.raises(ValueError, match="exit_gate"):
-        compute(ObjectiveConfig(kind="exit_weighted"), output(gates=False))
+        compute(ObjectiveConfig(kind=kind), output(gates=False))
+
+
+def test_exit_mixture_is_the_ce_of_the_exit_weighted_mixture_of_logits():
+    """Ouro's label path: CE(Σ_k p_k·logits_k), by hand over a 3-token vocabulary."""
+    logits = [[[[1.0, 0.0, -1.0]], [[0.0, 2.0, 0.5]]],  # loop 1: [s=2, b=1, V=3]
+              [[[0.5, 0.5, 0.0]], [[3.0, -1.0, 0.0]]],
+              [[[-2.0, 1.0, 1.0]], [[0.0, 0.0, 4.0]]]]
+    labels = [[0, 2]]
+    out = output(gates=True)
+    out.logits, out.labels = [torch.tensor(l) for l in logits], torch.tensor(labels)
+    loss, terms = compute(ObjectiveConfig(kind="exit_mixture"), out)
+    expected = 0.0
+    for t in range(2):
+        lam = [GATES[k][0][t] for k in range(3)]
+        p = [lam[0], (1 - lam[0]) * lam[1], (1 - lam[0]) * (1 - lam[1])]
+        mixed = [sum(p[k] * logits[k][t][0][v] for k in range(3)) for v in range(3)]
+        log_z = math.log(sum(math.exp(m) for m in mixed))
+        expected += (log_z - mixed[labels[0][t]]) / 2
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert terms["ce"].tolist() == pytest.approx([3.0, 2.0, 1.0])  # per-loop CE still logged
+    assert terms["exit_prob"].sum().item() == pytest.approx(1.0)

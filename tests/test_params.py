@@ -10,9 +10,12 @@ from megaloop.parallel.layout import params_per_rank
 @pytest.mark.parametrize("path, overrides, total", [
     ("configs/model/44m.yaml", [], 44_048_896),
     ("configs/model/129m.yaml", [], 128_994_048),
-    # Ouro-1.4B's shape; the shipped config adds its inter-loop norm (d) and exit gate (d + 1)
-    ("configs/model/1p4b.yaml", ["model.recurrence=none", "model.exit_gate=false"], 1_434_552_320),
-    ("configs/model/1p4b.yaml", [], 1_434_552_320 + 2048 + 2049),
+    # Ouro-1.4B exactly (the count of its published checkpoint) ...
+    ("configs/model/1p4b.yaml", [], 1_434_652_673),
+    # ... less the second norm of each sublayer (2 x 24 x d), the shared loop norm and the gate
+    ("configs/model/1p4b.yaml", ["model.layer_norms=pre", "model.loop_norm=separate",
+                                 "model.readout=raw", "model.exit_gate=false"],
+     1_434_652_673 - 2 * 24 * 2048 - 2048 - 2049),
     ("configs/model/44m.yaml", ["model.recurrence=damping"], 44_048_896 + 512),
     ("configs/model/44m.yaml", ["model.recurrence=damping", "model.damping_shape=scalar"],
      44_048_896 + 1),

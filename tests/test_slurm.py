@@ -75,7 +75,7 @@ def submit_1p4b(capsys, *args) -> SimpleNamespace:
     """`megaloop slurm submit` of the 1.4B config on 16 nodes x 8 GPUs, in this process."""
     from megaloop.cli import main
 
-    rc = main(["slurm", "submit", str(ROOT / "configs/experiments/fineweb/1p4b.yaml"),
+    rc = main(["slurm", "submit", str(ROOT / "configs/experiments/fineweb/1p4b_42b_tokens.yaml"),
                "--nodes", "16",
                "--gpus-per-node", "8", *args])
     out = capsys.readouterr()

@@ -29,6 +29,8 @@ class MegaloopConfig(PretrainedConfig):
         damping_shape: str = "channel",
         exit_gate: bool = False,
         exit_gate_input: str = "normed",
+        layer_norms: str = "pre",
+        loop_norm: str = "separate",
         clamp: bool = False,
         early_exit: str = "none",
         exit_threshold: float = 0.5,
@@ -42,6 +44,12 @@ class MegaloopConfig(PretrainedConfig):
             raise ValueError(f"recurrence={recurrence!r}: use none, rmsnorm or damping")
         if exit_gate_input not in ("normed", "raw"):
             raise ValueError(f"exit_gate_input={exit_gate_input!r}: use normed or raw")
+        if layer_norms not in ("pre", "sandwich"):
+            raise ValueError(f"layer_norms={layer_norms!r}: use pre or sandwich")
+        if loop_norm not in ("separate", "shared"):
+            raise ValueError(f"loop_norm={loop_norm!r}: use separate or shared")
+        if loop_norm == "shared" and recurrence != "none":
+            raise ValueError("loop_norm='shared' is the inter-loop norm; recurrence must be none")
         if damping_shape not in ("channel", "scalar"):
             raise ValueError(f"damping_shape={damping_shape!r}: use channel or scalar")
         if early_exit not in ("none", "gate"):
@@ -72,7 +80,12 @@ class MegaloopConfig(PretrainedConfig):
         """damping: one learned factor per channel, or one scalar."""
         self.exit_gate = exit_gate
         self.exit_gate_input = exit_gate_input
-        """normed: the gate reads H_k/‖H_k‖_rms; raw: H_k."""
+        """normed: the gate reads H_k/‖H_k‖_rms; raw: H_k (shared loop norm: its output)."""
+        self.layer_norms = layer_norms
+        """pre: x + f(N(x)) per sublayer; sandwich: x + N₂(f(N₁(x))) (Ouro's layer)."""
+        self.loop_norm = loop_norm
+        """separate: recurrence and readout norms of their own; shared: Ouro's one norm after
+        every loop, read by the next loop, the gate and a normalising readout."""
         self.clamp = clamp
         """The inference-time recurrent-scale clamp: each token's H_k held at its loop-1 RMS."""
         self.early_exit = early_exit

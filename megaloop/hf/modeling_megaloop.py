@@ -4,11 +4,14 @@
     H_k = Stack(R(H_{k-1}))          k = 1..K, R = recurrence (identity for k = 1)
     logits = Readout(H_K)            (or, with early exit, each token's exit loop)
 
+With a shared loop norm (Ouro's wiring) one RMSNorm `norm` is R, the gate's input and the
+normalising readout's norm.
+
 `embed`, `loop`, `readout` and `exit_probability` are the pieces `forward` is made of; the
 measurement commands (megaloop depth/halt/diagnose) drive them one loop at a time.
 
-The stack is L pre-norm layers (RMSNorm, causal attention with RoPE, SwiGLU), the same layers
-megatron-core runs in training; `megaloop export` converts their weights. The KV cache holds
+The stack is L pre-norm layers (RMSNorm, causal attention with RoPE, SwiGLU; with sandwich norms
+a second RMSNorm on each sublayer's output), the same layers megatron-core runs in training; `megaloop export` converts their weights. The KV cache holds
 one entry per (loop, layer), as Ouro's code does: loop k's layer l attends to the keys loop k's
 layer l computed for earlier tokens.
 """
@@ -92,14 +95,19 @@ class MLP(nn.Module):
 class Layer(nn.Module):
     def __init__(self, config: MegaloopConfig):
         super().__init__()
-        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        d, eps = config.hidden_size, config.rms_norm_eps
+        sandwich = config.layer_norms == "sandwich"
+        self.input_layernorm = nn.RMSNorm(d, eps=eps)
         self.self_attn = Attention(config)
-        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm_2 = nn.RMSNorm(d, eps=eps) if sandwich else nn.Identity()
+        self.post_attention_layernorm = nn.RMSNorm(d, eps=eps)
         self.mlp = MLP(config)
+        self.post_attention_layernorm_2 = nn.RMSNorm(d, eps=eps) if sandwich else nn.Identity()
 
     def forward(self, x, cos, sin, cache, cache_index, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, cache_index, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, cache_index, mask)
+        x = x + self.input_layernorm_2(attn)
+        return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x)))
 
 
 class Recurrence(nn.Module):
@@ -156,8 +164,10 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
         self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_hidden_layers))
         self.recurrence = Recurrence(config)
         self.rotary = Rotary(config.hidden_size // config.num_attention_heads, config.rope_theta)
+        shared = config.loop_norm == "shared"
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if shared else None
         self.readout_norm = (nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-                             if config.readout != "raw" else None)
+                             if config.readout != "raw" and not shared else None)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.exit_gate = nn.Linear(config.hidden_size, 1) if config.exit_gate else None
         self.post_init()
@@ -180,8 +190,10 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
 
     def loop(self, h: torch.Tensor, k: int, rope: tuple[torch.Tensor, torch.Tensor],
              cache: Cache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """H_k from H_{k-1} (H_0 for k = 1): the recurrence, then the shared stack."""
-        h = h if k == 1 else self.recurrence(h)
+        """H_k from H_{k-1} (H_0 for k = 1): the recurrence (or the shared loop norm), then the
+        shared stack."""
+        if k > 1:
+            h = self.recurrence(h) if self.norm is None else self.norm(h)
         L = len(self.layers)
         for i, layer in enumerate(self.layers):
             h = layer(h, *rope, cache, (k - 1) * L + i, mask)
@@ -192,11 +204,16 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
         the model runs at: exits are read the way they were trained."""
         normalize = self.config.readout == "norm" or (
             self.config.readout == "final_norm" and loop >= self.config.num_loops_trained)
-        return self.lm_head(self.readout_norm(h) if normalize else h)
+        if normalize:
+            h = self.readout_norm(h) if self.norm is None else self.norm(h)
+        return self.lm_head(h)
 
     def exit_probability(self, h: torch.Tensor) -> torch.Tensor:
-        """λ_k [b, s, 1] from the gate, which reads H_k/‖H_k‖_rms (or H_k: exit_gate_input)."""
-        if self.config.exit_gate_input == "normed":
+        """λ_k [b, s, 1] from the gate, which reads H_k/‖H_k‖_rms (or H_k: exit_gate_input), or
+        the shared loop norm's output."""
+        if self.norm is not None:
+            h = self.norm(h)
+        elif self.config.exit_gate_input == "normed":
             h = F.rms_norm(h, (h.shape[-1],), eps=self.config.rms_norm_eps)
         return torch.sigmoid(self.exit_gate(h))
 

@@ -1,7 +1,8 @@
 """Ouro's exit gate: λ_k = sigmoid(Linear(d, 1)(x_k)), the per-token halting probability of loop k.
 
 x_k is the scale-free direction H_k/‖H_k‖_rms (`normed`, a normalisation without weights, as
-Ouro's gate reads a normalised state), or H_k itself (`raw`, an ablation). Reading raw H_k would
+Ouro's gate reads a normalised state), or H_k itself (`raw`, an ablation). Under Ouro's wiring
+(model.loop_norm=shared) the gate reads the shared loop norm's output, which the model hands it. Reading raw H_k would
 give the exit-weighted objective a path through which CE sees hidden scale, which the study's
 exit-weighted row assumes is absent: that objective changes CE weights, not what CE can see.
 
@@ -20,16 +21,16 @@ GateInput = Literal["normed", "raw"]
 
 
 class ExitGate(torch.nn.Module):
-    def __init__(self, hidden_size: int, reads: GateInput = "normed", eps: float = 1e-5):
+    def __init__(self, hidden_size: int, normalize: bool = True, eps: float = 1e-5):
         super().__init__()
-        self.reads, self.eps = reads, eps
+        self.normalize, self.eps = normalize, eps
         self.proj = torch.nn.Linear(hidden_size, 1)
         torch.nn.init.zeros_(self.proj.weight)
         torch.nn.init.zeros_(self.proj.bias)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """[s, b, d] → λ in (0, 1), [s, b]."""
-        if self.reads == "normed":
+        if self.normalize:
             h = F.rms_norm(h, (h.shape[-1],), eps=self.eps)
         return torch.sigmoid(self.proj(h).squeeze(-1))
 

@@ -5,6 +5,9 @@ after every loop.
     H_k = Stack(R(H_{k-1}))          k = 1..K, R = recurrence (identity for k = 1)
     logits_k = Readout_k(H_k)        one shared W_out
 
+Under Ouro's wiring (loop_norm=shared) one RMSNorm N follows every loop: N(H_k) is what loop
+k+1 receives, what the exit gate reads and, with a normalising readout, what W_out reads.
+
 The stack is megatron-core's own transformer layers (see specs.py), tensors are sequence-first
 ([s, b, d]) as in megatron-core. This file is single-device code: parallelism is applied
 elsewhere (megaloop.parallel), and it never imports the CPU compatibility layer.
@@ -31,6 +34,9 @@ from megatron.core.transformer.utils import (
 
 from megaloop.config import Config, check
 from megaloop.model.exit_gate import ExitGate, GateInput
+
+LayerNorms = Literal["pre", "sandwich"]
+LoopNorm = Literal["separate", "shared"]
 from megaloop.model.readout import Readout, ReadoutMode
 from megaloop.model.recurrence import DampingShape, Recurrence, RecurrenceMode, clamp_to, rms
 from megaloop.model.specs import layer_spec
@@ -67,6 +73,12 @@ class ModelConfig(Config):
     exit_gate_input: GateInput = "normed"
     """What the gate reads: H_k/‖H_k‖_rms (`normed`, no weights: CE stays blind to scale through
     the gate) or H_k (`raw`, an ablation)."""
+    layer_norms: LayerNorms = "pre"
+    """`pre`: x + f(N(x)) per sublayer; `sandwich`: x + N₂(f(N₁(x))), Ouro's four norms a layer."""
+    loop_norm: LoopNorm = "separate"
+    """`separate`: the recurrence and the readout have their own norms (if any); `shared`: Ouro's
+    one norm after every loop, feeding the next loop, the exit gate and a normalising readout
+    (readout=raw then reads H_k before it: the study's no-readout-norm 1.4B model)."""
     attention: Literal["sdpa", "megatron"] = "sdpa"
     """Core attention: torch SDPA, or megatron-core's local DotProductAttention."""
 
@@ -90,6 +102,12 @@ class ModelConfig(Config):
         check(0.0 < self.damping_init < 1.0, prefix + "damping_init", self.damping_init,
               "must lie in (0, 1)")
         check(self.norm_eps > 0, prefix + "norm_eps", self.norm_eps, "must be > 0")
+        shared = self.loop_norm == "shared"
+        check(not shared or self.recurrence == "none", prefix + "recurrence", self.recurrence,
+              "model.loop_norm=shared is itself the inter-loop norm: set model.recurrence=none")
+        check(not shared or self.exit_gate_input == "normed", prefix + "exit_gate_input",
+              self.exit_gate_input, "with model.loop_norm=shared the gate reads the shared loop "
+              "norm's output; leave exit_gate_input at normed")
         check(self.init_std > 0, prefix + "init_std", self.init_std, "must be > 0")
 
 
@@ -100,11 +118,13 @@ class LoopOutput:
     hidden: list[torch.Tensor] = field(default_factory=list)
     """H_k, [s, b, d]."""
     logits: list[torch.Tensor] = field(default_factory=list)
-    """Vocab-parallel logits [s, b, V/tp] (only when no labels are given)."""
+    """Vocab-parallel logits [s, b, V/tp] (when no labels are given, or keep_logits)."""
     token_ce: list[torch.Tensor] = field(default_factory=list)
     """Per-token cross-entropy [b, s] (only when labels are given)."""
     gates: list[torch.Tensor] = field(default_factory=list)
     """Exit-gate λ_k, [b, s] (only with an exit gate)."""
+    labels: Optional[torch.Tensor] = None
+    """[b, s], the targets of token_ce."""
 
 
 class LoopedLM(LanguageModule):
@@ -130,7 +150,7 @@ class LoopedLM(LanguageModule):
         self.rotary_pos_emb = RotaryEmbedding(
             kv_channels=config.kv_channels, rotary_percent=1.0, rotary_base=cfg.rope_base,
             use_cpu_initialization=config.use_cpu_initialization)
-        spec = layer_spec(cfg.attention)
+        spec = layer_spec(cfg.attention, cfg.layer_norms)
         self.layer_ids = list(layer_ids if layer_ids is not None else range(cfg.num_layers))
         self.layers = torch.nn.ModuleList(
             build_module(spec, config=config, layer_number=i + 1, vp_stage=vp_stage)
@@ -139,12 +159,18 @@ class LoopedLM(LanguageModule):
         if pre_process:
             self.recurrence = Recurrence(cfg.recurrence, cfg.hidden_size, cfg.norm_eps,
                                          cfg.damping_init, cfg.damping_shape)
-        self.exit_gate = (ExitGate(cfg.hidden_size, cfg.exit_gate_input, cfg.norm_eps)
+        shared = cfg.loop_norm == "shared"
+        # The shared loop norm sits at the end of the loop, beside the exits; the next loop
+        # receives its output, so under PP it needs no copy on the first stage.
+        self.loop_norm = (torch.nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+                          if shared and post_process else None)
+        self.exit_gate = (ExitGate(cfg.hidden_size, normalize=cfg.exit_gate_input == "normed"
+                                   and not shared, eps=cfg.norm_eps)
                           if cfg.exit_gate and post_process else None)
         if post_process:
             self.readout = Readout(cfg.readout, config, cfg.vocab_size,
                                    tied=cfg.tie_embeddings and pre_process,
-                                   trained_loops=cfg.num_loops)
+                                   trained_loops=cfg.num_loops, own_norm=not shared)
         self.setup_embeddings_and_output_layer()
 
     @property
@@ -170,18 +196,21 @@ class LoopedLM(LanguageModule):
             h, _ = layer(h, attention_mask=None, rotary_pos_emb=rope)
         return h
 
-    def logits(self, h: torch.Tensor, loop: int) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, loop: int, normed: Optional[torch.Tensor] = None
+               ) -> torch.Tensor:
         weight = self.shared_embedding_or_output_weight() if self.cfg.tie_embeddings else None
-        return self.readout(h, loop, weight=weight)
+        return self.readout(h, loop, weight=weight, normed=normed)
 
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                num_loops: Optional[int] = None, clamp: bool = False) -> LoopOutput:
+                num_loops: Optional[int] = None, clamp: bool = False,
+                keep_logits: bool = False) -> LoopOutput:
         """tokens, labels: [b, s]. `num_loops` overrides K; `clamp` holds every token's RMS at
-        its loop-1 value (inference-time recurrent-scale clamp)."""
+        its loop-1 value (inference-time recurrent-scale clamp); `keep_logits` keeps every
+        exit's logits beside its CE (for objectives of the logits themselves)."""
         num_loops = num_loops or self.cfg.num_loops
         h = self.embedding(tokens, position_ids=None)
         rope = self.rotary_pos_emb(h.shape[0])
-        out = LoopOutput()
+        out = LoopOutput(labels=labels)
         for k in range(1, num_loops + 1):
             h = self.stack(h if k == 1 else self.recurrence(h), rope)
             if clamp and k == 1:
@@ -189,20 +218,25 @@ class LoopedLM(LanguageModule):
             elif clamp:
                 h = clamp_to(h, reference)
             out.hidden.append(h)
-            self.exit(out, h, k, labels)
+            h = self.exit(out, h, k, labels, keep_logits)
         return out
 
-    def exit(self, out: LoopOutput, h: torch.Tensor, loop: int,
-             labels: Optional[torch.Tensor]) -> None:
-        """Read out loop `loop`'s hidden state into `out` (logits or per-token CE, and the gate)."""
-        logits = self.logits(h, loop)
-        if labels is None:
+    def exit(self, out: LoopOutput, h: torch.Tensor, loop: int, labels: Optional[torch.Tensor],
+             keep_logits: bool = False) -> torch.Tensor:
+        """Read out loop `loop`'s hidden state into `out` (logits or per-token CE, and the gate);
+        return what the next loop receives: H_k, or the shared loop norm's N(H_k)."""
+        normed = self.loop_norm(h) if self.loop_norm is not None else None
+        logits = self.logits(h, loop, normed)
+        if labels is None or keep_logits:
             out.logits.append(logits)
-        else:
-            ce = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous())
+        if labels is not None:
+            # megatron-core's CE shifts its input in place: logits kept in `out` go in as a copy
+            ce = tensor_parallel.vocab_parallel_cross_entropy(
+                logits.to(torch.float32, copy=keep_logits), labels.t().contiguous())
             out.token_ce.append(ce.t())
         if self.exit_gate is not None:
-            out.gates.append(self.exit_gate(h).t())
+            out.gates.append(self.exit_gate(h if normed is None else normed).t())
+        return h if normed is None else normed
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: Optional[dict] = None) -> dict:

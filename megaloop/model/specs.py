@@ -1,10 +1,11 @@
 """What a layer of the shared stack is made of, as megatron-core specs.
 
 The stack uses megatron-core's local (non-Transformer-Engine) GPT layer: pre-norm RMSNorm,
-causal self-attention with RoPE, SwiGLU MLP, no biases. The only slot we change is core
-attention: `sdpa` (torch's scaled_dot_product_attention) instead of megatron-core's
-`DotProductAttention`, which materialises the score matrix (1.25x slower steps on CPU here;
-bench/attention.py measures it).
+causal self-attention with RoPE, SwiGLU MLP, no biases. Two slots can change. Core attention:
+`sdpa` (torch's scaled_dot_product_attention) instead of megatron-core's `DotProductAttention`,
+which materialises the score matrix (1.25x slower steps on CPU here; bench/attention.py measures
+it). And the sublayers' output projections: with `sandwich` norms (Ouro's layer) each is followed
+by an RMSNorm before the residual add, x + N₂(f(N₁(x))), four norms a layer.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.tensor_parallel import RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
@@ -65,11 +67,34 @@ class SDPAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
-def layer_spec(attention: str = "sdpa") -> ModuleSpec:
-    """megatron-core's local GPT layer with RMSNorm; `attention` picks the core-attention slot."""
+class PostNormLinear(RowParallelLinear):
+    """A sublayer's output projection followed by RMSNorm (the second norm of a sandwich). The
+    norm sees the full, tensor-parallel-reduced output, so it is replicated like the layer's
+    other norms. The projection has no bias, so normalising before the bias-add is exact."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig, norm,
+                 **kwargs):
+        if kwargs.get("bias"):
+            raise ValueError("PostNormLinear normalises the output of a projection without bias")
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        self.post_norm = build_module(norm, config=config, hidden_size=output_size,
+                                      eps=config.layernorm_epsilon)
+
+    def forward(self, x):
+        out, bias = super().forward(x)
+        return self.post_norm(out), bias
+
+
+def layer_spec(attention: str = "sdpa", layer_norms: str = "pre") -> ModuleSpec:
+    """megatron-core's local GPT layer with RMSNorm; `attention` picks the core-attention slot,
+    `layer_norms` (pre | sandwich) whether the sublayer outputs are normalised too."""
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
     if attention == "sdpa":
-        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+        attn.core_attention = SDPAttention
+    if layer_norms == "sandwich":
+        post = ModuleSpec(module=PostNormLinear, params={"norm": spec.submodules.input_layernorm})
+        attn.linear_proj, mlp.linear_fc2 = post, post
     return spec
 
 

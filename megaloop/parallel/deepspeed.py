@@ -148,7 +148,8 @@ class DeepSpeedEngine:
         lr = self.optimizer.param_groups[0]["lr"]
         outputs = []
         for batch in microbatches:
-            out = self.ds(batch[:, :-1], labels=batch[:, 1:])
+            out = self.ds(batch[:, :-1], labels=batch[:, 1:],
+                          keep_logits=self.objective.needs_logits)
             loss, terms = objectives.compute(self.objective, out)
             self.ds.backward(loss)  # DeepSpeed divides by the accumulation steps
             self.ds.step()          # an optimizer step only at the accumulation boundary
@@ -161,7 +162,8 @@ class DeepSpeedEngine:
         assert forward_only, "training goes through train_step"
         outputs = []
         for batch in microbatches:
-            out = self.ds(batch[:, :-1], labels=batch[:, 1:], num_loops=num_loops)
+            out = self.ds(batch[:, :-1], labels=batch[:, 1:], num_loops=num_loops,
+                          keep_logits=self.objective.needs_logits)
             loss, terms = objectives.compute(self.objective, out)
             outputs.append({"loss": loss.detach().clone(), **terms})
         return outputs

@@ -82,11 +82,13 @@ def eval_microbatches(train, valid_windows: Optional[int], dp: int, pp: int) -> 
 def params_per_rank(model, tp: int, pp: int, pp_rank: int) -> int:
     """Parameters held by one rank of pipeline stage `pp_rank` (any tensor-parallel rank):
     the stage's L/PP layers once (not once per loop), plus the embedding on the first stage and
-    the readout on the last (a tied W_out is a copy there when PP > 1)."""
+    the readout (with the shared loop norm, if any) on the last (a tied W_out is a copy there
+    when PP > 1)."""
     d, ffn, V = model.hidden_size, model.ffn_size, model.vocab_size
     head = d // model.num_heads
     kv = (model.num_query_groups or model.num_heads) * head
-    layer = (d * (d + 2 * kv) + d * d + 3 * ffn * d) // tp + 2 * d
+    norms = 4 if model.layer_norms == "sandwich" else 2
+    layer = (d * (d + 2 * kv) + d * d + 3 * ffn * d) // tp + norms * d
     count = layer * model.num_layers // pp
     first, last = pp_rank == 0, pp_rank == pp - 1
     if first:
@@ -94,7 +96,8 @@ def params_per_rank(model, tp: int, pp: int, pp_rank: int) -> int:
                       "damping": d if model.damping_shape == "channel" else 1}
         count += V * d // tp + recurrence[model.recurrence]
     if last:
-        count += d if model.readout != "raw" else 0
+        shared = model.loop_norm == "shared"
+        count += d if shared or model.readout != "raw" else 0  # the loop's or readout's norm
         count += (d + 1) if model.exit_gate else 0
         if not model.tie_embeddings or not first:
             count += V * d // tp

@@ -127,7 +127,8 @@ class Engine:
     def _whole_step(self, data_iterator, model, num_loops=None):
         batch = next(data_iterator)
         with self.autocast():
-            out = model(batch[:, :-1], labels=batch[:, 1:], num_loops=num_loops)
+            out = model(batch[:, :-1], labels=batch[:, 1:], num_loops=num_loops,
+                        keep_logits=self.objective.needs_logits)
         return out, self._loss_of_output
 
     def _loss_of_output(self, out):

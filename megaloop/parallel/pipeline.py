@@ -13,14 +13,18 @@ accumulate (K times per micro-batch) into one DDP buffer that is reduced once pe
     └──────────────┘◀───────────────────── lap k+1 ───────────────────┘
 
 Exit k is read on the last rank at the end of lap k. Every objective is a function f of the
-per-token exit terms (CE_k, ‖H_k‖²_rms, λ_k) of all K loops, and some couple the loops (the
-exit-weighted p_k depends on λ_1..λ_k). The last rank therefore keeps each micro-batch's exit
-terms of laps 0..K-2, detached. At the final lap it evaluates f on those stored values (as
-leaves) and the live terms of lap K-1: the loss it returns back-propagates through lap K-1 only,
-and ∂f/∂(terms of lap j) for j < K-1 is computed there and stored. Each earlier lap passed its
-H_j onwards through `ExitCoupling`, an identity whose backward hands those stored gradients to
-lap j's own exit graph. So the coupled gradient reaches each lap exactly once, when the
-schedule runs that lap backward, and no backward ever crosses into another lap's graph.
+per-token exit terms (CE_k, ‖H_k‖²_rms, λ_k, and for exit_mixture the logits) of all K loops,
+and some couple the loops (the exit-weighted p_k depends on λ_1..λ_k; Ouro's exit mixture is
+the CE of Σ_k p_k·logits_k, so it needs every lap's logits). The last rank therefore keeps each
+micro-batch's exit terms of laps 0..K-2, detached (for exit_mixture, K-1 logit tensors of
+[s, b, V/tp] per micro-batch in flight). At the final lap it evaluates f twice: with those
+stored values as leaves and lap K-1's terms detached, which gives ∂f/∂(terms of lap j) for
+j < K-1, stored; and with the live terms of lap K-1, the loss it returns, which
+back-propagates through lap K-1 only. Each earlier lap passed its H_j onwards through
+`ExitCoupling`, an identity whose backward hands those stored gradients to lap j's own exit
+graph. So the coupled gradient reaches each lap exactly once, when the schedule runs that lap
+backward, and no backward ever crosses into another lap's graph.
+Under Ouro's shared loop norm the last rank sends N(H_k) onwards instead of H_k.
 """
 
 from __future__ import annotations
@@ -91,26 +95,36 @@ class LapChunk(torch.nn.Module):
         if not self.last_rank:
             return h
         out = LoopOutput()
-        stage.exit(out, h, self.lap + 1, labels)
-        live = (out.token_ce[0], objectives.mean_square(h), *out.gates)
+        onward = stage.exit(out, h, self.lap + 1, labels, self.objective.needs_logits)
+        live = (out.token_ce[0], objectives.mean_square(h), *out.gates, *out.logits)
         if self.lap < self.num_loops - 1:
             self.store.saved.setdefault(mb, []).append(tuple(t.detach() for t in live))
-            return ExitCoupling.apply(h, self.store, (mb, self.lap), *live)
-        return self.final_loss(mb, live)
+            return ExitCoupling.apply(onward, self.store, (mb, self.lap), *live)
+        return self.final_loss(mb, live, labels)
 
-    def final_loss(self, mb: int, live: tuple) -> torch.Tensor:
-        earlier = [tuple(t.clone().requires_grad_(torch.is_grad_enabled()) for t in terms)
-                   for terms in self.store.saved.pop(mb, [])]
-        laps = earlier + [live]
-        exits = objectives.ExitTerms(ce=[t[0] for t in laps], mean_square=[t[1] for t in laps],
-                                     gates=[t[2] for t in laps] if len(live) > 2 else [])
-        loss, self.terms = objectives.compute(self.objective, exits)
-        leaves = [t for terms in earlier for t in terms]
-        if leaves and torch.is_grad_enabled():
-            grads = torch.autograd.grad(loss, leaves, retain_graph=True, allow_unused=True)
-            grads = [torch.zeros_like(t) if g is None else g * self.store.scale
-                     for t, g in zip(leaves, grads)]
+    def final_loss(self, mb: int, live: tuple, labels: torch.Tensor) -> torch.Tensor:
+        earlier = self.store.saved.pop(mb, [])
+        if earlier and torch.is_grad_enabled():
+            # f with the earlier laps' terms as leaves and this lap's detached: its gradients
+            # for the earlier laps, handed back through ExitCoupling. A graph of its own, so no
+            # backward runs twice through one graph (megatron-core's CE backward is in place).
+            leaves = [tuple(t.detach().requires_grad_() for t in terms) for terms in earlier]
+            f, _ = objectives.compute(self.objective, self.exit_terms(
+                leaves + [tuple(t.detach() for t in live)], labels))
+            flat = [t for terms in leaves for t in terms]
+            grads = torch.autograd.grad(f, flat, allow_unused=True)
+            grads = [None if g is None else g * self.store.scale for g in grads]
             n = len(live)
             for j in range(len(earlier)):
                 self.store.grads[(mb, j)] = tuple(grads[j * n:(j + 1) * n])
+        loss, self.terms = objectives.compute(self.objective,
+                                              self.exit_terms(earlier + [live], labels))
         return loss
+
+    def exit_terms(self, laps: list[tuple], labels: torch.Tensor) -> objectives.ExitTerms:
+        """Each lap's (CE, ‖H‖²_rms, [λ], [logits]) as the objective's ExitTerms."""
+        gated, mixture = self.objective.gated, self.objective.needs_logits
+        return objectives.ExitTerms(ce=[t[0] for t in laps], mean_square=[t[1] for t in laps],
+                                    gates=[t[2] for t in laps] if gated else [],
+                                    logits=[t[-1] for t in laps] if mixture else [],
+                                    labels=labels)
