@@ -133,7 +133,9 @@ def compute(cfg: ObjectiveConfig, exits: ExitTerms | LoopOutput,
     if cfg.norm_penalty > 0:
         loss = loss + cfg.norm_penalty * ms.mean()
     terms: dict = {
-        "ce": ce.detach(),
+        # a copy: the terminal loss is a view of ce, and megatron-core's schedule divides the
+        # returned loss by the number of micro-batches in place
+        "ce": ce.detach().clone(),
         "hidden_rms": torch.stack([masked_mean(m.sqrt(), loss_mask) for m in exits.mean_square]
                                   ).detach(),
         **rms_percentiles(exits.mean_square, loss_mask),

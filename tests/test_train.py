@@ -88,3 +88,18 @@ def test_every_variant_takes_training_steps(tmp_path, objective):
                                  "wandb.mode=disabled", *objective])
     result = experiment.build_trainer(cfg, log=False).fit()
     assert len(result["ce"]) == 4
+
+
+def test_terminal_logs_ce_k_unscaled_over_many_micro_batches(tmp_path):
+    """The terminal loss is CE_K itself; megatron-core's schedule divides the returned loss by
+    the number of micro-batches in place, which must not reach the logged CE_K (it did: 64
+    validation micro-batches logged CE_K / 64)."""
+    cfg = experiment.load(TINY, [f"train.dir={tmp_path}", "train.steps=2", "data.seq_len=32",
+                                 "train.micro_batch_size=2", "train.global_batch_size=8",
+                                 "train.eval_batches=8", "train.log_every=1",
+                                 "objective.kind=terminal", "wandb.mode=disabled"])
+    experiment.build_trainer(cfg).fit()
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    for record in metrics["steps"] + metrics["evals"]:
+        assert record["ce"][-1] == pytest.approx(record["loss"], rel=1e-6), record
+        assert record["ce"][-1] > 4.0  # ~ln(256) this early
