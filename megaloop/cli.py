@@ -95,16 +95,36 @@ def cmd_export(args) -> int:
     from pathlib import Path
 
     from megaloop.export import export
+    from megaloop.ouro import export_ouro
     from megaloop.parallel import distributed
 
     distributed.init(seed=0)
     try:
-        out = export(Path(args.source), Path(args.out))
+        out = (export_ouro if args.format == "ouro" else export)(Path(args.source),
+                                                                 Path(args.out))
     except ValueError as e:
         print(f"megaloop: error: {e}", file=sys.stderr)
         return 2
+    code = " (Ouro's code from the hub)" if args.format == "ouro" else ""
     print(f"wrote {out}: AutoModelForCausalLM.from_pretrained({str(out)!r}, "
-          f"trust_remote_code=True)")
+          f"trust_remote_code=True){code}")
+    return 0
+
+
+def cmd_import_ouro(args) -> int:
+    from pathlib import Path
+
+    from megaloop.ouro import import_ouro
+    from megaloop.parallel import distributed
+
+    distributed.init(seed=0)
+    try:
+        out = import_ouro(Path(args.source), Path(args.out))
+    except (ValueError, KeyError) as e:
+        print(f"megaloop: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}: a megaloop checkpoint (megaloop export {out} OUT, megaloop depth "
+          f"{out} ..., or train.init_from={out})")
     return 0
 
 
@@ -349,7 +369,19 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("source", help="a run directory or a checkpoints/step_* folder (any "
                                        "layout or engine)")
     export.add_argument("out", help="output folder")
+    export.add_argument("--format", choices=("megaloop", "ouro"), default="megaloop",
+                        help="megaloop: our remote code, any variant; ouro: Ouro's names and "
+                             "config, loaded by its published code (Ouro's architecture only)")
     export.set_defaults(fn=cmd_export)
+
+    imp = sub.add_parser("import", help="a published checkpoint of another format as a megaloop "
+                                        "checkpoint").add_subparsers(
+        dest="import_command", required=True, metavar="FORMAT")
+    ouro = imp.add_parser("ouro", help="an Ouro folder (config.json + safetensors, e.g. "
+                                       "ByteDance/Ouro-1.4B)")
+    ouro.add_argument("source", help="the Ouro folder")
+    ouro.add_argument("out", help="a new checkpoint folder")
+    ouro.set_defaults(fn=cmd_import_ouro)
 
     evaluate = sub.add_parser("eval", help="evaluate exported models").add_subparsers(
         dest="eval_command", required=True, metavar="ACTION")

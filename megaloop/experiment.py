@@ -54,6 +54,9 @@ class ExperimentConfig(Config):
               f"model.exit_gate=true")
         check(self.data.seq_len <= self.model.max_seq_len, "data.seq_len", self.data.seq_len,
               f"must be <= model.max_seq_len={self.model.max_seq_len}")
+        check(self.train.init_from is None or self.engine == "megatron", "train.init_from",
+              self.train.init_from, "is read by engine=megatron only (megatron-core dist "
+              "checkpoints, any layout); start from it with engine=megatron")
         check(self.train.eval_batches != "all" or self.data.kind != "synthetic",
               "train.eval_batches", "all", "data.kind=synthetic has no finite validation split; "
               "give a number of micro-batches, e.g. train.eval_batches=16")
@@ -134,6 +137,29 @@ def check_resume(cfg: ExperimentConfig) -> None:
             f"(keys that may change on resume: {', '.join(RESUMABLE)})")
 
 
+INIT_FREE = ("max_seq_len", "attention", "init_std", "damping_init")
+"""Model keys a run started from train.init_from may set differently from the checkpoint's."""
+
+
+def check_init_from(cfg: ExperimentConfig) -> None:
+    """Before any compute: train.init_from is a complete checkpoint of this same model."""
+    from megaloop.train import checkpoint
+
+    if cfg.train.init_from is None:
+        return
+    try:
+        folder = checkpoint.resolve(Path(cfg.train.init_from))
+    except ValueError as e:
+        raise ConfigError(f"config key 'train.init_from': {e}") from None
+    saved = checkpoint.read_meta(folder)["config"]["model"]
+    changes = [c for c in config_changes({"model": saved}, {"model": cfg.model.to_dict()})
+               if c.split(":")[0].removeprefix("model.") not in INIT_FREE]
+    if changes:
+        raise ConfigError(
+            f"config key 'train.init_from': {folder} holds another model: {'; '.join(changes)}. "
+            f"Give the model keys of that checkpoint (only {', '.join(INIT_FREE)} may differ)")
+
+
 def build_trainer(cfg: ExperimentConfig, log: bool = True):
     """The chain: process groups → data → engine (model + parallelism) → trainer."""
     from megaloop.parallel import distributed, layout
@@ -148,6 +174,7 @@ def build_trainer(cfg: ExperimentConfig, log: bool = True):
     if note and log and distributed.is_main():
         print(f"megaloop: {note}", flush=True)
     check_resume(cfg)
+    check_init_from(cfg)
     t = cfg.train
     dataset = cfg.data.build(t.seed, train_samples=t.steps * t.global_batch_size)
     vocab = dataset.tokenizer.vocab_size

@@ -12,7 +12,8 @@ SUBCOMMANDS = {
     "demo": ["text", "tokenizer", "steps", "out", "seed", "seeds"],
     "ckpt": ["ckpt_command"],
     "prep": ["corpus"],
-    "export": ["source", "out"],
+    "export": ["source", "out", "format"],
+    "import": ["import_command"],
     "eval": ["eval_command"],
     "bench": ["bench_command"],
     "slurm": ["slurm_command"],
@@ -32,6 +33,7 @@ EVAL_ACTIONS = {"downstream": ["model", "loops", "tasks", "limit", "data_dir", "
                 "compare": ["a", "b", "resamples", "seed", "out"]}
 BENCH_ACTIONS = {"fixed-k": ["model", "data", "loops", "batch_size", "seq_len", "batches",
                              "warmup", "dtype", "out"]}
+IMPORT_ACTIONS = {"ouro": ["source", "out"]}
 SLURM_ACTIONS = {"submit": ["config", "overrides", "nodes", "gpus_per_node", "tasks_per_node",
                             "cpus_per_task", "time", "warning_seconds", "partition", "account",
                             "gpu_memory_gib", "sbatch_arg", "job_name", "dry_run"]}
@@ -52,7 +54,8 @@ def test_subcommand_options_are_frozen():
         found = [a.dest for a in sub.choices[name]._actions if a.dest != "help"]
         assert found == dests, name
     for command, actions in (("ckpt", CKPT_ACTIONS), ("slurm", SLURM_ACTIONS),
-                             ("eval", EVAL_ACTIONS), ("bench", BENCH_ACTIONS)):
+                             ("eval", EVAL_ACTIONS), ("bench", BENCH_ACTIONS),
+                             ("import", IMPORT_ACTIONS)):
         group = next(a for a in sub.choices[command]._actions if a.dest == f"{command}_command")
         assert set(group.choices) == set(actions)
         for name, dests in actions.items():

@@ -11,6 +11,9 @@ On a held-out slice, at the trained depth K:
              H_{k+1}, and CE at every exit
   sweep      CE of the final readout of c·H_K, c on a log grid 0.01..100
   clamp      every loop held at its loop-1 RMS: norm ratio and ΔCE at K against no clamp
+  label path (models with the exit gate) Ouro's training objective: CE of the exit-weighted
+             mixture of logits Σ_k p_k·logits_k over k = 1..K, with that mixture's mean
+             softmax entropy and top-1 minus top-2 logit margin (the study's Table 6)
 """
 
 from __future__ import annotations
@@ -48,6 +51,25 @@ def radial_terms(model, h: torch.Tensor, loop: int, targets: torch.Tensor
     return share, inner.sum().item()
 
 
+def mix_exit(mixed: Optional[torch.Tensor], survive: Optional[torch.Tensor],
+             logits: torch.Tensor, lam: torch.Tensor, last: bool
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One loop's share of Σ_k p_k·logits_k, p_k = λ_k·Π_{j<k}(1 − λ_j) and the last loop the
+    remaining mass: (the mixture so far, Π_{j≤k}(1 − λ_j)); lam [b, s]."""
+    survive = torch.ones_like(lam, dtype=torch.float64) if survive is None else survive
+    weight = survive if last else lam.double() * survive
+    term = weight[..., None] * logits.double()
+    return (term if mixed is None else mixed + term), survive * (1 - lam.double())
+
+
+def logit_statistics(logits: torch.Tensor, targets: torch.Tensor) -> np.ndarray:
+    """Sums over tokens of CE, softmax entropy and the top-1 minus top-2 logit margin."""
+    logp = logits.double().log_softmax(-1)
+    top2 = logits.double().topk(2, dim=-1).values
+    return np.array([-logp.gather(-1, targets[..., None]).sum().item(),
+                     -(logp.exp() * logp).sum().item(), (top2[..., 0] - top2[..., 1]).sum().item()])
+
+
 def run(model_path: Path, data: Path, tokens: int = 4096, seq_len: int = 256,
         rollout: int = 30, batch_size: int = 8, device: Optional[str] = None,
         out: Optional[Path] = None) -> dict:
@@ -72,15 +94,21 @@ def run(model_path: Path, data: Path, tokens: int = 4096, seq_len: int = 256,
     roll = {key: np.zeros(deepest - 1) for key in ("a_rad", "update_rms", "angle_deg",
                                                    "scale_step")}
     clamped_ce, clamped_rms, clamp_drift, count = 0.0, [], 0.0, 0
+    gated = bool(getattr(model.config, "exit_gate", False))
+    label_path = np.zeros(3)
     with torch.no_grad():
         for batch in harness.batches(slice_, batch_size, "diagnose"):
             batch = batch.to(device)
             inputs, targets = batch[:, :-1], batch[:, 1:]
-            previous = None
+            previous, mixed, survive = None, None, None
             for k, h in harness.trajectory(model, inputs, deepest):
                 s = rms(h)
                 token_rms[k - 1].append(s.flatten().cpu())
-                ce[k - 1] += harness.token_ce(model.readout(h, k), targets).double().sum().item()
+                logits = model.readout(h, k)
+                ce[k - 1] += harness.token_ce(logits, targets).double().sum().item()
+                if gated and k <= K:
+                    mixed, survive = mix_exit(mixed, survive, logits,
+                                              model.exit_probability(h)[..., 0], last=k == K)
                 if k <= K:
                     share, inner = radial_terms(model, h, k, targets)
                     shares[k - 1].append(share.flatten().cpu())
@@ -100,6 +128,8 @@ def run(model_path: Path, data: Path, tokens: int = 4096, seq_len: int = 256,
                         torch.arccos(cos.clamp(-1, 1))).sum().item()
                     roll["scale_step"][k - 2] += (s - rms(previous)).sum().item()
                 previous = h
+            if gated:
+                label_path += logit_statistics(mixed, targets)
             loop1 = None
             for k, h in harness.trajectory(model, inputs, K, clamp=True):
                 loop1 = rms(h) if loop1 is None else loop1
@@ -130,6 +160,8 @@ def run(model_path: Path, data: Path, tokens: int = 4096, seq_len: int = 256,
                   "ce_clamped": clamped_ce / count, "ce_free": ce[K - 1] / count,
                   "delta_ce": (clamped_ce - ce[K - 1]) / count,
                   "max_rms_drift_from_loop1": clamp_drift},
+        "label_path": (dict(zip(("ce", "entropy", "top_logit_margin"), label_path / count))
+                       if gated else None),
     }
     if out is not None:
         harness.write(out, "diagnose", result, markdown(result))
@@ -180,4 +212,10 @@ def markdown(result: dict) -> str:
               f"ΔCE (clamped − free): {clamp['delta_ce']:+.4f} nats "
               f"(free {clamp['ce_free']:.4f}); largest token RMS drift from loop 1 under the "
               f"clamp: {clamp['max_rms_drift_from_loop1']:.1e}."]
+    label = result["label_path"]
+    if label is not None:
+        lines += ["", "## Label path (Ouro's objective: CE of Σ_k p_k·logits_k)", "",
+                  f"CE {label['ce']:.4f}, mean entropy {label['entropy']:.4f} nats, mean "
+                  f"top-1 − top-2 logit margin {label['top_logit_margin']:.4f}; final r_K "
+                  f"{radial['r'][-1]:.3e}."]
     return "\n".join(lines)

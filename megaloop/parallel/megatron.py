@@ -189,6 +189,13 @@ class Engine:
         state.update(rng=self._rng_state(), scheduler=self.scheduler.state_dict(), **position)
         dist_checkpointing.save(state, str(folder))
 
+    def load_weights(self, folder) -> None:
+        """Only the model's weights of a checkpoint of any layout (train.init_from); the
+        optimizer's fp32 main parameters are copied from them again."""
+        loaded = dist_checkpointing.load({"model": self.module.sharded_state_dict()}, str(folder))
+        self.module.load_state_dict(loaded["model"])
+        self.optimizer.reload_model_params()
+
     def load_state(self, folder, same_layout: bool) -> None:
         """Load a checkpoint saved in any layout into this rank's model and optimizer."""
         for opt in self.optimizer.chained_optimizers:

@@ -72,6 +72,12 @@ def verify(folder: Path) -> Optional[str]:
     return None
 
 
+def write_meta(folder: Path, meta: dict) -> None:
+    """Finish a checkpoint folder: meta.json, then the manifest of every file in it."""
+    (folder / "meta.json").write_text(json.dumps(meta, indent=1))
+    _write_manifest(folder)
+
+
 def save(root: Path, engine, position: dict, config: dict, keep_last: int) -> Path:
     """Collective: every rank calls it. `position` is {"step", "consumed_samples"}."""
     final = step_dir(root, position["step"])
@@ -84,10 +90,8 @@ def save(root: Path, engine, position: dict, config: dict, keep_last: int) -> Pa
     engine.save_state(tmp, position)
     dist.barrier()
     if _is_rank0():
-        meta = {**position, "engine": engine.name, "layout": engine.layout(),
-                "num_loops_trained": config["model"]["num_loops"], "config": config}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        _write_manifest(tmp)
+        write_meta(tmp, {**position, "engine": engine.name, "layout": engine.layout(),
+                         "num_loops_trained": config["model"]["num_loops"], "config": config})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         marker = root / "latest.tmp"
@@ -118,6 +122,13 @@ def read_meta(folder: Path) -> dict:
     return json.loads((folder / "meta.json").read_text())
 
 
+def config_of(folder: Path) -> "ExperimentConfig":
+    """The config a checkpoint folder was written with."""
+    from megaloop.experiment import ExperimentConfig
+
+    return ExperimentConfig.from_dict(read_meta(folder)["config"])
+
+
 def load(folder: Path, engine) -> dict:
     """Restore the engine from `folder`; returns the data position {"step", "consumed_samples"}."""
     meta = read_meta(folder)
@@ -145,11 +156,9 @@ def resolve(path: Path) -> Path:
 def consolidated(path: Path) -> tuple[dict, ExperimentConfig, Path]:
     """The whole model's tensors (one-process names), the run's config and the checkpoint
     folder, from a checkpoint of any engine and layout; runs in one process."""
-    from megaloop.experiment import ExperimentConfig
-
     folder = resolve(path)
     meta = read_meta(folder)
-    cfg = ExperimentConfig.from_dict(meta["config"])
+    cfg = config_of(folder)
     if meta["engine"] == "deepspeed":
         from megaloop.parallel.deepspeed import consolidated_state
     else:

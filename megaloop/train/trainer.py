@@ -35,6 +35,10 @@ class TrainConfig(Config):
     """Optimizer steps. Null with data.epochs set: as many as those epochs take. Given together
     with data.epochs, train.steps wins (and the run says so)."""
     seed: int = 0
+    init_from: Optional[str] = None
+    """A checkpoint folder or run directory (e.g. a `megaloop import ouro` folder) whose model
+    weights a new run starts from: weights only, fresh optimizer, any layout. A run directory
+    that already holds a checkpoint resumes from that instead."""
     micro_batch_size: int = 8
     global_batch_size: int = 8
     """Samples per optimizer step (micro-batches are accumulated to reach it)."""
@@ -136,6 +140,8 @@ class Trainer:
             position = checkpoint.load(folder, self.engine)
             self.step = position["step"]
             self.batches.consumed_samples = position["consumed_samples"]
+        elif self.cfg.train.init_from:
+            self.engine.load_weights(checkpoint.resolve(Path(self.cfg.train.init_from)))
         return folder
 
     def _history(self) -> Optional[dict]:
