@@ -129,18 +129,6 @@ def _cpu_autocast_functions(*names: str) -> Callable[[], None]:
     return apply
 
 
-def _copy_only_loaded_optimizer_states(self, model_param, tensors):
-    """distrib_optimizer.py:911-940 `_set_main_param_and_optimizer_states`, copying only the
-    states the checkpoint carries: torch's AdamW (the fallback without TE/Apex, always the case
-    on a CPU) also keeps a per-parameter "step", which megatron-core restores from the param
-    groups and never puts in `tensors`, so line 940 raised KeyError('step') on every load."""
-    group_index, group_order = self.model_param_group_index_map[model_param]
-    main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-    destination = {"param": main_param, **self.optimizer.state[main_param]}
-    for key, value in tensors.items():
-        destination[key].copy_(value)
-
-
 def _set(target, name: str, value) -> Callable[[], None]:
     """Set `name` (or `Class.name`) on an object, or on a megatron-core module given by its
     dotted name."""
@@ -206,10 +194,6 @@ PATCHES = [
     Patch("optimizer/distrib_optimizer.py:361,420", "model_param.type() == 'torch.cuda.FloatTensor'",
           _run_with_cpu_tensors_as_cuda("optimizer.distrib_optimizer",
                                         "DistributedOptimizer._build_model_and_main_param_groups")),
-    Patch("optimizer/distrib_optimizer.py:939-940", "for key in dst_tensors: "
-          "dst_tensors[key].copy_(tensors[key])  (KeyError 'step' with torch's AdamW)",
-          _set("optimizer.distrib_optimizer", "DistributedOptimizer."
-               "_set_main_param_and_optimizer_states", _copy_only_loaded_optimizer_states)),
     Patch("optimizer/distrib_optimizer.py:1089 (fully reshardable checkpoints)",
           "send_tensor = send_tensor.cuda()",
           _run_with_cpu_tensors_as_cuda("optimizer.distrib_optimizer",

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megaloop.data.batches import Batches, Windows
 from megaloop.data.tokenizer import Tokenizer
+from megaloop.parallel import comm
 
 
 def manifest(prefix: str) -> dict:
@@ -88,8 +89,7 @@ class IndexedData:
         # rank 0 writes the shuffle-index cache, then every rank reads it
         if rank0:
             self.train = build()
-        if dist.is_initialized():
-            dist.barrier()
+        comm.barrier()
         if not rank0:
             self.train = build()
         # without a valid prefix, the training split's own windows (a smoke check, not held out)

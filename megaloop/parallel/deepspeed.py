@@ -30,6 +30,7 @@ from megaloop.config import Config, check
 from megaloop.model.init import init_weights
 from megaloop.model.looped import LoopedLM
 from megaloop.model.specs import transformer_config
+from megaloop.parallel import comm
 from megaloop.parallel.distributed import reduce_terms
 
 TAG = "deepspeed"
@@ -183,8 +184,7 @@ class DeepSpeedEngine:
                 "param_bytes": 4 * sum(held for held, _ in local.values()),
                 "grad_bytes": 0, "optimizer_bytes": 0,
                 "held_of_full": {n: list(v) for n, v in local.items() if v[1] >= 4096}}
-        ranks = [None] * dist.get_world_size()
-        dist.all_gather_object(ranks, mine)
+        ranks = comm.all_gather_object(mine)
         return {**self.layout(), "ranks": ranks}
 
     # -- checkpoints: DeepSpeed's own format, inside megaloop's atomic step folders ----------

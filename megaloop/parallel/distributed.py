@@ -15,6 +15,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megaloop import slurm
+from megaloop.parallel import comm
 
 
 def init(seed: int, tp: int = 1, pp: int = 1, virtual_pp: int | None = None) -> None:
@@ -70,8 +71,6 @@ def reduce_terms(outputs: list[dict], holds_terms: bool) -> dict:
     if outputs and holds_terms:
         local = {key: pool(key, torch.stack([o[key] for o in outputs]).double())
                  for key in outputs[0]}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
-    replicas = [g for g in gathered if g is not None]
+    replicas = [g for g in comm.all_gather_object(local) if g is not None]
     return {key: pool(key, torch.tensor([r[key] for r in replicas], dtype=torch.float64))
             for key in replicas[0]}

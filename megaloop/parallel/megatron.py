@@ -8,6 +8,7 @@ sees nothing of it.
 from __future__ import annotations
 
 import contextlib
+import types
 from functools import partial
 from typing import Optional
 
@@ -18,6 +19,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
@@ -25,11 +27,25 @@ from megaloop import objectives
 from megaloop.model.init import init_weights
 from megaloop.model.looped import LoopedLM
 from megaloop.model.specs import transformer_config
+from megaloop.parallel import comm
 from megaloop.parallel.distributed import reduce_terms
 from megaloop.parallel.pipeline import ExitStore, LapChunk
 
 
 OPTIMIZER_CHECKPOINT = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _copy_only_loaded_optimizer_states(self, model_param, tensors):
+    """megatron-core 0.16.1's DistributedOptimizer._set_main_param_and_optimizer_states
+    (distrib_optimizer.py:911-940), copying only the states the checkpoint carries. Without
+    Transformer Engine or Apex (on any device) its optimizer is torch's AdamW, which also keeps
+    a per-parameter "step" that megatron-core restores from the param groups and never puts in
+    `tensors`: the original raised KeyError('step') on every resume."""
+    group_index, group_order = self.model_param_group_index_map[model_param]
+    main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+    destination = {"param": main_param, **self.optimizer.state[main_param]}
+    for key, value in tensors.items():
+        destination[key].copy_(value)
 
 
 class Engine:
@@ -71,6 +87,10 @@ class Engine:
         self.config.finalize_model_grads_func = (
             lambda _chunks, *args, **kwargs: finalize_model_grads([self.ddp], *args, **kwargs))
         self.optimizer, self.scheduler = cfg.optim.build([self.ddp], cfg.train.steps)
+        for opt in self.optimizer.chained_optimizers:
+            if isinstance(opt, DistributedOptimizer):
+                opt._set_main_param_and_optimizer_states = types.MethodType(
+                    _copy_only_loaded_optimizer_states, opt)
         self.store = ExitStore()
         if pipelined:
             self.chunks = [LapChunk(self.module, lap, self.objective, self.store, self.pp_rank,
@@ -161,8 +181,7 @@ class Engine:
                 "params": sum(p.numel() for p in params), "layer_params": layer,
                 "param_bytes": sum(p.numel() * p.element_size() for p in params),
                 "grad_bytes": grads, "optimizer_bytes": optim}
-        ranks = [None] * dist.get_world_size()
-        dist.all_gather_object(ranks, mine)
+        ranks = comm.all_gather_object(mine)
         return {"tp": self.config.tensor_model_parallel_size, "pp": self.pp_size,
                 "dp": self.dp_size, "ranks": ranks}
 

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Optional
 import torch.distributed as dist
 import xxhash
 
+from megaloop.parallel import comm
+
 if TYPE_CHECKING:
     from megaloop.experiment import ExperimentConfig
 
@@ -86,9 +88,9 @@ def save(root: Path, engine, position: dict, config: dict, keep_last: int) -> Pa
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-    dist.barrier()
+    comm.barrier()
     engine.save_state(tmp, position)
-    dist.barrier()
+    comm.barrier()
     if _is_rank0():
         write_meta(tmp, {**position, "engine": engine.name, "layout": engine.layout(),
                          "num_loops_trained": config["model"]["num_loops"], "config": config})
@@ -99,23 +101,23 @@ def save(root: Path, engine, position: dict, config: dict, keep_last: int) -> Pa
         os.replace(marker, root / "latest")
         for old in sorted(root.glob("step_*"))[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    comm.barrier()
     return final
 
 
 def find_latest(root: Path) -> Optional[Path]:
     """The newest complete checkpoint under `root` (rank 0 checks, every rank gets the answer);
     incomplete or corrupt ones are reported and skipped."""
-    choice = [None]
+    choice = None
     if _is_rank0():
         for folder in sorted(root.glob("step_*"), reverse=True):
             problem = verify(folder)
             if problem is None:
-                choice[0] = str(folder)
+                choice = str(folder)
                 break
             print(f"megaloop: skipping checkpoint {folder}: {problem}", flush=True)
-    dist.broadcast_object_list(choice, src=0)
-    return Path(choice[0]) if choice[0] else None
+    choice = comm.broadcast_object(choice)
+    return Path(choice) if choice else None
 
 
 def read_meta(folder: Path) -> dict:

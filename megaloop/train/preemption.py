@@ -11,8 +11,7 @@ import signal
 from pathlib import Path
 from typing import Optional
 
-import torch
-import torch.distributed as dist
+from megaloop.parallel import comm
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later"
 
@@ -34,7 +33,4 @@ class PreemptionWatch:
     def requested(self) -> bool:
         """Collective: true on every rank if any rank was signalled."""
         asked = self._signal or (self.stop_file is not None and self.stop_file.exists())
-        flag = torch.tensor([int(bool(asked))], dtype=torch.int64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return comm.any_rank(bool(asked))
