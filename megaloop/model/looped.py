@@ -32,10 +32,13 @@ from megatron.core.transformer.utils import (
     sharded_state_dict_default,
 )
 
+from torch.utils.checkpoint import checkpoint
+
 from megaloop.config import Config, check
 from megaloop.model.exit_gate import ExitGate, GateInput
 
 LayerNorms = Literal["pre", "sandwich"]
+Recompute = Literal["none", "selective", "full", "loop"]
 LoopNorm = Literal["separate", "shared"]
 from megaloop.model.readout import Readout, ReadoutMode
 from megaloop.model.recurrence import DampingShape, Recurrence, RecurrenceMode, clamp_to, rms
@@ -132,9 +135,14 @@ class LoopedLM(LanguageModule):
     the embedding, the exits, or a slice of the shared stack; one process holds everything."""
 
     def __init__(self, cfg: ModelConfig, config: TransformerConfig, pre_process: bool = True,
-                 post_process: bool = True, layer_ids: Optional[range] = None, vp_stage=None):
+                 post_process: bool = True, layer_ids: Optional[range] = None, vp_stage=None,
+                 recompute: Recompute = "none"):
         super().__init__(config=config)
         self.cfg = cfg
+        self.recompute = recompute
+        """Activations recomputed in backward: `full` each layer's, `loop` each application of
+        this module's layers (one loop, or under PP this stage's share of a lap) keeping only
+        its input; `selective` (core attention) is megatron-core's, set in `config`."""
         self.model_type = ModelType.encoder_or_decoder
         self.pre_process = pre_process
         self.post_process = post_process
@@ -192,9 +200,22 @@ class LoopedLM(LanguageModule):
 
     def stack(self, h: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         """One application of this module's layers of the shared stack."""
+        if self.recompute == "loop" and torch.is_grad_enabled():
+            return checkpoint(self._layers, h, rope, use_reentrant=False)
+        return self._layers(h, rope)
+
+    def _layers(self, h: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        full = self.recompute == "full" and torch.is_grad_enabled()
         for layer in self.layers:
-            h, _ = layer(h, attention_mask=None, rotary_pos_emb=rope)
+            if full:
+                h = checkpoint(self._layer, layer, h, rope, use_reentrant=False)
+            else:
+                h = self._layer(layer, h, rope)
         return h
+
+    @staticmethod
+    def _layer(layer, h: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        return layer(h, attention_mask=None, rotary_pos_emb=rope)[0]
 
     def logits(self, h: torch.Tensor, loop: int, normed: Optional[torch.Tensor] = None
                ) -> torch.Tensor:

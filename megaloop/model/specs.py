@@ -131,3 +131,10 @@ def transformer_config(model, **overrides) -> TransformerConfig:
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def recompute_config(recompute: str) -> dict:
+    """TransformerConfig keys of `train.recompute`: only `selective` is megatron-core's own (its
+    full recompute lives in TransformerBlock, which the looped model does not use; `full` and
+    `loop` are the model's)."""
+    return {"recompute_granularity": "selective"} if recompute == "selective" else {}

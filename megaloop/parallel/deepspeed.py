@@ -29,7 +29,7 @@ from megaloop import objectives
 from megaloop.config import Config, check
 from megaloop.model.init import init_weights
 from megaloop.model.looped import LoopedLM
-from megaloop.model.specs import transformer_config
+from megaloop.model.specs import recompute_config, transformer_config
 from megaloop.parallel import comm
 from megaloop.parallel.distributed import reduce_terms
 
@@ -118,8 +118,9 @@ class DeepSpeedEngine:
         self.objective = cfg.objective
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.stage = cfg.deepspeed.zero_stage
-        self.config = transformer_config(cfg.model, tensor_model_parallel_size=cfg.parallel.tp)
-        self.module = LoopedLM(cfg.model, self.config)
+        self.config = transformer_config(cfg.model, tensor_model_parallel_size=cfg.parallel.tp,
+                                         **recompute_config(cfg.train.recompute))
+        self.module = LoopedLM(cfg.model, self.config, recompute=cfg.train.recompute)
         init_weights(self.module, cfg.train.seed)
         decay = [p for n, p in self.module.named_parameters() if p.ndim > 1]
         no_decay = [p for n, p in self.module.named_parameters() if p.ndim <= 1]

@@ -26,7 +26,7 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megaloop import objectives
 from megaloop.model.init import init_weights
 from megaloop.model.looped import LoopedLM
-from megaloop.model.specs import transformer_config
+from megaloop.model.specs import recompute_config, transformer_config
 from megaloop.parallel import comm
 from megaloop.parallel.distributed import reduce_terms
 from megaloop.parallel.pipeline import ExitStore, LapChunk
@@ -71,13 +71,14 @@ class Engine:
             num_layers=K * L if pipelined else L,
             pipeline_dtype=torch.float32,
             batch_p2p_comm=False,
+            **recompute_config(cfg.train.recompute),
         )
         per_rank = L // par.pp
         self.module = LoopedLM(
             model_cfg, self.config, pre_process=self.pp_rank == 0,
             post_process=self.pp_rank == par.pp - 1,
             layer_ids=range(self.pp_rank * per_rank, (self.pp_rank + 1) * per_rank),
-            vp_stage=0 if pipelined else None)
+            vp_stage=0 if pipelined else None, recompute=cfg.train.recompute)
         init_weights(self.module, cfg.train.seed)
         self.ddp = DistributedDataParallel(
             self.config,

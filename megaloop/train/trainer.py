@@ -51,6 +51,10 @@ class TrainConfig(Config):
     save_every: int = 0
     """Checkpoint every N steps; 0 = only after the last step."""
     keep_last: int = 2
+    recompute: Literal["none", "selective", "full", "loop"] = "none"
+    """Activation recompute: `selective` (megatron-core's, core attention only: little to gain
+    with SDPA, which keeps no score matrix), `full` (every layer keeps only its input), `loop`
+    (every loop keeps only its input; under PP each stage's share of a lap)."""
     bf16: bool = False
     """bf16 autocast of the forward pass (parameters and optimizer stay fp32)."""
     scale_alarm: ScaleAlarmConfig = field(default_factory=ScaleAlarmConfig)
