@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import build
-from multiproc import TINY, metrics, train, train_here
+from multiproc import metrics, train, train_here
 
 OPTIONS = ["selective", "full", "loop"]
 REL = 1e-6
