@@ -20,21 +20,9 @@ from megaloop.model.init import init_weights
 from megaloop.model.looped import LoopedLM
 from megaloop.model.specs import recompute_config, transformer_config
 from megaloop.parallel import distributed
+from megaloop.parallel.layout import saved_activation_bytes
 
 OPTIONS = ("none", "selective", "full", "loop")
-
-
-def saved_bytes(model, tokens: torch.Tensor) -> int:
-    seen = {}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(tokens, labels=tokens)
-    del out
-    return sum(seen.values())
 
 
 def main():
@@ -65,7 +53,7 @@ def main():
                              recompute=option)
             init_weights(model, 0)
             model.train()
-            row[option] = saved_bytes(model, tokens)
+            row[option] = saved_activation_bytes(model, tokens)
         cells = [f"{row[o] / 2**20:.1f} ({row[o] / row['none']:.2f}x)" for o in OPTIONS]
         print(f"| {k} | " + " | ".join(cells) + " |")
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import build
+from megaloop.parallel.layout import saved_activation_bytes
 from multiproc import metrics, train, train_here
 
 OPTIONS = ["selective", "full", "loop"]
@@ -52,20 +53,6 @@ def test_recompute_equals_no_recompute_under_tp2xpp2(tmp_path):
             assert_same_run(run, reference)
 
 
-def saved_bytes(model, tokens: torch.Tensor) -> int:
-    """Bytes of the distinct tensors autograd keeps for backward over one forward."""
-    seen = {}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(tokens, labels=tokens)
-    del out
-    return sum(seen.values())
-
-
 def test_full_and_loop_recompute_keep_fewer_activations(tiny_cfg):
     cfg = dataclasses.replace(tiny_cfg, num_layers=4)
     tokens = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
@@ -74,5 +61,5 @@ def test_full_and_loop_recompute_keep_fewer_activations(tiny_cfg):
         model = build(cfg)
         model.recompute = option
         model.train()
-        sizes[option] = saved_bytes(model, tokens)
+        sizes[option] = saved_activation_bytes(model, tokens)
     assert sizes["loop"] < sizes["full"] < sizes["none"], sizes

@@ -111,3 +111,20 @@ def memory_per_rank(model, tp: int, pp: int, dp: int) -> dict:
     return {"params": params, "param_bytes": 4 * params, "grad_bytes": 4 * params,
             "optimizer_bytes": 8 * params // dp,
             "total_bytes": 8 * params + 8 * params // dp}
+
+
+def saved_activation_bytes(model, tokens) -> int:
+    """Measured activation memory: the bytes of the distinct tensors autograd keeps for backward
+    over one training forward of `model` on `tokens` (saved-tensor hooks)."""
+    import torch
+
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(tokens, labels=tokens)
+    del out
+    return sum(seen.values())
