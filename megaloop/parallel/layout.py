@@ -115,13 +115,16 @@ def memory_per_rank(model, tp: int, pp: int, dp: int) -> dict:
 
 def saved_activation_bytes(model, tokens) -> int:
     """Measured activation memory: the bytes of the distinct tensors autograd keeps for backward
-    over one training forward of `model` on `tokens` (saved-tensor hooks)."""
+    over one training forward of `model` on `tokens` (saved-tensor hooks), parameters (which
+    layers also save) not counted."""
     import torch
 
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen = {}
 
     def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
