@@ -8,7 +8,8 @@
 A checkpoint is written into `.tmp_step_*` and renamed into place after every rank has
 finished and rank 0 has written `manifest.json` (size and xxh64 of every file), so a folder
 named `step_*` is complete by construction. Resuming verifies the manifest of the newest one and
-falls back to older ones, reporting each it skips. What goes inside is the engine's business
+falls back to older ones, reporting each it skips; if none is loadable the run stops, naming
+each, rather than train from step 0 beside them. `keep_last` counts loadable checkpoints only. What goes inside is the engine's business
 (`save_state` / `load_state`): megatron-core dist checkpoints for the megatron engine (they load
 into any TP × PP × DP layout), DeepSpeed's own for the DeepSpeed engine.
 """
@@ -24,12 +25,18 @@ from typing import TYPE_CHECKING, Optional
 import torch.distributed as dist
 import xxhash
 
+from megaloop.config import ConfigError
 from megaloop.parallel import comm
 
 if TYPE_CHECKING:
     from megaloop.experiment import ExperimentConfig
 
 MANIFEST = "manifest.json"
+
+
+class CheckpointError(ConfigError):
+    """A run directory's checkpoints cannot be used, and starting over would hide that: reported
+    like a bad config, before any compute, naming each checkpoint and the way out."""
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -99,24 +106,44 @@ def save(root: Path, engine, position: dict, config: dict, keep_last: int) -> Pa
         marker = root / "latest.tmp"
         marker.write_text(final.name)
         os.replace(marker, root / "latest")
-        for old in sorted(root.glob("step_*"))[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune(root, keep_last)
     comm.barrier()
     return final
 
 
+def prune(root: Path, keep_last: int) -> None:
+    """Keep the newest `keep_last` loadable checkpoints; delete the older ones. Unloadable ones
+    do not count towards `keep_last` (a corrupt checkpoint never pushes out a good one); those
+    newer than the oldest kept stay, for someone to look at."""
+    folders = sorted(root.glob("step_*"), reverse=True)
+    loadable = [f for f in folders if verify(f) is None]
+    if len(loadable) <= keep_last:
+        return
+    oldest_kept = loadable[keep_last - 1]
+    for old in folders:
+        if old.name < oldest_kept.name:
+            shutil.rmtree(old, ignore_errors=True)
+
+
 def find_latest(root: Path) -> Optional[Path]:
     """The newest complete checkpoint under `root` (rank 0 checks, every rank gets the answer);
-    incomplete or corrupt ones are reported and skipped."""
-    choice = None
+    incomplete or corrupt ones are reported and skipped. None if there are none; if there are
+    some and none is loadable, CheckpointError on every rank, listing each and why."""
+    choice, problems = None, []
     if _is_rank0():
         for folder in sorted(root.glob("step_*"), reverse=True):
             problem = verify(folder)
             if problem is None:
                 choice = str(folder)
                 break
+            problems.append(f"{folder.name}: {problem}")
             print(f"megaloop: skipping checkpoint {folder}: {problem}", flush=True)
-    choice = comm.broadcast_object(choice)
+    choice, problems = comm.broadcast_object((choice, problems))
+    if choice is None and problems:
+        raise CheckpointError(
+            f"{root} holds {len(problems)} checkpoint(s) and none is loadable ("
+            f"{'; '.join(problems)}); starting over here would train from step 0 beside them. "
+            f"Move them away to start a new run in this directory, or give another train.dir")
     return Path(choice) if choice else None
 
 
