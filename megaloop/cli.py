@@ -120,7 +120,7 @@ def cmd_import_ouro(args) -> int:
     distributed.init(seed=0)
     try:
         out = import_ouro(Path(args.source), Path(args.out))
-    except (ValueError, KeyError) as e:
+    except ValueError as e:
         print(f"megaloop: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {out}: a megaloop checkpoint (megaloop export {out} OUT, megaloop depth "

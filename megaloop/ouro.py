@@ -104,19 +104,15 @@ def why_not_ouro(model: ModelConfig) -> str | None:
 
 
 def ouro_config(model: ModelConfig) -> dict:
+    from megaloop.export import shape_config
+
     return {
         "model_type": "ouro", "architectures": ["OuroForCausalLM"], "auto_map": AUTO_MAP,
-        "vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
-        "intermediate_size": model.ffn_size, "num_hidden_layers": model.num_layers,
-        "num_attention_heads": model.num_heads,
-        "num_key_value_heads": model.num_query_groups or model.num_heads,
+        **shape_config(model),
         "head_dim": model.hidden_size // model.num_heads, "hidden_act": "silu",
-        "max_position_embeddings": model.max_seq_len, "rope_theta": model.rope_base,
-        "rms_norm_eps": model.norm_eps, "initializer_range": model.init_std,
-        "tie_word_embeddings": model.tie_embeddings, "total_ut_steps": model.num_loops,
+        "initializer_range": model.init_std, "total_ut_steps": model.num_loops,
         "early_exit_threshold": 1.0, "use_sliding_window": False,
         "layer_types": ["full_attention"] * model.num_layers, "use_cache": True,
-        "torch_dtype": "float32",
     }
 
 
@@ -141,29 +137,36 @@ def from_ouro(tensors: dict[str, torch.Tensor], model: ModelConfig) -> dict[str,
     heads, groups = model.num_heads, model.num_query_groups or model.num_heads
     head_dim = model.hidden_size // heads
     take = dict(tensors)
-    out = {"embedding.word_embeddings.weight": take.pop("model.embed_tokens.weight"),
-           "loop_norm.weight": take.pop("model.norm.weight"),
-           "exit_gate.proj.weight": take.pop("model.early_exit_gate.weight"),
-           "exit_gate.proj.bias": take.pop("model.early_exit_gate.bias")}
+
+    def pop(name: str) -> torch.Tensor:
+        if name not in take:
+            raise FormatError(f"weight {name!r} is missing: config.json describes a model the "
+                              f"safetensors files do not hold")
+        return take.pop(name)
+
+    out = {"embedding.word_embeddings.weight": pop("model.embed_tokens.weight"),
+           "loop_norm.weight": pop("model.norm.weight"),
+           "exit_gate.proj.weight": pop("model.early_exit_gate.weight"),
+           "exit_gate.proj.bias": pop("model.early_exit_gate.bias")}
     if not model.tie_embeddings:
-        out["readout.output_layer.weight"] = take.pop("lm_head.weight")
+        out["readout.output_layer.weight"] = pop("lm_head.weight")
     for i in range(model.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
-        q, k, v = (take.pop(src + f"self_attn.{p}_proj.weight") for p in "qkv")
+        q, k, v = (pop(src + f"self_attn.{p}_proj.weight") for p in "qkv")
         qkv = torch.cat([q.view(groups, heads // groups * head_dim, -1),
                          k.view(groups, head_dim, -1), v.view(groups, head_dim, -1)], dim=1)
         out.update({
-            dst + "input_layernorm.weight": take.pop(src + "input_layernorm.weight"),
+            dst + "input_layernorm.weight": pop(src + "input_layernorm.weight"),
             dst + "self_attention.linear_qkv.weight": qkv.reshape(-1, model.hidden_size),
-            dst + "self_attention.linear_proj.weight": take.pop(src + "self_attn.o_proj.weight"),
+            dst + "self_attention.linear_proj.weight": pop(src + "self_attn.o_proj.weight"),
             dst + "self_attention.linear_proj.post_norm.weight":
-                take.pop(src + "input_layernorm_2.weight"),
-            dst + "pre_mlp_layernorm.weight": take.pop(src + "post_attention_layernorm.weight"),
-            dst + "mlp.linear_fc1.weight": torch.cat([take.pop(src + "mlp.gate_proj.weight"),
-                                                      take.pop(src + "mlp.up_proj.weight")]),
-            dst + "mlp.linear_fc2.weight": take.pop(src + "mlp.down_proj.weight"),
+                pop(src + "input_layernorm_2.weight"),
+            dst + "pre_mlp_layernorm.weight": pop(src + "post_attention_layernorm.weight"),
+            dst + "mlp.linear_fc1.weight": torch.cat([pop(src + "mlp.gate_proj.weight"),
+                                                      pop(src + "mlp.up_proj.weight")]),
+            dst + "mlp.linear_fc2.weight": pop(src + "mlp.down_proj.weight"),
             dst + "mlp.linear_fc2.post_norm.weight":
-                take.pop(src + "post_attention_layernorm_2.weight")})
+                pop(src + "post_attention_layernorm_2.weight")})
     take = {k: v for k, v in take.items() if not k.endswith("rotary_emb.inv_freq")}
     if take:
         raise FormatError(f"weights this architecture has no place for: {sorted(take)[:8]}")

@@ -224,6 +224,16 @@ def test_import_refuses_what_the_architecture_cannot_represent(tmp_path, change,
     assert not (tmp_path / "out").exists()
 
 
+def test_import_names_a_missing_weight(tmp_path):
+    weights = ouro_weights()
+    del weights["model.layers.1.input_layernorm_2.weight"]
+    proc = megaloop("import", "ouro", write_ouro(tmp_path / "src", weights=weights),
+                    tmp_path / "out")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "'model.layers.1.input_layernorm_2.weight' is missing" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_export_in_ouros_format_refuses_another_architecture(reference_run, tmp_path):
     run_dir, _ = reference_run("per_loop+penalty")
     proc = megaloop("export", run_dir, tmp_path / "ouro", "--format", "ouro")

@@ -63,3 +63,13 @@ def test_full_and_loop_recompute_keep_fewer_activations(tiny_cfg):
         model.train()
         sizes[option] = saved_activation_bytes(model, tokens)
     assert sizes["loop"] < sizes["full"] < sizes["none"], sizes
+
+
+def test_selective_turns_on_megatron_cores_core_attention_recompute(tiny_cfg):
+    """Its equality test above would also pass if the option did nothing."""
+    from megaloop.model.looped import LoopedLM
+    from megaloop.model.specs import recompute_config, transformer_config
+
+    for option, expected in (("none", False), ("selective", True)):
+        model = LoopedLM(tiny_cfg, transformer_config(tiny_cfg, **recompute_config(option)))
+        assert model.layers[0].self_attention.checkpoint_core_attention is expected

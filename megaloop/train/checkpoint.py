@@ -106,23 +106,25 @@ def save(root: Path, engine, position: dict, config: dict, keep_last: int) -> Pa
         marker = root / "latest.tmp"
         marker.write_text(final.name)
         os.replace(marker, root / "latest")
-        prune(root, keep_last)
+        prune(root, keep_last, fresh=final)
     comm.barrier()
     return final
 
 
-def prune(root: Path, keep_last: int) -> None:
+def prune(root: Path, keep_last: int, fresh: Optional[Path] = None) -> None:
     """Keep the newest `keep_last` loadable checkpoints; delete the older ones. Unloadable ones
     do not count towards `keep_last` (a corrupt checkpoint never pushes out a good one); those
-    newer than the oldest kept stay, for someone to look at."""
+    newer than the oldest kept stay, for someone to look at. `fresh` (just written, its manifest
+    just computed) is not read again; the others are verified newest first, only until
+    `keep_last` loadable ones are found."""
     folders = sorted(root.glob("step_*"), reverse=True)
-    loadable = [f for f in folders if verify(f) is None]
-    if len(loadable) <= keep_last:
-        return
-    oldest_kept = loadable[keep_last - 1]
-    for old in folders:
-        if old.name < oldest_kept.name:
-            shutil.rmtree(old, ignore_errors=True)
+    kept = 0
+    for i, folder in enumerate(folders):
+        kept += folder == fresh or verify(folder) is None
+        if kept == keep_last:
+            for old in folders[i + 1:]:
+                shutil.rmtree(old, ignore_errors=True)
+            return
 
 
 def find_latest(root: Path) -> Optional[Path]:
