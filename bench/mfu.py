@@ -6,8 +6,7 @@ K=1 (one pass of the stack: what a looped step costs over an ordinary one).
 
 One process, the real trainer (megatron engine, bf16 autocast where the config asks for it) on
 synthetic tokens of the config's sequence length, one micro-batch per step. Model FLOPs per
-token, training = 3 x forward, counting matmuls only:
-    2·(stack params)·K + 4·s·d·L·K (attention scores and values) + 2·d·V·(exits with logits)
+token: megaloop.parallel.layout.flops_per_token (matmuls only, as `megaloop plan` counts them).
 """
 
 import argparse
@@ -18,18 +17,10 @@ import time
 import torch
 
 from megaloop import _cpu_compat, experiment
-from megaloop.model.params import count_parameters
 from megaloop.parallel import distributed
+from megaloop.parallel.layout import flops_per_token, loss_exits
 
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}  # dense, SXM
-
-
-def flops_per_token(model, seq_len: int, exits: int) -> float:
-    stack = count_parameters(model)["non_embedding"]
-    forward = (2 * stack * model.num_loops
-               + 4 * seq_len * model.hidden_size * model.num_layers * model.num_loops
-               + 2 * model.hidden_size * model.vocab_size * exits)
-    return 3.0 * forward
 
 
 def measure(config: str, overrides: list, steps: int, warmup: int) -> dict:
@@ -58,8 +49,7 @@ def measure(config: str, overrides: list, steps: int, warmup: int) -> dict:
             torch.cuda.reset_peak_memory_stats()
     step = statistics.median(times)
     tokens = mbs * cfg.data.seq_len
-    exits = 1 if cfg.objective.kind == "terminal" else cfg.model.num_loops
-    flops = flops_per_token(cfg.model, cfg.data.seq_len, exits) * tokens / step
+    flops = flops_per_token(cfg.model, cfg.data.seq_len, loss_exits(cfg)) * tokens / step
     return {"K": cfg.model.num_loops, "step_s": step, "tokens_per_s": tokens / step,
             "tflops": flops / 1e12, "peak_mem_gib": peak_mem, "tokens_per_step": tokens}
 

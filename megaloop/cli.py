@@ -43,22 +43,37 @@ def cmd_train(args) -> int:
 
 def cmd_params(args) -> int:
     cfg = _config(args)
-    from megaloop.model.params import count_parameters
+    from megaloop.parallel.layout import data_parallel_size, parameter_counts, state_bytes
 
-    counts = count_parameters(cfg.model)
+    counts = parameter_counts(cfg.model)
     for name in ("embedding", "non_embedding", "total"):
         print(f"{name:>14}: {counts[name]:>15,}")
     if args.world:
-        from megaloop.parallel.layout import data_parallel_size, memory_per_rank
-
         tp, pp = cfg.parallel.tp, cfg.parallel.pp
         dp = data_parallel_size(cfg, args.world)
-        mem = memory_per_rank(cfg.model, tp, pp, dp)
-        gib = {k: v / 2**30 for k, v in mem.items() if k.endswith("bytes")}
-        print(f"per rank at TP={tp} PP={pp} DP={dp} (largest stage): {mem['params']:,} params; "
-              f"fp32 params {gib['param_bytes']:.2f} GiB + grads {gib['grad_bytes']:.2f} GiB + "
-              f"Adam {gib['optimizer_bytes']:.2f} GiB = {gib['total_bytes']:.2f} GiB "
-              f"(activations not included)")
+        state = state_bytes(cfg, tp, pp, dp)
+        gib = {k: state[k] / 2**30 for k in ("weights", "grads", "optimizer")}
+        print(f"per rank at TP={tp} PP={pp} DP={dp} (largest stage, engine={cfg.engine}): "
+              f"{state['params']:,} params; weights {gib['weights']:.2f} GiB + grads "
+              f"{gib['grads']:.2f} GiB + optimizer {gib['optimizer']:.2f} GiB = "
+              f"{sum(gib.values()):.2f} GiB (activations: `megaloop plan`)")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    cfg = _config(args)
+    from megaloop.parallel import layout
+
+    if args.gpus < 1 or args.gpu_mem <= 0 or args.tflops <= 0 or not 0 < args.mfu <= 1:
+        raise ConfigError("plan: --gpus must be >= 1, --gpu-mem and --tflops > 0, --mfu in (0, 1]")
+    print(layout.describe_model(cfg))
+    if args.search:
+        plans, left_out = layout.search(cfg, args.gpus, args.gpu_mem, args.tflops, args.mfu,
+                                        args.gpus_per_node)
+        print(layout.ranking(plans, left_out, args.gpus, args.gpu_mem))
+        return 0 if plans else 1
+    p = layout.plan(cfg, args.gpus, args.gpu_mem, args.tflops, args.mfu)
+    print(layout.describe(p, cfg, args.gpu_mem, args.tflops, args.mfu))
     return 0
 
 
@@ -339,6 +354,19 @@ def build_parser() -> argparse.ArgumentParser:
     params.add_argument("--world", type=int, help="also show memory per rank for the config's "
                         "parallel.tp/pp on this many ranks")
     params.set_defaults(fn=cmd_params)
+    plan = with_config(sub.add_parser(
+        "plan", help="memory per GPU, FLOPs and step time of a config's layout on N GPUs "
+                     "(--search: rank every layout that fits)"))
+    plan.add_argument("--gpus", type=int, required=True, help="GPUs in the run (DP = N/(TP*PP))")
+    plan.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU, GiB")
+    plan.add_argument("--tflops", type=float, default=989.4,
+                      help="dense bf16 peak per GPU (default: H100/H200 SXM)")
+    plan.add_argument("--mfu", type=float, default=0.4,
+                      help="model FLOPs utilization to assume (default 0.4: our choice)")
+    plan.add_argument("--gpus-per-node", type=int, default=8, help="TP stays within a node")
+    plan.add_argument("--search", action="store_true",
+                      help="rank the layouts (engine, ZeRO stage, TP, PP, recompute) that fit")
+    plan.set_defaults(fn=cmd_plan)
     demo = sub.add_parser("demo", help="train norm vs raw readouts on a tiny model, print a table")
     demo.add_argument("--text", help="train on this text file instead of the built-in corpus")
     demo.add_argument("--tokenizer", default="bytes", help="'bytes' or a tokenizer.json path")

@@ -1,4 +1,5 @@
-"""Slurm: the job scripts in slurm/, the layout a job gets, and the environment of its ranks.
+"""Slurm: the job scripts in slurm/ and the environment of its ranks (the layout a job gets is
+megaloop.parallel.layout's).
 
 One launch path. `megaloop slurm submit` renders slurm/train.sbatch for N nodes x T tasks and
 submits it with sbatch; the script exports MASTER_ADDR (the first node's NodeAddr) and
@@ -17,6 +18,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from megaloop.parallel.layout import Layout, choose_layout, plan as plan_layout
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "slurm"
 
@@ -47,66 +50,6 @@ def task_env(environ=os.environ) -> None:
                               f"export them in the job script from the first node's NodeAddr "
                               f"(as slurm/train.sbatch does)")
     environ.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world))
-
-
-# -- the layout a job gets ----------------------------------------------------------------------
-
-def activation_bytes(model, seq_len: int, micro_batch: int, tp: int) -> int:
-    """A rough per-rank estimate for bf16 training with SDPA/flash attention (no s x s scores
-    stored) and no recomputation: s·b·d·(10 + 24/TP) bytes per layer application (Korthikanti
-    et al. 2022), for the L/PP layers of a stage at each of the K loops times the PP
-    micro-batches 1F1B keeps in flight (L·K, whatever PP), plus fp32 logits and their softmax
-    at each of the K exits."""
-    s, b, d = seq_len, micro_batch, model.hidden_size
-    layers = s * b * d * (10 + 24 / tp) * model.num_layers * model.num_loops
-    exits = model.num_loops * s * b * model.vocab_size / tp * 6
-    return int(layers + exits)
-
-
-@dataclass
-class Layout:
-    tp: int
-    pp: int
-    dp: int
-    bytes_per_rank: int
-    why: str
-
-
-def choose_layout(cfg, world: int, gpus_per_node: int, gpu_memory_gib: float) -> Layout:
-    """The largest data-parallel degree whose per-rank memory fits the GPU (Megatron's advice:
-    model parallelism only as far as memory needs it), tensor parallel within a node before
-    pipeline stages. Without GPUs there is no memory to fit: pure DP."""
-    from megaloop.config import ConfigError
-    from megaloop.parallel.layout import data_parallel_size, memory_per_rank
-
-    budget = 0.9 * gpu_memory_gib * 2**30
-    tps = [t for t in (1, 2, 4, 8) if t <= max(gpus_per_node, 1)]
-    pps = [p for p in range(1, cfg.model.num_layers + 1) if cfg.model.num_layers % p == 0]
-    candidates = sorted(((t, p) for t in tps for p in pps), key=lambda c: (c[0] * c[1], c[1]))
-    best, errors = None, []
-    for tp, pp in candidates:
-        cfg.parallel.tp, cfg.parallel.pp = tp, pp
-        try:
-            dp = data_parallel_size(cfg, world)
-        except ConfigError as e:
-            errors.append(f"TP={tp} PP={pp}: {e}")
-            continue
-        need = memory_per_rank(cfg.model, tp, pp, dp)["total_bytes"] + activation_bytes(
-            cfg.model, cfg.data.seq_len, cfg.train.micro_batch_size, tp)
-        if best is None or need < best.bytes_per_rank:
-            best = Layout(tp, pp, dp, need, "")
-        if gpus_per_node == 0 or need <= budget:
-            fits = ("no GPUs: pure data parallel" if gpus_per_node == 0 else
-                    f"~{need / 2**30:.1f} GiB per rank (fp32 weights+grads, Adam sharded over "
-                    f"DP, bf16 activations) fits 90% of {gpu_memory_gib:g} GiB")
-            smaller = "; the smallest model-parallel degree that does" if tp * pp > 1 else ""
-            return Layout(tp, pp, dp, need, fits + smaller)
-    if best is None:
-        raise LaunchError(f"no TP x PP layout fits {world} ranks and this config's batch: "
-                          + "; ".join(errors[:3]))
-    raise LaunchError(f"no layout fits {gpu_memory_gib:g} GiB per GPU: the smallest estimate is "
-                      f"{best.bytes_per_rank / 2**30:.1f} GiB (TP={best.tp} PP={best.pp}); lower "
-                      f"train.micro_batch_size or data.seq_len, or use more GPUs per node")
 
 
 # -- the job script -----------------------------------------------------------------------------
@@ -204,11 +147,8 @@ def plan(job: TrainJob, config: str, overrides: list) -> Run:
     world = job.nodes * job.ranks_per_node
     explicit = any(o.split("=", 1)[0] in ("parallel.tp", "parallel.pp") for o in overrides)
     if explicit:
-        from megaloop.parallel.layout import data_parallel_size, memory_per_rank
-
-        dp = data_parallel_size(cfg, world)
-        need = memory_per_rank(cfg.model, cfg.parallel.tp, cfg.parallel.pp, dp)["total_bytes"]
-        layout = Layout(cfg.parallel.tp, cfg.parallel.pp, dp, need, "given on the command line")
+        p = plan_layout(cfg, world, job.gpu_memory_gib, 1.0, 1.0)
+        layout = Layout(p.tp, p.pp, p.dp, int(p.total), "given on the command line")
     else:
         layout = choose_layout(cfg, world, job.gpus_per_node, job.gpu_memory_gib)
     run_dir = Path(cfg.train.dir).resolve()

@@ -7,9 +7,11 @@ import json
 import pytest
 from safetensors.torch import load_file
 
+from megaloop import experiment
 from megaloop.parallel import distributed
+from megaloop.parallel.layout import state_bytes
 from megaloop.train import checkpoint
-from multiproc import OBJECTIVES, assert_same_curve, kill_9_then_resume, metrics, train
+from multiproc import BASE, OBJECTIVES, TINY, assert_same_curve, kill_9_then_resume, metrics, train
 
 pytestmark = pytest.mark.multiprocess
 
@@ -43,6 +45,14 @@ def test_zero_equals_one_process_megatron_engine(reference_run, ds_run, name, me
     run_dir, run = ds_run(name)
     assert_same_curve(run, reference, 1e-5)
     memory_report(name, run["layout"])
+    # the planner's weights and optimizer state are what each rank measures holding
+    nproc, overrides = ZERO[name]
+    cfg = experiment.load(TINY, [*BASE, *OBJECTIVE, "engine=deepspeed", *overrides])
+    report = run["layout"]
+    planned = state_bytes(cfg, report["tp"], 1, report["dp"])
+    for r in report["ranks"]:
+        assert r["param_bytes"] == planned["weights"]
+        assert r["optimizer_bytes"] == planned["optimizer"]
     written = json.loads((run_dir / "deepspeed.json").read_text())
     assert written["gradient_clipping"] == 1.0 and written["optimizer"]["params"]["torch_adam"]
     assert f"deepspeed.zero_stage={written['zero_optimization']['stage']}" in ZERO[name][1]

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from megaloop import experiment
-from megaloop.parallel.layout import params_per_rank
+from megaloop.parallel.layout import params_per_rank, state_bytes
 from multiproc import (BASE, OBJECTIVES, TINY, assert_same_curve, command, env,
                        kill_9_then_resume, metrics, train, train_here)
 
@@ -57,8 +57,20 @@ def test_layout_equals_one_process(run, objective, layout, memory_report):
     report = parallel["layout"]
     memory_report(f"{objective} {layout}", report)
     model = experiment.load(TINY, [*BASE, *OBJECTIVES[objective]]).model
-    for r in report["ranks"]:  # the documented per-rank formula is what the ranks hold
-        assert r["params"] == params_per_rank(model, report["tp"], report["pp"], r["pp_rank"])
+    cfg = experiment.load(TINY, [*BASE, *OBJECTIVES[objective], *LAYOUTS[layout][1]])
+    planned = state_bytes(cfg, report["tp"], report["pp"], report["dp"])
+    by_position = {}
+    for r in report["ranks"]:  # the planner's per-rank figures are what the ranks hold
+        held = params_per_rank(model, report["tp"], report["pp"], r["pp_rank"])
+        assert r["params"] == held and r["param_bytes"] == 4 * held
+        if r["params"] == planned["params"]:  # the largest stage is the planner's
+            assert r["param_bytes"] == planned["weights"]
+            # the distributed optimizer's shards: 1/DP each, up to 64-value alignment padding
+            assert r["optimizer_bytes"] == pytest.approx(planned["optimizer"], rel=0.01)
+        by_position.setdefault((r["tp_rank"], r["pp_rank"]), []).append(r["optimizer_bytes"])
+        assert r["grad_bytes"] >= 4 * held  # the grad buffer, padded for the sharding
+    for (_, pp_rank), shards in by_position.items():  # Adam's two moments, exactly, over DP
+        assert sum(shards) == 8 * params_per_rank(model, report["tp"], report["pp"], pp_rank)
     if report["pp"] == 2:  # each stage holds its half of the shared stack, once
         one = reference["layout"]["ranks"][0]["layer_params"]
         per_stage = {r["pp_rank"]: r["layer_params"] for r in report["ranks"]}

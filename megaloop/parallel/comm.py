@@ -22,8 +22,9 @@ def device() -> torch.device:
 
 
 def any_rank(flag: bool) -> bool:
-    """True on every rank if `flag` is true on any."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    """True on every rank if `flag` is true on any. No shortcut for a world of one: a one-GPU
+    run then exercises the same NCCL path as many GPUs (bench/gpu.sh)."""
+    if not dist.is_initialized():
         return flag
     value = torch.tensor([int(flag)], dtype=torch.int64, device=device())
     dist.all_reduce(value, op=dist.ReduceOp.MAX)

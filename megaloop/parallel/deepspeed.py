@@ -32,6 +32,7 @@ from megaloop.model.looped import LoopedLM
 from megaloop.model.specs import recompute_config, transformer_config
 from megaloop.parallel import comm
 from megaloop.parallel.distributed import reduce_terms
+from megaloop.parallel.layout import optimizer_state_bytes
 
 TAG = "deepspeed"
 
@@ -174,7 +175,9 @@ class DeepSpeedEngine:
         return reduce_terms(outputs, holds_terms=ps.get_tensor_model_parallel_rank() == 0)
 
     def memory_report(self) -> dict:
-        """Elements each rank holds: under ZeRO-3 a partitioned parameter keeps 1/DP of it."""
+        """Elements each rank holds (under ZeRO-3 a partitioned parameter keeps 1/DP of it) and
+        the optimizer's state, measured. Gradients are left at 0: DeepSpeed frees them between
+        steps, so only the planner's figure (megaloop.parallel.layout) describes them."""
         local = {n: (p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel(),
                      getattr(p, "ds_numel", p.numel()))
                  for n, p in self.module.named_parameters()}
@@ -183,7 +186,8 @@ class DeepSpeedEngine:
                 "params": sum(held for held, _ in local.values()),
                 "layer_params": sum(h for n, (h, _) in local.items() if n.startswith("layers.")),
                 "param_bytes": 4 * sum(held for held, _ in local.values()),
-                "grad_bytes": 0, "optimizer_bytes": 0,
+                "grad_bytes": 0, "optimizer_bytes": optimizer_state_bytes(
+                    getattr(self.ds.optimizer, "optimizer", self.ds.optimizer), self.module),
                 "held_of_full": {n: list(v) for n, v in local.items() if v[1] >= 4096}}
         ranks = comm.all_gather_object(mine)
         return {**self.layout(), "ranks": ranks}

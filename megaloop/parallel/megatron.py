@@ -29,6 +29,7 @@ from megaloop.model.looped import LoopedLM
 from megaloop.model.specs import recompute_config, transformer_config
 from megaloop.parallel import comm
 from megaloop.parallel.distributed import reduce_terms
+from megaloop.parallel.layout import optimizer_state_bytes
 from megaloop.parallel.pipeline import ExitStore, LapChunk
 
 
@@ -170,13 +171,14 @@ class Engine:
         return reduce_terms(outputs, holds_terms=ps.get_tensor_model_parallel_rank() == 0)
 
     def memory_report(self) -> dict:
-        """Parameters, gradients and optimizer state held by each rank (gathered on every rank):
-        what a layout costs, and a check that PP really splits the stack."""
+        """Parameters, gradient buffer and optimizer state held by each rank, measured (gathered
+        on every rank; after a step, when the optimizer's state exists): what a layout costs,
+        and a check that PP really splits the stack."""
         params = list(self.module.parameters())
         layer = sum(p.numel() for n, p in self.module.named_parameters() if n.startswith("layers."))
         grads = sum(buf.grad_data.numel() * buf.grad_data.element_size() for buf in self.ddp.buffers)
-        # DistributedOptimizer: fp32 main params + Adam's two moments for this rank's shard
-        optim = 3 * 4 * sum(p.numel() for p in params) // self.dp_size
+        optim = sum(optimizer_state_bytes(opt.optimizer, self.module)
+                    for opt in self.optimizer.chained_optimizers)
         mine = {"rank": dist.get_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
                 "pp_rank": self.pp_rank, "dp_rank": self.dp_rank,
                 "params": sum(p.numel() for p in params), "layer_params": layer,

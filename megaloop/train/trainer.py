@@ -7,6 +7,7 @@ schedule; it never touches parallelism itself.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -178,16 +179,17 @@ class Trainer:
         if resumed is not None and self.log_enabled:
             print(f"megaloop: resumed from {resumed} (step {self.step})", flush=True)
         preemption = PreemptionWatch(stop_file=self.run_dir / "PREEMPT")
-        layout = self.engine.memory_report()
         logger = MetricsLogger(self.run_dir, self.cfg.to_dict(), self.cfg.wandb, t.steps,
                                start_step=self.step, enabled=self.log_enabled,
                                history=self._history() if self.log_enabled else None)
-        logger.data["layout"] = layout
         watchdog = ScaleWatchdog(t.scale_alarm)
+        hold_at = int(os.environ.get("MEGALOOP_TEST_HOLD_AT_STEP", -1))
         try:
             while self.step < t.steps:
                 record = self.train_step()
                 logger.advance()
+                if "layout" not in logger.data:  # after a step: the optimizer's state exists
+                    logger.data["layout"] = self.engine.memory_report()
                 alarms = watchdog.check(record)
                 if self.step % t.log_every == 0 or self.step == t.steps or alarms:
                     logger.log(record)
@@ -198,6 +200,9 @@ class Trainer:
                         a.what() for a in alarms), alarms=[a.to_dict() for a in alarms])
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
                     logger.log(self.evaluate(), kind="evals")
+                if self.step == hold_at:  # test hook: a preemption at a chosen step, no race
+                    while not preemption.requested():
+                        time.sleep(0.2)
                 if preemption.requested():
                     self.save()
                     if self.log_enabled:
@@ -205,6 +210,8 @@ class Trainer:
                     raise Preempted(f"preempted at step {self.step}; checkpoint saved")
                 if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
                     self.save()
+            if "layout" not in logger.data:  # resumed with no step left
+                logger.data["layout"] = self.engine.memory_report()
             final_eval = self.evaluate()
             logger.log(final_eval, kind="evals")
             self.save()

@@ -1,0 +1,114 @@
+"""A preemption round trip under torchrun on whatever one device this machine has: NCCL on a GPU,
+gloo on a CPU. One rank still runs every per-step collective of a many-rank run (megaloop's
+have no world-of-one shortcut), so one GPU catches what a tensor on the wrong device would do
+to a cluster.
+
+    python bench/preempt_resume.py OUT [--steps 20 --at 10] [key=value ...]
+
+1. an uninterrupted run of `--steps` steps (the reference);
+2. the same run held at step `--at` (the MEGALOOP_TEST_HOLD_AT_STEP hook: no race with the
+   signal) until a SIGUSR1 reaches its worker: it must save, exit for a requeue and say so;
+3. the relaunch resumes from that checkpoint and finishes;
+and prints both loss curves side by side. Exit status 1 if a loss differs by more than --rel.
+"""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CONFIG = "configs/experiments/tiny.yaml"
+
+
+def launch(run_dir: Path, overrides: list, env: dict, log) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "1", "-m", "megaloop", "train", CONFIG, *overrides,
+               f"train.dir={run_dir}"]
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def steps_logged(run_dir: Path) -> list:
+    try:
+        return json.loads((run_dir / "metrics.json").read_text())["steps"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return []
+
+
+def worker_of(run_dir: Path) -> int:
+    """The training process (torchrun's child, with LOCAL_RANK in its environment): SIGUSR1 to
+    torchrun's agent itself would kill it, as the signal's default action."""
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if f"train.dir={run_dir}" in cmdline and any(e.startswith(b"LOCAL_RANK=")
+                                                     for e in environ):
+            return int(proc.name)
+    raise RuntimeError(f"no worker process of the run in {run_dir}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--at", type=int, default=10)
+    p.add_argument("--rel", type=float, default=1e-5,
+                   help="largest relative loss difference accepted (fp32: the same kernels on "
+                        "the same inputs; a resume restores RNG and data position exactly)")
+    p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args()
+    overrides = [f"train.steps={args.steps}", "train.log_every=1", "train.save_every=0",
+                 "train.eval_batches=1", "wandb.mode=disabled", *args.overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    args.out.mkdir(parents=True, exist_ok=True)
+    reference, held = args.out / "reference", args.out / "preempted"
+    with open(args.out / "reference.log", "w") as log:
+        if launch(reference, overrides, env, log).wait(args.timeout) != 0:
+            sys.exit(f"the reference run failed: {args.out / 'reference.log'}")
+    with open(args.out / "preempted.log", "w") as log:
+        run = launch(held, overrides, {**env, "MEGALOOP_TEST_HOLD_AT_STEP": str(args.at)}, log)
+        deadline = time.monotonic() + args.timeout
+        while len(steps_logged(held)) < args.at:
+            if run.poll() is not None or time.monotonic() > deadline:
+                sys.exit(f"the run ended or stalled before step {args.at}: "
+                         f"{args.out / 'preempted.log'}")
+            time.sleep(0.2)
+        os.kill(worker_of(held), signal.SIGUSR1)
+        first = run.wait(args.timeout)
+    text = (args.out / "preempted.log").read_text()
+    if f"preempted at step {args.at}" not in text:
+        sys.exit(f"no preemption checkpoint at step {args.at} (exit {first}): "
+                 f"{args.out / 'preempted.log'}")
+    with open(args.out / "preempted.log", "a") as log:
+        if launch(held, overrides, env, log).wait(args.timeout) != 0:
+            sys.exit(f"the resumed run failed: {args.out / 'preempted.log'}")
+    if f"resumed from {held}/checkpoints/step_{args.at:07d}" not in (
+            args.out / "preempted.log").read_text():
+        sys.exit("the relaunch did not resume from the preemption checkpoint")
+    want, got = steps_logged(reference), steps_logged(held)
+    import torch
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    print(f"one rank under torchrun ({backend}), SIGUSR1 at step {args.at}, resumed:\n")
+    print("| step | uninterrupted | preempted + resumed | rel. difference |")
+    print("|---|---|---|---|")
+    worst = 0.0
+    for a, b in zip(want, got):
+        rel = abs(a["loss"] - b["loss"]) / abs(a["loss"])
+        worst = max(worst, rel)
+        print(f"| {a['step']} | {a['loss']:.6f} | {b['loss']:.6f} | {rel:.1e} |")
+    ok = len(got) == len(want) == args.steps and worst <= args.rel
+    print(f"\nlargest relative difference {worst:.1e} (accepted: {args.rel:g}): "
+          f"{'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

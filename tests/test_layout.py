@@ -1,0 +1,142 @@
+"""`megaloop plan`: its parameter counts are the real model's, its activation figures are within
+15% of what autograd keeps (saved-tensor hooks), and its choices follow from the figures. The
+engines' measured weights and optimizer state are held to the planner in test_parallel.py and
+test_deepspeed.py, where the real multi-process runs are."""
+
+import pytest
+import torch
+
+from megaloop import experiment
+from megaloop.model.init import init_weights
+from megaloop.model.looped import LoopedLM
+from megaloop.model.specs import recompute_config, transformer_config
+from megaloop.parallel import layout
+
+TINY = "configs/experiments/tiny.yaml"
+SHAPE = ["model.hidden_size=64", "model.num_heads=4", "model.num_layers=2", "model.vocab_size=512",
+         "model.max_seq_len=64", "data.seq_len=64", "train.micro_batch_size=2"]
+TOLERANCE = 0.15
+
+
+def measured(cfg) -> int:
+    model = LoopedLM(cfg.model, transformer_config(cfg.model,
+                                                   **recompute_config(cfg.train.recompute)),
+                     recompute=cfg.train.recompute)
+    init_weights(model, 0)
+    model.train()
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.data.seq_len),
+                           generator=torch.Generator().manual_seed(0))
+    return layout.saved_activation_bytes(model, tokens)
+
+
+@pytest.mark.parametrize("loops", [1, 2, 4])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full", "loop"])
+def test_activation_figures_are_within_15_percent_of_the_measurement(loops, recompute):
+    cfg = experiment.load(TINY, [*SHAPE, f"model.num_loops={loops}",
+                                 f"train.recompute={recompute}"])
+    planned = layout.activation_bytes(cfg, tp=1, pp=1, dp=1,
+                                      micro_batch=cfg.train.micro_batch_size)["total"]
+    assert planned == pytest.approx(measured(cfg), rel=TOLERANCE)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model.num_query_groups=2", "model.ffn_hidden_size=96"],
+    ["model.layer_norms=sandwich", "model.loop_norm=shared", "model.exit_gate=true",
+     "objective.kind=exit_mixture"],
+    ["model.readout=raw", "train.recompute=full"],
+    ["model.readout=final_norm", "model.num_layers=4"],
+    ["model.attention=megatron"],
+    ["model.attention=megatron", "train.recompute=selective"],
+])
+def test_activation_figures_follow_the_architecture(overrides):
+    cfg = experiment.load(TINY, [*SHAPE, "model.num_loops=2", *overrides])
+    planned = layout.activation_bytes(cfg, tp=1, pp=1, dp=1,
+                                      micro_batch=cfg.train.micro_batch_size)["total"]
+    assert planned == pytest.approx(measured(cfg), rel=TOLERANCE)
+
+
+def real_counts(model_cfg) -> dict:
+    with torch.device("meta"):
+        model = LoopedLM(model_cfg, transformer_config(model_cfg, use_cpu_initialization=True))
+    return model.num_parameters()
+
+
+@pytest.mark.parametrize("path, overrides, total", [
+    ("configs/model/44m.yaml", [], 44_048_896),
+    ("configs/model/129m.yaml", [], 128_994_048),
+    # Ouro-1.4B exactly (the count of its published checkpoint) ...
+    ("configs/model/1p4b.yaml", [], 1_434_652_673),
+    # ... less the second norm of each sublayer (2 x 24 x d), the shared loop norm and the gate
+    ("configs/model/1p4b.yaml", ["model.layer_norms=pre", "model.loop_norm=separate",
+                                 "model.readout=raw", "model.exit_gate=false"],
+     1_434_652_673 - 2 * 24 * 2048 - 2048 - 2049),
+    ("configs/model/44m.yaml", ["model.recurrence=damping"], 44_048_896 + 512),
+    ("configs/model/44m.yaml", ["model.recurrence=damping", "model.damping_shape=scalar"],
+     44_048_896 + 1),
+    ("configs/model/44m.yaml", ["model.recurrence=rmsnorm", "model.tie_embeddings=false",
+                                "model.num_query_groups=2"], None),
+])
+def test_parameter_counts_are_the_real_models(path, overrides, total):
+    model = experiment.load(path, overrides).model
+    counts = layout.parameter_counts(model)
+    assert counts == real_counts(model)
+    if total is not None:
+        assert counts["total"] == total
+
+
+def test_flops_count_every_exit_forward_and_the_loss_exits_backward():
+    cfg = experiment.load(TINY, [*SHAPE, "model.num_loops=4"])
+    m = cfg.model
+    readout = 2 * m.hidden_size * m.vocab_size
+    per_loop = layout.flops_per_token(m, 64, 4)
+    terminal = layout.flops_per_token(m, 64, 1)
+    assert per_loop - terminal == pytest.approx(2 * readout * 3)
+    # one loop's stack: 6 x (matmul parameters) + 12 s d L, by hand
+    d, f, L = 64, m.ffn_size, 2
+    stack = 6 * L * (4 * d * d + 3 * d * f) + 12 * 64 * d * L
+    assert layout.flops_per_token(m, 64, 0) == pytest.approx(4 * stack + 4 * readout)
+
+
+def plan_1p4b(*overrides, gpus=128, mem=80.0):
+    cfg = experiment.load("configs/experiments/fineweb/1p4b_42b_tokens.yaml", list(overrides))
+    return layout.plan(cfg, gpus, mem, 989.4, 0.4)
+
+
+def test_plan_of_the_1p4b_run():
+    p = plan_1p4b()
+    assert p.params == 1_434_652_673 and p.dp == 128
+    assert p.weights == p.grads == 4 * p.params and p.optimizer == 8 * p.params / 128
+    # K=4 loops of 24 layers at 4,096 tokens keep more than one 80 GiB GPU holds: recompute fits
+    assert not p.fits(80) and p.max_micro_batch == 0
+    full = plan_1p4b("train.recompute=full")
+    assert full.fits(80) and full.activations < p.activations / 5 and full.max_micro_batch >= 4
+    assert full.step_seconds > p.step_seconds
+    # twice the GPUs: half the step time at the same MFU
+    assert plan_1p4b("train.eval_batches=256", gpus=256).step_seconds == pytest.approx(p.step_seconds / 2)
+    tp2 = plan_1p4b("parallel.tp=2")
+    assert tp2.weights == pytest.approx(p.weights / 2, rel=0.01) and tp2.dp == 64
+
+
+def test_search_ranks_only_layouts_that_fit_and_names_the_rest():
+    cfg = experiment.load("configs/experiments/fineweb/1p4b_42b_tokens.yaml")
+    plans, left_out = layout.search(cfg, 128, 80.0, 989.4, 0.4)
+    assert plans and all(p.fits(80) for p in plans)
+    assert [p.step_seconds for p in plans] == sorted(p.step_seconds for p in plans)
+    assert any("megatron, TP=1 PP=1 DP=128, micro-batch 1, recompute=none" in why
+               for why in left_out)
+    assert all(p.pp == 1 for p in plans if p.engine == "deepspeed")
+
+
+def test_plan_cli(capsys):
+    from megaloop.cli import main
+
+    assert main(["plan", "configs/experiments/fineweb/1p4b_42b_tokens.yaml", "--gpus", "128",
+                 "--gpu-mem", "80", "train.recompute=full"]) == 0
+    out = capsys.readouterr().out
+    assert "parameters: 1,434,652,673" in out and "DP=128" in out and ": fits in 90%" in out
+    assert main(["plan", "configs/experiments/fineweb/1p4b_42b_tokens.yaml", "--gpus", "12",
+                 "--gpu-mem", "80", "parallel.tp=8"]) == 2
+    assert "world size 12 must be a multiple of tp*pp=8" in capsys.readouterr().err
+    assert main(["plan", TINY, "--gpus", "2", "--gpu-mem", "1", "--search",
+                 "train.micro_batch_size=2", "train.global_batch_size=4", "train.eval_batches=4"]) == 0
+    assert "| 1 | " in capsys.readouterr().out
