@@ -54,6 +54,9 @@ class ExperimentConfig(Config):
               f"model.exit_gate=true")
         check(self.data.seq_len <= self.model.max_seq_len, "data.seq_len", self.data.seq_len,
               f"must be <= model.max_seq_len={self.model.max_seq_len}")
+        check(self.train.nonfinite == "stop" or self.engine == "megatron", "train.nonfinite",
+              self.train.nonfinite, "skip needs engine=megatron (skipping a DeepSpeed update "
+              "would desynchronise its gradient accumulation); use train.nonfinite=stop")
         check(self.train.init_from is None or self.engine == "megatron", "train.init_from",
               self.train.init_from, "is read by engine=megatron only (megatron-core dist "
               "checkpoints, any layout); start from it with engine=megatron")

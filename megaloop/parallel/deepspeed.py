@@ -31,7 +31,7 @@ from megaloop.model.init import init_weights
 from megaloop.model.looped import LoopedLM
 from megaloop.model.specs import recompute_config, transformer_config
 from megaloop.parallel import comm
-from megaloop.parallel.distributed import reduce_terms
+from megaloop.parallel.distributed import NonFiniteUpdate, reduce_terms, terms_finite
 from megaloop.parallel.layout import optimizer_state_bytes
 
 TAG = "deepspeed"
@@ -147,18 +147,27 @@ class DeepSpeedEngine:
     def train(self, mode: bool = True) -> None:
         self.ds.train(mode)
 
-    def train_step(self, microbatches: list) -> tuple[list[dict], float, float]:
+    def train_step(self, microbatches: list) -> tuple[list[dict], float, float, bool]:
+        """(terms, grad norm, lr used, whether the update was applied). A non-finite loss on any
+        rank stops before DeepSpeed's update (train.nonfinite=stop; skipping would desynchronise
+        its accumulation counter, so `skip` is refused at config time). A non-finite gradient
+        with finite losses is only seen after DeepSpeed has applied it: NonFiniteUpdate."""
         lr = self.optimizer.param_groups[0]["lr"]
         outputs = []
-        for batch in microbatches:
+        for i, batch in enumerate(microbatches):
             out = self.ds(batch[:, :-1], labels=batch[:, 1:],
                           keep_logits=self.objective.needs_logits)
             loss, terms = objectives.compute(self.objective, out)
             self.ds.backward(loss)  # DeepSpeed divides by the accumulation steps
-            self.ds.step()          # an optimizer step only at the accumulation boundary
             outputs.append({"loss": loss.detach().clone(), **terms})
+            if i == len(microbatches) - 1 and comm.any_rank(not terms_finite(outputs)):
+                return outputs, float("nan"), lr, False
+            self.ds.step()          # an optimizer step only at the accumulation boundary
         norm = self.ds.get_global_grad_norm()  # None under ZeRO-0 (DeepSpeed does not keep it)
-        return outputs, None if norm is None else float(norm), lr
+        if norm is not None and not math.isfinite(float(norm)):
+            raise NonFiniteUpdate(f"DeepSpeed applied a non-finite gradient (norm {norm}): the "
+                                  f"weights in memory are lost; the newest checkpoint is intact")
+        return outputs, None if norm is None else float(norm), lr, True
 
     def step(self, microbatches: list, forward_only: bool = True,
              num_loops: Optional[int] = None) -> list[dict]:

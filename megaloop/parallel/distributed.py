@@ -55,6 +55,16 @@ def is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+class NonFiniteUpdate(RuntimeError):
+    """An engine applied an update with non-finite gradients: the weights in memory are lost."""
+
+
+def terms_finite(outputs: list[dict]) -> bool:
+    """This rank's logged terms (losses, per-loop CE) are all finite."""
+    return all(bool(torch.isfinite(v).all()) for o in outputs for v in o.values()
+               if torch.is_tensor(v))
+
+
 def reduce_terms(outputs: list[dict], holds_terms: bool) -> dict:
     """The logged terms pooled over micro-batches and data-parallel replicas, on every rank.
     Ranks that hold terms (last pipeline stage, one tensor-parallel rank) contribute them.

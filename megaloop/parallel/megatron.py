@@ -8,6 +8,7 @@ sees nothing of it.
 from __future__ import annotations
 
 import contextlib
+import math
 import types
 from functools import partial
 from typing import Optional
@@ -19,6 +20,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import optimizer as megatron_optimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -28,7 +30,7 @@ from megaloop.model.init import init_weights
 from megaloop.model.looped import LoopedLM
 from megaloop.model.specs import recompute_config, transformer_config
 from megaloop.parallel import comm
-from megaloop.parallel.distributed import reduce_terms
+from megaloop.parallel.distributed import reduce_terms, terms_finite
 from megaloop.parallel.layout import optimizer_state_bytes
 from megaloop.parallel.pipeline import ExitStore, LapChunk
 
@@ -116,14 +118,27 @@ class Engine:
         return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": self.pp_size,
                 "dp": self.dp_size}
 
-    def train_step(self, microbatches: list) -> tuple[list[dict], float, float]:
-        """One optimizer step over this rank's micro-batches: (terms, grad norm, lr used)."""
+    def train_step(self, microbatches: list) -> tuple[list[dict], float, float, bool]:
+        """One optimizer step over this rank's micro-batches: (terms, grad norm, lr used, whether
+        the update was applied). A non-finite loss on any rank or a non-finite gradient norm
+        leaves weights, optimizer and schedule as they were (megatron-core's own step checks
+        only fp16's loss scaler): every rank decides the same from the same collectives."""
         self.optimizer.zero_grad()  # param.grad aliases the DDP buffer after a step: unlink it
         outputs = self.step(microbatches)
         lr = self.optimizer.param_groups[0]["lr"]
-        _, grad_norm, _ = self.optimizer.step()
+        finite_loss = not comm.any_rank(not terms_finite(outputs))
+        self.optimizer.prepare_grads()
+        grad_norm = self.optimizer.get_grad_norm()
+        if not (finite_loss and math.isfinite(grad_norm)):
+            return outputs, grad_norm, lr, False
+        for opt in self.optimizer.chained_optimizers:  # ChainedOptimizer.step's clip, then step
+            params = opt.get_parameters()
+            if opt.config.clip_grad > 0.0 and params:
+                megatron_optimizer.clip_grad_by_total_norm_fp32(
+                    params, max_norm=opt.config.clip_grad, total_norm=grad_norm)
+        self.optimizer.step_with_ready_grads()
         self.scheduler.step(increment=1)
-        return outputs, grad_norm, lr
+        return outputs, grad_norm, lr, True
 
     def step(self, microbatches: list, forward_only: bool = False,
              num_loops: Optional[int] = None) -> list[dict]:

@@ -50,9 +50,10 @@ class MetricsLogger:
                  start_step: int = 0, enabled: bool = True, history: Optional[dict] = None):
         self.enabled = enabled
         self.path = run_dir / "metrics.json"
-        self.data = {"config": config, "steps": [], "evals": [], "alarms": []}
+        self.data = {"config": config, "steps": [], "evals": [], "alarms": [],
+                     "skipped_steps": []}
         if history:
-            for kind in ("steps", "evals", "alarms"):
+            for kind in ("steps", "evals", "alarms", "skipped_steps"):
                 self.data[kind] = [r for r in history.get(kind, []) if r["step"] <= start_step]
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                         dynamic_ncols=True, disable=not enabled or None)
@@ -102,6 +103,17 @@ class MetricsLogger:
                            step=alarm["step"])
             self.wandb.alert(title=f"megaloop scale alarm, loop {alarm['loop']}", text=message,
                              level="WARN")
+
+    def skipped(self, step: int, what: str) -> None:
+        """A step whose update was not applied (train.nonfinite=skip): counted in metrics.json
+        as `skipped_steps`, a log line, and `skipped_steps` in wandb."""
+        if not self.enabled:
+            return
+        self.data["skipped_steps"].append({"step": step, "what": what})
+        write_json_atomic(self.path, self.data)
+        self.bar.write(f"megaloop: step {step} skipped: non-finite {what}")
+        if self.wandb is not None:
+            self.wandb.log({"skipped_steps": len(self.data["skipped_steps"])}, step=step)
 
     def close(self) -> None:
         if self.enabled:

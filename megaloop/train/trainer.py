@@ -7,7 +7,6 @@ schedule; it never touches parallelism itself.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 from megaloop.config import Config, check
+from megaloop.parallel.distributed import NonFiniteUpdate
 from megaloop.parallel.layout import eval_microbatches
-from megaloop.train import checkpoint
+from megaloop.train import checkpoint, faults
 from megaloop.train.metrics import MetricsLogger
 from megaloop.train.preemption import Preempted, PreemptionWatch
 from megaloop.train.watchdog import (STOP_MARKER, ScaleAlarmConfig, ScaleWatchdog, UnhealthyRun,
@@ -58,6 +58,10 @@ class TrainConfig(Config):
     (every loop keeps only its input; under PP each stage's share of a lap)."""
     bf16: bool = False
     """bf16 autocast of the forward pass (parameters and optimizer stay fp32)."""
+    nonfinite: Literal["skip", "stop"] = "stop"
+    """A NaN or inf in any loop's loss or in the gradients: the update is never applied; `stop`
+    saves and stops (exit 65, never requeued, like a scale alarm), `skip` counts the step and
+    goes on with the next batch (its schedule step is not taken). Our choice: stop."""
     scale_alarm: ScaleAlarmConfig = field(default_factory=ScaleAlarmConfig)
     """Alarms on the per-loop hidden RMS (megaloop/train/watchdog.py); off by default."""
 
@@ -107,13 +111,16 @@ class Trainer:
     def train_step(self) -> dict:
         start = time.perf_counter()
         self.engine.train()
-        outputs, grad_norm, lr = self.engine.train_step(self.batches.next_step())
+        with faults.nonfinite(self.engine.module, self.step + 1):
+            outputs, grad_norm, lr, applied = self.engine.train_step(self.batches.next_step())
         self.step += 1
         elapsed = time.perf_counter() - start
         tokens = self.cfg.train.global_batch_size * self.dataset.seq_len
         record = {"step": self.step, **self.engine.reduce(outputs)}
         record.update(lr=lr, grad_norm=grad_norm, tokens_per_s=tokens / elapsed,
                       step_time_s=elapsed)
+        if not applied:
+            record["skipped"] = True
         return record
 
     @torch.no_grad()
@@ -163,13 +170,22 @@ class Trainer:
                 print(f"megaloop: an earlier attempt stopped ({why}); continuing", flush=True)
             marker.unlink()
 
-    def stop_unhealthy(self, reason: str, message: str, **details) -> None:
-        """Save a checkpoint, write RUN_DIR/STOPPED and raise UnhealthyRun (every rank)."""
-        folder = self.save()
+    def stop_unhealthy(self, reason: str, message: str, save: bool = True, **details) -> None:
+        """Save a checkpoint (unless the weights in memory are bad), write RUN_DIR/STOPPED and
+        raise UnhealthyRun (every rank)."""
+        folder = self.save() if save else checkpoint.find_latest(self.checkpoints)
         if self.is_main:
             write_stop_marker(self.run_dir, reason, message, step=self.step,
                               checkpoint=str(folder), **details)
-        raise UnhealthyRun(f"stopped at step {self.step}: {message}; checkpoint {folder} saved")
+        kept = f"checkpoint {folder} saved" if save else f"newest checkpoint: {folder}"
+        raise UnhealthyRun(f"stopped at step {self.step}: {message}; {kept}")
+
+    def _nonfinite(self, record: dict, logger) -> None:
+        """train.nonfinite: the update was not applied; count and go on, or save and stop."""
+        what = faults.first_nonfinite(record)
+        if self.cfg.train.nonfinite == "stop":
+            self.stop_unhealthy("nonfinite", f"non-finite {what}; the update was not applied")
+        logger.skipped(self.step, what)
 
     def fit(self) -> dict:
         t = self.cfg.train
@@ -183,11 +199,17 @@ class Trainer:
                                start_step=self.step, enabled=self.log_enabled,
                                history=self._history() if self.log_enabled else None)
         watchdog = ScaleWatchdog(t.scale_alarm)
-        hold_at = int(os.environ.get("MEGALOOP_TEST_HOLD_AT_STEP", -1))
+        hold_at = faults.hold_at_step()
         try:
             while self.step < t.steps:
-                record = self.train_step()
+                try:
+                    record = self.train_step()
+                except NonFiniteUpdate as e:
+                    self.step += 1
+                    self.stop_unhealthy("nonfinite", f"{e} (step {self.step})", save=False)
                 logger.advance()
+                if record.get("skipped"):
+                    self._nonfinite(record, logger)
                 if "layout" not in logger.data:  # after a step: the optimizer's state exists
                     logger.data["layout"] = self.engine.memory_report()
                 alarms = watchdog.check(record)
@@ -200,7 +222,7 @@ class Trainer:
                         a.what() for a in alarms), alarms=[a.to_dict() for a in alarms])
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
                     logger.log(self.evaluate(), kind="evals")
-                if self.step == hold_at:  # test hook: a preemption at a chosen step, no race
+                if self.step == hold_at:  # a preemption at a chosen step, without a race
                     while not preemption.requested():
                         time.sleep(0.2)
                 if preemption.requested():

@@ -1,0 +1,56 @@
+"""Faults on demand, for tests and drills: set in the environment, each acts at a chosen step, so
+a test never races the run it checks.
+
+    MEGALOOP_TEST_HOLD_AT_STEP=N        after step N, wait until a preemption is requested
+    MEGALOOP_TEST_NONFINITE_AT=N:K      during step N, loop K's hidden state becomes NaN
+    MEGALOOP_TEST_NONFINITE_AT=N:grad   during step N, the gradients become inf (losses finite)
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import torch
+
+
+def hold_at_step() -> int:
+    return int(os.environ.get("MEGALOOP_TEST_HOLD_AT_STEP", -1))
+
+
+@contextmanager
+def nonfinite(module, step: int):
+    """Inject the configured fault into `module` (one rank's LoopedLM) while step `step` runs."""
+    spec = os.environ.get("MEGALOOP_TEST_NONFINITE_AT", "")
+    at, _, what = spec.partition(":")
+    if not spec or int(at) != step:
+        yield
+        return
+    hooks, poisoned = [], what != "grad" and module.post_process  # exits: the last stage
+    if what == "grad":
+        hooks = [p.register_hook(lambda g: g * float("inf")) for p in module.parameters()]
+    elif poisoned:
+        loop, exit_ = int(what), module.exit
+
+        def exit_with_nan(out, h, k, *args, **kwargs):
+            return exit_(out, h * float("nan") if k == loop else h, k, *args, **kwargs)
+
+        module.exit = exit_with_nan
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+        if poisoned:
+            del module.exit
+
+
+def first_nonfinite(record: dict) -> str:
+    """What went non-finite in a step's logged record: the first loop's CE, or the gradients."""
+    ce = record.get("ce") or []
+    bad = [k for k, c in enumerate(ce, 1) if not torch.isfinite(torch.tensor(c))]
+    if bad:
+        return f"loop {bad[0]}'s loss (CE per loop: {', '.join(f'{c:.4g}' for c in ce)})"
+    if not torch.isfinite(torch.tensor(record.get("loss", 0.0))):
+        return "the loss"
+    return f"the gradients (norm {record.get('grad_norm')})"
