@@ -46,15 +46,36 @@ class RobustReader(BaseDiskReader):
     name = "📖 robust reader"
 
     def read_file(self, filepath: str) -> DocumentsPipeline:
+        self._bad: dict[str, list] = {}  # reason -> [count, first line]
+        records = 0
         try:
             if filepath.endswith(".parquet"):
-                yield from self._parquet(filepath)
+                for records, document in enumerate(self._parquet(filepath), start=1):
+                    yield document
             else:
-                yield from self._jsonl(filepath)
+                for records, document in enumerate(self._jsonl(filepath), start=1):
+                    yield document
         except Exception as e:  # a corrupt gzip/parquet stream, a permission error, ...
             self.stat_update("unreadable_files")
-            print(f"megaloop prep: skipping unreadable file {filepath}: {type(e).__name__}: {e}",
-                  flush=True)
+            kept = (f"kept the {records} document(s) read before it" if records else
+                    "nothing of it was kept")
+            print(f"megaloop prep: {filepath}: unreadable ({type(e).__name__}: {e}); {kept}, "
+                  f"skipped the rest", flush=True)
+        for reason, (count, line) in self._bad.items():
+            print(f"megaloop prep: {filepath}: skipped {count} {reason} record(s), the first at "
+                  f"line {line}", flush=True)
+
+    def _document(self, record: dict, filepath: str, i: int):
+        """The record's Document, or None when its text is missing, empty or not a string."""
+        if not isinstance(record.get(self.text_key), str):
+            return None
+        return self.get_document_from_dict(record, filepath, i)
+
+    def _skip(self, reason: str, line: int) -> None:
+        self.stat_update({"non-UTF-8": "non_utf8_records",
+                          "invalid JSON": "invalid_json_records"}[reason])
+        entry = self._bad.setdefault(reason, [0, line])
+        entry[0] += 1
 
     def _jsonl(self, filepath: str):
         with self.data_folder.open(filepath, "rb") as raw:
@@ -65,12 +86,15 @@ class RobustReader(BaseDiskReader):
                 try:
                     record = json.loads(line.decode("utf-8"))
                 except UnicodeDecodeError:
-                    self.stat_update("non_utf8_records")
+                    self._skip("non-UTF-8", i + 1)
                     continue
                 except json.JSONDecodeError:
-                    self.stat_update("invalid_json_records")
+                    self._skip("invalid JSON", i + 1)
                     continue
-                document = self.get_document_from_dict(record, filepath, i)
+                if not isinstance(record, dict):
+                    self._skip("invalid JSON", i + 1)  # a JSON line, but not an object
+                    continue
+                document = self._document(record, filepath, i)
                 if document:
                     yield document
                 else:
@@ -82,7 +106,7 @@ class RobustReader(BaseDiskReader):
         with self.data_folder.open(filepath, "rb") as f:
             table = pq.read_table(f)
         for i, record in enumerate(table.to_pylist()):
-            document = self.get_document_from_dict(record, filepath, i)
+            document = self._document(record, filepath, i)
             if document:
                 yield document
             else:
@@ -163,10 +187,20 @@ def train_bpe(texts, vocab_size: int, path: Path) -> Path:
     return path
 
 
-def eos_id(tokenizer_path: Path, eos: str = EOS) -> int:
+def load_tokenizer(path: Path):
+    """The `tokenizers.Tokenizer` of a tokenizer.json, or one PrepError naming the file."""
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(tokenizer_path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for unparsable JSON
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise PrepError(f"--tokenizer {path} is not a Hugging Face tokenizer.json ({reason})"
+                        ) from None
+
+
+def eos_id(tokenizer_path: Path, eos: str = EOS) -> int:
+    tok = load_tokenizer(tokenizer_path)
     token = tok.token_to_id(eos)
     if token is None:
         raise PrepError(f"tokenizer {tokenizer_path} has no {eos!r} token to end documents with; "
@@ -315,7 +349,10 @@ def stat(stats: list, step_name_part: str, key: str) -> int:
 
 
 def write_manifest(path: Path, manifest: dict) -> None:
-    path.write_text(json.dumps(manifest, indent=1))
+    """Atomically: the manifest marks a finished preparation, so it is never seen half-written."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    tmp.replace(path)
 
 
 def check_executor_options(args) -> None:

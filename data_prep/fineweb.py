@@ -30,6 +30,7 @@ from data_prep.common import (
     TokenizingStep,
     check_executor_options,
     eos_id,
+    load_tokenizer,
     read_stats,
     resolve_tokenizer,
     run_pipeline,
@@ -133,13 +134,13 @@ def prepare(args) -> dict:
         raise PrepError("--seq-len and --shard-size must be >= 1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    # the manifest is the mark of a finished folder: gone until this run has finished
+    (out / "manifest.json").unlink(missing_ok=True)
     folder, files = resolve_source(args.source)
     if args.tokenizer.startswith("train:"):
         raise PrepError("--tokenizer train:N is for WikiText; pass a tokenizer.json or hub name")
     tokenizer = resolve_tokenizer(args.tokenizer, out)
-    from tokenizers import Tokenizer
-
-    vocab = Tokenizer.from_file(str(tokenizer)).get_vocab_size()
+    vocab = load_tokenizer(tokenizer).get_vocab_size()
     eos = eos_id(tokenizer, args.eos_token)
     dtype = token_dtype(vocab)
     if len(files) == 1 and args.workers > 1:

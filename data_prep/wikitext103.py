@@ -25,6 +25,7 @@ from data_prep.common import (
     PrepError,
     check_executor_options,
     eos_id,
+    load_tokenizer,
     merge_indexed,
     read_stats,
     resolve_tokenizer,
@@ -81,8 +82,8 @@ class WikiTextReader(PipelineStep):
                 article.encode("utf-8")
             except UnicodeEncodeError:
                 self.stat_update("non_utf8_documents")
-                print(f"megaloop prep: skipping {self.split} article {i}: not valid UTF-8",
-                      flush=True)
+                print(f"megaloop prep: {self.path}: skipping {self.split} article {i}: not "
+                      f"valid UTF-8", flush=True)
                 continue
             self.stat_update("documents")
             title = article.strip().splitlines()[0].strip(" =") if article.strip() else ""
@@ -142,9 +143,7 @@ def prepare(args) -> dict:
         tokenizer = out / "tokenizer.json"  # trained by an earlier run: resume with it
     else:
         tokenizer = resolve_tokenizer(args.tokenizer, out, training_text)
-    from tokenizers import Tokenizer
-
-    vocab = Tokenizer.from_file(str(tokenizer)).get_vocab_size()
+    vocab = load_tokenizer(tokenizer).get_vocab_size()
     eos_id(tokenizer, args.eos_token)
     dtype = token_dtype(vocab)
     manifests, pending = {}, []
@@ -153,6 +152,8 @@ def prepare(args) -> dict:
         if manifest_path.is_file() and (out / f"{split}.bin").is_file():
             print(f"megaloop prep: {split} is already prepared ({manifest_path})", flush=True)
             continue
+        # the manifest is the mark of a finished split: gone until this run has finished it
+        manifest_path.unlink(missing_ok=True)
         start = time.perf_counter()
         logs = out / "logs" / split
         pipeline = [WikiTextReader(str(path), split), BadDocumentGuard(args.max_doc_bytes),

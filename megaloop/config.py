@@ -9,6 +9,7 @@ allowed, before any compute starts.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -21,6 +22,12 @@ CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
 
 class ConfigError(ValueError):
     """A bad config value: the message names the key, the value and what is allowed."""
+
+
+class DataError(ConfigError):
+    """A bad input file (data, tokenizer, manifest): the message names the file, the record or
+    byte where that means something, and what to do. A ConfigError, so every command reports it
+    in one line."""
 
 
 def fail(key: str, value: Any, allowed: str) -> typing.NoReturn:
@@ -37,9 +44,9 @@ class Config:
             fail(prefix.rstrip(".") or "<root>", data, "expected a mapping of keys to values")
         fields = {f.name: f for f in dataclasses.fields(cls)}
         hints = typing.get_type_hints(cls)
-        unknown = sorted(set(data) - set(fields))
+        unknown = sorted((k for k in data if k not in fields), key=str)  # YAML keys may be 1, null
         if unknown:
-            fail(prefix + unknown[0], data[unknown[0]],
+            fail(prefix + str(unknown[0]), data[unknown[0]],
                  f"unknown key; allowed keys here: {', '.join(sorted(fields))}")
         kwargs = {name: _coerce(hints[name], value, prefix + name) for name, value in data.items()}
         cfg = cls(**kwargs)
@@ -86,15 +93,19 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
             fail(key, value, "expected an integer")
+        if not -2**63 <= value < 2**63:
+            fail(key, value, "out of range: expected an integer that fits 64 bits")
         return value
     if hint is float:
         if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             fail(key, value, "expected a number")
+        if isinstance(value, int) and abs(value) > 2**1023 or not math.isfinite(value):
+            fail(key, value, "expected a finite number")
         return float(value)
     if hint is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
@@ -148,15 +159,26 @@ def read_yaml(path: Path, _seen: tuple = ()) -> dict:
     if path in _seen:
         raise ConfigError(f"config file {path} includes itself through 'defaults'")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}, line {line}); "
+                          f"save it as UTF-8") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except (yaml.YAMLError, ValueError) as e:  # ValueError: an integer of > 4300 digits
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(data).__name__}")
     merged: dict = {}
     defaults = data.pop("defaults", []) or []
-    if not isinstance(defaults, list):
-        raise ConfigError(f"config file {path}: 'defaults' must be a list of YAML files")
+    if not isinstance(defaults, list) or not all(isinstance(r, str) and r for r in defaults):
+        raise ConfigError(f"config file {path}: 'defaults' must be a list of YAML file names, "
+                          f"got {defaults!r}")
     for ref in defaults:
         merged = _deep_merge(merged, read_yaml(_resolve(str(ref), path.parent), _seen + (path,)))
     return _deep_merge(merged, data)
@@ -167,7 +189,13 @@ def parse_override(text: str) -> dict:
     key, sep, raw = text.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r} is not of the form key=value (e.g. train.steps=100)")
-    value = yaml.safe_load(raw) if raw != "" else ""
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except (yaml.YAMLError, ValueError) as e:  # ValueError: an integer of > 4300 digits
+        problem = str(getattr(e, "problem", None) or e).splitlines()[0]
+        raise ConfigError(f"config key '{key}': the value {raw!r} of override {text!r} is not "
+                          f"valid YAML ({problem}); give a number, true/false, a string or a "
+                          f"[list]") from None
     for part in reversed(key.split(".")):
         value = {part: value}
     return value

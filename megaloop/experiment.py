@@ -23,7 +23,7 @@ from megaloop.data import DataConfig
 from megaloop.model import ModelConfig
 from megaloop.objectives import ObjectiveConfig
 from megaloop.parallel.deepspeed import DeepSpeedConfig
-from megaloop.parallel.layout import ParallelConfig
+from megaloop.parallel.layout import ParallelConfig, data_parallel_size
 from megaloop.train.metrics import WandbConfig
 from megaloop.train.optim import OptimConfig
 from megaloop.train.trainer import TrainConfig
@@ -63,6 +63,10 @@ class ExperimentConfig(Config):
         check(self.train.eval_batches != "all" or self.data.kind != "synthetic",
               "train.eval_batches", "all", "data.kind=synthetic has no finite validation split; "
               "give a number of micro-batches, e.g. train.eval_batches=16")
+        # The layout against the model and the batch: every world is TP x PP x DP, and what
+        # DP=1 rules out no DP allows, so a contradiction fails here, naming the key, not when
+        # the ranks have started (the world's own checks stay in build_trainer).
+        data_parallel_size(self, self.parallel.tp * self.parallel.pp)
 
 
 RESUMABLE = ("train.steps", "train.dir", "train.log_every", "train.eval_every",
@@ -173,7 +177,8 @@ def build_trainer(cfg: ExperimentConfig, log: bool = True):
     note = resolve_steps(cfg)
     dp = layout.data_parallel_size(cfg, distributed.world_size())
     distributed.init(cfg.train.seed, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
-                     virtual_pp=cfg.model.num_loops if cfg.parallel.pp > 1 else None)
+                     virtual_pp=cfg.model.num_loops if cfg.parallel.pp > 1 else None,
+                     timeout_s=cfg.parallel.timeout_s)
     if note and log and distributed.is_main():
         print(f"megaloop: {note}", flush=True)
     check_resume(cfg)
@@ -183,6 +188,11 @@ def build_trainer(cfg: ExperimentConfig, log: bool = True):
     vocab = dataset.tokenizer.vocab_size
     check(cfg.model.vocab_size >= vocab, "model.vocab_size", cfg.model.vocab_size,
           f"must be >= the tokenizer's {vocab} tokens (of data.kind={cfg.data.kind})")
+    if cfg.data.kind == "indexed":  # an id past the embedding would fail mid-run, not here
+        from megaloop.data.indexed import check_indexed
+
+        for prefix in dict.fromkeys(p for p in (cfg.data.path, cfg.data.valid_path) if p):
+            check_indexed(prefix, cfg.model.vocab_size)
     layout.eval_microbatches(t, dataset.valid_windows, dp, cfg.parallel.pp)  # before the model
     engine_class = Engine
     if cfg.engine == "deepspeed":

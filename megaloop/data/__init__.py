@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
-from megaloop.config import Config, check, fail
+from megaloop.config import Config, DataError, check, fail
 from megaloop.data.tokenizer import load_tokenizer
+
+__all__ = ["DataConfig", "DataError"]
 
 
 @dataclass
@@ -79,18 +81,41 @@ class DataConfig(Config):
         if self.kind == "webdataset":
             check(Path(self.path, "manifest.json").is_file(), "data.path", self.path,
                   "no manifest.json there; run `megaloop prep fineweb` and give its --out folder")
+            self.shard_manifest()
         check(self.tokenizer == "bytes" or Path(self.tokenizer).is_file(), "data.tokenizer",
               self.tokenizer, "no such file; use 'bytes' or the path of a tokenizer.json file")
+
+    def shard_manifest(self) -> dict:
+        """The webdataset folder's manifest.json, checked against this config: sequences of
+        data.seq_len+1 tokens, and more shards than data.valid_shards."""
+        from megaloop.data.indexed import read_json
+
+        path = Path(self.path, "manifest.json")
+        info = read_json(path)
+        shards = info.get("shards")
+        if not isinstance(info.get("seq_len"), int) or not isinstance(shards, dict) or not all(
+                isinstance(n, int) and n >= 0 for n in shards.values()):
+            raise DataError(f"{path} lacks `seq_len` (an integer) or `shards` (shard name -> "
+                            f"sequences); it is not from `megaloop prep fineweb`: prepare again")
+        missing = [name for name in sorted(shards) if not Path(self.path, "shards", name).is_file()]
+        if missing:
+            raise DataError(f"{path} lists shard {missing[0]}, but {Path(self.path, 'shards')} "
+                            f"has no such file ({len(missing)} missing); prepare again")
+        check(info["seq_len"] == self.seq_len, "data.seq_len", self.seq_len,
+              f"data.path={self.path} holds sequences of {info['seq_len']} (+1) tokens; set "
+              f"data.seq_len={info['seq_len']} or prepare again with --seq-len {self.seq_len}")
+        check(len(shards) > self.valid_shards, "data.valid_shards", self.valid_shards,
+              f"data.path={self.path} has {len(shards)} shard(s): too few to hold out "
+              f"{self.valid_shards} for validation and train on the rest")
+        return info
 
     def tokenizer_spec(self) -> str:
         """`bytes` or the tokenizer.json the data was made with (prepared data records its own)."""
         if self.kind in ("indexed", "webdataset"):
             from megaloop.data.indexed import manifest
-            import json
 
-            info = (manifest(self.path) if self.kind == "indexed"
-                    else json.loads(Path(self.path, "manifest.json").read_text()))
-            if info.get("tokenizer") and Path(info["tokenizer"]).is_file():
+            info = manifest(self.path) if self.kind == "indexed" else self.shard_manifest()
+            if isinstance(info.get("tokenizer"), str) and Path(info["tokenizer"]).is_file():
                 return info["tokenizer"]
         return self.tokenizer
 

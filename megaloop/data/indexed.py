@@ -18,14 +18,91 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megaloop.config import DataError
 from megaloop.data.batches import Batches, Windows
 from megaloop.data.tokenizer import Tokenizer
 from megaloop.parallel import comm
 
+INDEX_HEADER = b"MMIDIDX\x00\x00"  # megatron-core's .idx magic, then version 1
+TOKEN_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
+"""megatron-core's DType codes of integer tokens (6 and 7 are floats: not token ids)."""
+REPREPARE = "prepare it again with `megaloop prep wikitext103`"
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from `path` (a manifest), or one DataError naming the file."""
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror or e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{path} is not a JSON manifest ({e}); it is written last by `megaloop "
+                        f"prep`, so the preparation did not finish: run it again") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{path} holds a JSON {type(data).__name__}, not the object `megaloop "
+                        f"prep` writes; run the preparation again")
+    return data
+
 
 def manifest(prefix: str) -> dict:
     path = Path(f"{prefix}.manifest.json")
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return read_json(path) if path.is_file() else {}
+
+
+def check_indexed(prefix: str, vocab_size: int | None = None) -> int:
+    """Check PREFIX.idx/.bin as megatron-core's IndexedDatasetBuilder writes them (header,
+    sizes, contiguous documents, a .bin of exactly the indexed tokens; with `vocab_size`, every
+    token id below it: from the manifest `megaloop prep` writes, or by reading every id when there
+    is none) before megatron-core maps them, which asserts or reads past the end of a damaged
+    pair. Returns the number of tokens; one DataError naming the file otherwise."""
+    idx, bin_ = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
+    for path in (idx, bin_):
+        if not path.is_file():
+            raise DataError(f"{path}: no such file; give the PREFIX of PREFIX.bin/PREFIX.idx "
+                            f"from `megaloop prep wikitext103` (e.g. OUT/train)")
+    raw = idx.read_bytes()
+    if len(raw) < 34 or raw[:9] != INDEX_HEADER or int.from_bytes(raw[9:17], "little") != 1:
+        raise DataError(f"{idx} is not a megatron-core index (no MMIDIDX version-1 header); "
+                        f"{REPREPARE}")
+    dtype = TOKEN_DTYPES.get(raw[17])
+    if dtype is None:
+        raise DataError(f"{idx}: token dtype code {raw[17]} is not an integer type; {REPREPARE}")
+    sequences, documents = (int.from_bytes(raw[a:a + 8], "little") for a in (18, 26))
+    expected = 34 + 12 * sequences + 8 * documents
+    if len(raw) != expected:
+        raise DataError(f"{idx} is {len(raw)} bytes, but its header promises {sequences} "
+                        f"sequences and {documents} document indices ({expected} bytes): it is "
+                        f"truncated or damaged; {REPREPARE}")
+    lengths = np.frombuffer(raw, np.int32, sequences, 34).astype(np.int64)
+    pointers = np.frombuffer(raw, np.int64, sequences, 34 + 4 * sequences)
+    docs = np.frombuffer(raw, np.int64, documents, 34 + 12 * sequences)
+    size = np.dtype(dtype).itemsize
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) * size
+    if sequences == 0:
+        raise DataError(f"{idx} holds no documents; {REPREPARE} from a source with text")
+    if (lengths < 0).any() or not np.array_equal(pointers, starts) or len(docs) == 0 or \
+            docs[0] != 0 or docs[-1] != sequences or (np.diff(docs) < 0).any():
+        bad = int(np.argmax((lengths < 0) | (pointers != starts)))
+        raise DataError(f"{idx}: the document table is inconsistent (first bad entry: sequence "
+                        f"{bad}); {REPREPARE}")
+    tokens = int(lengths.sum())
+    if bin_.stat().st_size != tokens * size:
+        raise DataError(f"{bin_} is {bin_.stat().st_size} bytes, but {idx} indexes {tokens} "
+                        f"tokens of {size} byte(s) ({tokens * size} bytes): the pair is "
+                        f"truncated or from different runs; {REPREPARE}")
+    recorded = manifest(prefix).get("vocab_size") if vocab_size is not None else None
+    if recorded is not None and recorded > vocab_size:
+        raise DataError(f"{prefix}.manifest.json: the data was tokenized with {recorded} token "
+                        f"ids, more than model.vocab_size={vocab_size}; raise model.vocab_size "
+                        f"or {REPREPARE} with the model's tokenizer")
+    if vocab_size is not None and recorded is None and tokens:  # no manifest: read every id
+        ids = np.memmap(bin_, dtype=dtype, mode="r")
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab_size:
+            raise DataError(f"{bin_} holds token id {high if high >= vocab_size else low}, "
+                            f"outside model.vocab_size={vocab_size}: the data was made with "
+                            f"another tokenizer or is damaged; {REPREPARE}")
+    return tokens
 
 
 def samples_for_epochs(prefix: str, seq_len: int, epochs: int) -> int:
@@ -33,6 +110,7 @@ def samples_for_epochs(prefix: str, seq_len: int, epochs: int) -> int:
     tokens, so this is the most that fits in `epochs` copies of the split."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+    check_indexed(prefix)
     dataset = IndexedDataset(prefix)  # keep it alive: its arrays are views of its mmap
     tokens = int(np.sum(dataset.sequence_lengths))
     return (epochs * tokens - 1) // seq_len
@@ -44,6 +122,7 @@ class TokenStream:
     def __init__(self, prefix: str):
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+        check_indexed(prefix)
         self.dataset = IndexedDataset(prefix)
         self.lengths = self.dataset.sequence_lengths.astype(np.int64)
         self.starts = np.concatenate([[0], np.cumsum(self.lengths)])
@@ -70,6 +149,8 @@ class IndexedData:
         from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
         self.seq_len, self.tokenizer = seq_len, tokenizer
+        for prefix in dict.fromkeys([train_prefix, valid_prefix or train_prefix]):
+            check_indexed(prefix)  # token ids against the model: experiment.build_trainer
         eod = manifest(train_prefix).get("eos_id", tokenizer.eos_id)
         config = GPTDatasetConfig(
             random_seed=seed, sequence_length=seq_len,

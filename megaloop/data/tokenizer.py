@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+
+from megaloop.config import DataError
 
 EOS = "<|endoftext|>"
 
@@ -32,7 +36,15 @@ class HFTokenizer(Tokenizer):
     def __init__(self, path: str):
         from tokenizers import Tokenizer as _Tokenizer
 
-        self._tok = _Tokenizer.from_file(path)
+        if not Path(path).is_file():
+            raise DataError(f"tokenizer {path}: no such file; use 'bytes' or the path of a "
+                            f"tokenizer.json file")
+        try:
+            self._tok = _Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception for unparsable JSON
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise DataError(f"tokenizer {path} is not a Hugging Face tokenizer.json ({reason}); "
+                            f"give the tokenizer.json the data was prepared with") from None
         self.vocab_size = self._tok.get_vocab_size()
         self.eos_id = self._tok.token_to_id(EOS)
 

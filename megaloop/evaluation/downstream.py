@@ -7,6 +7,12 @@ split (`split="validation"`, the study's protocol) or on the split lm-eval evalu
 wired in by a generated task YAML per task that includes the built-in one and overrides keys
 (lm-eval merges an include-path YAML with the built-in config; a dict of overrides passed to
 simple_evaluate replaces it instead).
+
+lm-eval scores each continuation whole, in one window of the model's max_seq_len tokens: a
+context that does not fit is cut from the left (HFLM's convention), a continuation that does not
+fit cannot be scored (HFLM asserts). Such a task is refused before any scoring, naming the task,
+its longest continuation and max_seq_len (e.g. PIQA's longest solutions on a byte-level model of
+max_seq_len 256): evaluate it with a model of a longer context, or leave it out of --tasks.
 """
 
 from __future__ import annotations
@@ -146,11 +152,39 @@ def accuracies(samples: list[dict]) -> dict:
     return {"acc": float(np.mean(acc)), "acc_norm": float(np.mean(acc_norm)), "n": len(samples)}
 
 
+def checked_lm(**kwargs):
+    """HFLM that refuses, before scoring anything, requests whose continuation alone exceeds the
+    model's max length (HFLM would die on an AssertionError midway), naming each such task."""
+    from lm_eval.models.huggingface import HFLM
+
+    class CheckedHFLM(HFLM):
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            longest: dict[str, tuple[int, object]] = {}
+            for request in requests:
+                context, continuation = request.args
+                if context == "":  # as HFLM.loglikelihood: the prefix token is the context
+                    n = len(self.tok_encode(continuation, add_special_tokens=False))
+                else:
+                    n = len(self._encode_pair(context, continuation)[1])
+                task = request.task_name or "?"
+                if n > self.max_length and n > longest.get(task, (0, None))[0]:
+                    longest[task] = (n, request.doc_id)
+            if longest:
+                raise EvalError("; ".join(
+                    f"task {task}: a continuation of {n} tokens (doc {doc}) is longer than the "
+                    f"model's max_seq_len={self.max_length}" for task, (n, doc) in longest.items())
+                    + ". lm-eval scores a continuation whole (it cuts only the context), so "
+                      "these cannot be scored: evaluate them with a model of a longer "
+                      "max_seq_len, or leave them out of --tasks")
+            return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+
+    return CheckedHFLM(**kwargs)
+
+
 def run(model_path: Path, loops: int, tasks=STUDY_TASKS, out: Path = Path("eval_results"),
         limit: int | None = None, data_dir: Path | None = None, batch_size: int = 8,
         device: str | None = None, split: str = "validation") -> dict:
     from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     unknown = [t for t in tasks if t not in builtin_tasks().task_index]
@@ -165,7 +199,7 @@ def run(model_path: Path, loops: int, tasks=STUDY_TASKS, out: Path = Path("eval_
         tokenizer = load_tokenizer(model_path)
         device, dtype = placement(device)
         model = load_model(model_path, device, dtype, num_loops=loops)
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
+        lm = checked_lm(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
         results = simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=0, limit=limit,
                                   log_samples=True, task_manager=task_manager,
                                   bootstrap_iters=0)

@@ -95,9 +95,13 @@ class ModelConfig(Config):
             check(getattr(self, name) >= 1, prefix + name, getattr(self, name), "must be >= 1")
         check(self.hidden_size % self.num_heads == 0, prefix + "num_heads", self.num_heads,
               f"must divide hidden_size={self.hidden_size}")
+        check(self.num_query_groups is None or self.num_query_groups >= 1,
+              prefix + "num_query_groups", self.num_query_groups,
+              "must be >= 1 (or null: one per query head)")
         groups = self.num_query_groups or self.num_heads
-        check(groups >= 1 and self.num_heads % groups == 0, prefix + "num_query_groups",
+        check(self.num_heads % groups == 0, prefix + "num_query_groups",
               self.num_query_groups, f"must divide num_heads={self.num_heads}")
+        check(self.rope_base > 0, prefix + "rope_base", self.rope_base, "must be > 0")
         check((self.hidden_size // self.num_heads) % 2 == 0, prefix + "num_heads", self.num_heads,
               "head dimension hidden_size/num_heads must be even for RoPE")
         check(self.ffn_hidden_size is None or self.ffn_hidden_size >= 1,
