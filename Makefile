@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | cksum 
 # The Slurm tests bring up a real local cluster (slurm/local/up.sh): Debian's packages, ~13 MB.
 SLURM_PACKAGES := slurmctld slurmd slurm-client munge
 
-.PHONY: demo test install slurm clean
+.PHONY: demo test test-fast install slurm clean
 
 install: $(STAMP)
 
@@ -35,6 +35,10 @@ slurm:
 
 test: $(STAMP) slurm
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q
+
+# Everything but the multi-process and Slurm-cluster tests (markers in pyproject.toml): < 5 min.
+test-fast: $(STAMP)
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q -m "not multiprocess and not slurm"
 
 clean:
 	rm -rf $(VENV) runs

@@ -22,6 +22,7 @@ def _config(args):
 def cmd_train(args) -> int:
     cfg = _config(args)
     from megaloop.experiment import build_trainer
+    from megaloop.parallel import distributed
     from megaloop.train.preemption import EXIT_PREEMPTED, Preempted
     from megaloop.train.watchdog import EXIT_UNHEALTHY, STOP_MARKER, UnhealthyRun
 
@@ -36,6 +37,15 @@ def cmd_train(args) -> int:
         print(f"megaloop: {e}; see {trainer.run_dir / STOP_MARKER}; exiting with "
               f"{EXIT_UNHEALTHY} (not requeued)", file=sys.stderr)
         return EXIT_UNHEALTHY
+    except Exception as e:
+        if not distributed.is_collective_failure(e):
+            raise
+        rank = int(os.environ.get("RANK", 0))
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"megaloop: rank {rank}: a collective failed ({first}); "
+              f"{distributed.missing_ranks()}. Relaunch to resume from the newest complete "
+              f"checkpoint", file=sys.stderr, flush=True)
+        return 1
     print(json.dumps({"valid_ce": result["ce"], "hidden_rms": result["hidden_rms"],
                       "valid_windows": result["valid_windows"]}))
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -90,8 +91,15 @@ OBJECTIVES = {
 }
 
 
-def metrics(run_dir: Path) -> dict:
-    return json.loads((run_dir / "metrics.json").read_text())
+def metrics(run_dir: Path, finite: bool = True) -> dict:
+    """A run's metrics.json; by default every logged loss and per-loop CE must be finite (a NaN
+    run must not pass as a run that trained)."""
+    data = json.loads((run_dir / "metrics.json").read_text())
+    if finite:
+        for record in data["steps"] + data["evals"]:
+            values = [record.get("loss", 0.0), *record.get("ce", [])]
+            assert all(math.isfinite(v) for v in values), (run_dir, record)
+    return data
 
 
 def close(a: float, b: float, rel: float) -> bool:
@@ -114,26 +122,37 @@ def assert_same_curve(run: dict, ref: dict, rel: float, steps=None) -> None:
 
 
 def kill_9_then_resume(run_dir: Path, overrides: list[str], reference: dict) -> None:
-    """SIGKILL a 2-rank run (torchrun and every rank, as when a node dies) once it has saved
-    step 7, rerun it, and check it resumed from the newest checkpoint and repeated the
-    uninterrupted run's remaining steps bit for bit (same layout, same arithmetic)."""
-    import time
-
+    """SIGKILL a 2-rank run (torchrun and every rank, as when a node dies) while it waits at
+    step 8 (the hold-at-step hook: step 7 is its newest checkpoint, whatever the machine's
+    speed), rerun it, and check it resumed from step 7 and repeated the uninterrupted run's
+    remaining steps bit for bit (same layout, same arithmetic)."""
     import psutil
 
-    proc = subprocess.Popen(command(2, run_dir, [*overrides, "train.save_every=1"]), env=env(),
+    held = {**env(), "MEGALOOP_TEST_HOLD_AT_STEP": "8"}
+    proc = subprocess.Popen(command(2, run_dir, [*overrides, "train.save_every=1"]), env=held,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    latest = run_dir / "checkpoints/latest"
-    deadline = time.time() + 240
-    while not (latest.exists() and latest.read_text() >= "step_0000007"):
-        assert proc.poll() is None and time.time() < deadline, "the run ended before step 7"
-        time.sleep(0.02)
+    wait_for_step(run_dir, 8, proc)
     for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
         p.kill()
     proc.wait()
-    killed_at = int(latest.read_text().split("_")[1])
-    assert 7 <= killed_at < 10
+    assert (run_dir / "checkpoints/latest").read_text().strip() == "step_0000007"
     out = train(2, run_dir, [*overrides, "train.save_every=1"])
-    assert f"resumed from {run_dir}/checkpoints/step_{killed_at:07d}" in out.stdout
-    assert_same_curve(metrics(run_dir), reference, 1e-12, steps=range(killed_at + 1, 11))
+    assert f"resumed from {run_dir}/checkpoints/step_0000007" in out.stdout
+    assert_same_curve(metrics(run_dir), reference, 1e-12, steps=range(8, 11))
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    """Until the run has logged `step` (log_every=1); fails if it ends first."""
+    import time
+
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if any(s["step"] == step for s in metrics(run_dir)["steps"]):
+                return
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        assert proc.poll() is None, f"the run ended before step {step}"
+        assert time.time() < deadline, f"no step {step} within {timeout} s"
+        time.sleep(0.05)
 

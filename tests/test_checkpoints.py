@@ -2,7 +2,6 @@
 with each one named (it never trains from step 0 beside them), and pruning counts only
 loadable checkpoints (a corrupt one never pushes out a good one)."""
 
-import json
 from pathlib import Path
 
 import pytest
@@ -10,6 +9,7 @@ import pytest
 from megaloop import experiment
 from megaloop.config import ConfigError
 from megaloop.train import checkpoint
+from multiproc import metrics as read_metrics
 
 TINY = Path(__file__).resolve().parent.parent / "configs/experiments/tiny.yaml"
 
@@ -65,4 +65,4 @@ def test_all_checkpoints_corrupt_stops_naming_each_and_trains_nothing(tmp_path, 
     assert "2 checkpoint(s) and none is loadable" in message and "another train.dir" in message
     assert "step_0000004: " in message and "step_0000002: " in message
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == before
-    assert json.loads((tmp_path / "metrics.json").read_text())["steps"][-1]["step"] == 4
+    assert read_metrics(tmp_path)["steps"][-1]["step"] == 4

@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 import data_prep
 from data_prep.common import PrepError
 from data_prep.wikitext103 import split_articles
+from multiproc import metrics as read_metrics
 
 WORDS = ("the of and to in that is was for with as on by at from his her they which this be "
          "river city music history people water garden winter market school letter morning "
@@ -364,7 +365,7 @@ def test_train_on_prepared_data_indexed_epochs_and_webdataset(wikitext_prep, web
                                  f"data.valid_path={out}/valid", "data.epochs=2", "train.steps=null",
                                  "data.seq_len=32", f"train.dir={tmp_path / 'wt'}"])
     experiment.build_trainer(cfg).fit()
-    metrics = json.loads((tmp_path / "wt/metrics.json").read_text())
+    metrics = read_metrics(tmp_path / "wt")
     steps = samples_for_epochs(str(out / "train"), 32, 2) // 8
     assert metrics["config"]["train"]["steps"] == steps == len(metrics["steps"])
     web_out = web_prep[0]

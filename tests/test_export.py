@@ -152,6 +152,7 @@ def test_early_exit_takes_each_tokens_exit_loop(gate_input):
     assert rel_err(mid, expected) <= 1e-5
 
 
+@pytest.mark.multiprocess
 def test_export_of_a_tp2_pp2_checkpoint_loads_offline_in_a_fresh_process(tmp_path):
     from megaloop.cli import main
     from megaloop.model import build_model

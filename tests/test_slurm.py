@@ -19,6 +19,7 @@ from multiproc import BASE, ROOT, TINY
 
 from megaloop import slurm
 from megaloop.slurm import LaunchError
+from multiproc import metrics as read_metrics
 
 
 def megaloop(*args, env=None) -> subprocess.CompletedProcess:
@@ -214,9 +215,10 @@ def uninterrupted(cluster, jobs):
 
 
 def metrics(run_dir: Path) -> dict:
-    return json.loads((run_dir / "metrics.json").read_text())
+    return read_metrics(run_dir)
 
 
+@pytest.mark.slurm
 def test_training_job_runs_dp2_across_two_nodes(uninterrupted):
     run_dir, state = uninterrupted
     assert state["NodeList"] == "n[1-2]" and state["NumTasks"] == "2"
@@ -234,6 +236,7 @@ def test_training_job_runs_dp2_across_two_nodes(uninterrupted):
     assert (run_dir / "checkpoints/step_0000300/manifest.json").is_file()
 
 
+@pytest.mark.slurm
 def test_time_limit_requeues_and_finishes_from_the_checkpoint(cluster, jobs, uninterrupted):
     tmp_path, job = jobs["limited"]
     state = wait_job(cluster, job, timeout=420)
@@ -267,6 +270,7 @@ def submit_sweep(env, root: Path) -> str:
     return proc.stdout.split("submitted job ")[1].split(":")[0]
 
 
+@pytest.mark.slurm
 def test_sweep_is_one_job_array_and_skips_what_it_finished(cluster, jobs):
     root, job = jobs["sweep"]
     script = next((root / "runs/sweep-logs").glob("sweep-*.sbatch")).read_text()
@@ -307,6 +311,7 @@ def submit_prep(env, root: Path) -> list:
     return command
 
 
+@pytest.mark.slurm
 def test_datatrove_prep_job_array_matches_a_local_run(cluster, jobs):
     root, command = jobs["prep"]
     assert "#SBATCH --array=0-1" in (root / "slurm/logs/launch_script.slurm").read_text()

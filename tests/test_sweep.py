@@ -1,7 +1,6 @@
 """Run directories that cannot collide: names from the config and the seed, resumes that refuse
 another experiment, train.steps never silently replaced, and `megaloop sweep`."""
 
-import json
 import os
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import torch
 
 from megaloop import experiment
 from megaloop.config import ConfigError
+from multiproc import metrics as read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs/experiments/tiny.yaml"
@@ -30,7 +30,7 @@ def test_two_seeds_of_one_config_get_two_run_directories():
 def train(run_dir: Path, *overrides) -> None:
     cfg = experiment.load(TINY, [*QUICK, f"train.dir={run_dir}", *overrides])
     experiment.build_trainer(cfg).fit()
-    steps = json.loads((run_dir / "metrics.json").read_text())["steps"]
+    steps = read_metrics(run_dir)["steps"]
     assert all(np.isfinite(r["loss"]) for r in steps)
 
 
@@ -49,7 +49,7 @@ def test_a_resume_with_another_model_stops_naming_the_key(tmp_path, capsys):
     assert (run / "metrics.json").read_text() == before  # nothing written
     # the keys a resume may change: length, cadence, layout
     train(run, "train.steps=5", "train.log_every=2", "parallel.tp=1")
-    assert json.loads((run / "metrics.json").read_text())["evals"][-1]["step"] == 5
+    assert read_metrics(run)["evals"][-1]["step"] == 5
 
 
 @pytest.fixture
@@ -86,7 +86,7 @@ def test_sweep_trains_each_seed_once_and_skips_finished_runs(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     assert "sweep: 2 of 2 run(s) trained" in first.stdout
     runs = [tmp_path / f"runs/tiny/seed{s}" for s in (0, 1)]
-    metrics = [json.loads((r / "metrics.json").read_text()) for r in runs]
+    metrics = [read_metrics(r) for r in runs]
     assert [m["config"]["train"]["seed"] for m in metrics] == [0, 1]
     assert metrics[0]["steps"][0]["loss"] != metrics[1]["steps"][0]["loss"]
     stamps = [(r / "metrics.json").stat().st_mtime_ns for r in runs]

@@ -10,6 +10,7 @@ import pytest
 from safetensors.torch import load_file
 
 from megaloop import experiment
+from multiproc import metrics as read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs/experiments/tiny.yaml"
@@ -20,7 +21,7 @@ def test_fifty_steps_of_the_tiny_config_reduce_the_loss(tmp_path):
                                  "data.seq_len=64", "wandb.mode=disabled"])
     trainer = experiment.build_trainer(cfg, log=True)
     trainer.fit()
-    steps = json.loads((tmp_path / "metrics.json").read_text())["steps"]
+    steps = read_metrics(tmp_path)["steps"]
     assert [r["step"] for r in steps] == list(range(1, 51))
     first = sum(r["loss"] for r in steps[:5]) / 5
     last = sum(r["loss"] for r in steps[-5:]) / 5
@@ -39,7 +40,7 @@ def test_train_cli_writes_checkpoint_metrics_and_offline_wandb_run(tmp_path):
          "data.seq_len=32", "model.readout=raw", "objective.norm_penalty=0.01"],
         capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    metrics = json.loads((run / "metrics.json").read_text())
+    metrics = read_metrics(run)
     assert metrics["config"]["model"]["readout"] == "raw"
     assert [r["step"] for r in metrics["steps"]] == [2, 4, 6]
     for key in ("loss", "ce", "hidden_rms", "norm_penalty", "tokens_per_s"):
@@ -70,7 +71,7 @@ def test_bf16_autocast_follows_fp32(tmp_path):
                                      f"train.bf16={bf16}", "train.log_every=1", "data.seq_len=32",
                                      "wandb.mode=disabled"])
         experiment.build_trainer(cfg).fit()
-        steps = json.loads((tmp_path / str(bf16) / "metrics.json").read_text())["steps"]
+        steps = read_metrics(tmp_path / str(bf16))["steps"]
         losses[bf16] = [r["loss"] for r in steps]
     # bf16 keeps ~3 significant digits; the trajectories agree to a percent over 4 steps
     assert losses[True] == pytest.approx(losses[False], rel=1e-2)
@@ -99,7 +100,7 @@ def test_terminal_logs_ce_k_unscaled_over_many_micro_batches(tmp_path):
                                  "train.eval_batches=8", "train.log_every=1",
                                  "objective.kind=terminal", "wandb.mode=disabled"])
     experiment.build_trainer(cfg).fit()
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    metrics = read_metrics(tmp_path)
     for record in metrics["steps"] + metrics["evals"]:
         assert record["ce"][-1] == pytest.approx(record["loss"], rel=1e-6), record
         assert record["ce"][-1] > 4.0  # ~ln(256) this early

@@ -13,6 +13,7 @@ import torch
 from megaloop import experiment
 from megaloop.config import ConfigError
 from megaloop.data import DataConfig
+from multiproc import metrics as read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs/experiments/tiny.yaml"
@@ -187,7 +188,7 @@ def test_eval_all_covers_the_stated_prefix(tmp_path, text_files):
     cfg = text_run(tmp_path, text_files, "train.eval_batches=all")
     trainer = experiment.build_trainer(cfg)
     result = trainer.fit()
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    metrics = read_metrics(tmp_path)
     assert all(math.isfinite(r["loss"]) for r in metrics["steps"])
     total = trainer.dataset.valid_windows
     assert result["valid_windows"] == total // 4 * 4 and total - result["valid_windows"] < 4

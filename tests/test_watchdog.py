@@ -20,6 +20,7 @@ from megaloop.model.looped import LoopOutput
 from megaloop.objectives import ObjectiveConfig, compute
 from megaloop.parallel.distributed import reduce_terms
 from megaloop.train.watchdog import EXIT_UNHEALTHY, ScaleAlarmConfig, ScaleWatchdog
+from multiproc import metrics as read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs/experiments/tiny.yaml"
@@ -88,7 +89,7 @@ def test_bad_alarm_config_is_one_clear_error(override, words):
 def test_records_hold_per_loop_percentiles_in_order(tmp_path):
     cfg = experiment.load(TINY, [f"train.dir={tmp_path}", "train.steps=3", *SHORT])
     experiment.build_trainer(cfg).fit()
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    metrics = read_metrics(tmp_path)
     assert_finite(metrics)
     for r in metrics["steps"] + metrics["evals"]:
         assert len(r["hidden_rms_p50"]) == len(r["hidden_rms_p99"]) == len(r["hidden_rms_max"]) == 4
@@ -104,7 +105,7 @@ def test_warn_logs_the_alarm_and_keeps_training(tmp_path, capsys):
                                  "train.log_every=3", "wandb.mode=offline",
                                  "train.scale_alarm.max_rms=0.1"])
     experiment.build_trainer(cfg).fit()
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    metrics = read_metrics(tmp_path)
     assert_finite(metrics)
     logged = {r["step"]: r for r in metrics["steps"]}
     assert 1 in logged and 3 in logged  # log_every=3, and the alarm's step
@@ -139,7 +140,7 @@ def test_stop_saves_marks_and_exits_with_its_own_code(tmp_path, capsys):
     assert marker["reason"] == "scale_alarm" and marker["step"] == 1
     assert marker["checkpoint"] == str(run / "checkpoints/step_0000001")
     assert 4 in [a["loop"] for a in marker["alarms"]] and "loop 4" in marker["message"]
-    metrics = json.loads((run / "metrics.json").read_text())
+    metrics = read_metrics(run)
     assert_finite(metrics)
     assert [r["step"] for r in metrics["steps"]] == [1] and metrics["evals"] == []
     # a rerun (here without the alarm) resumes from the stop and clears the marker
@@ -148,7 +149,7 @@ def test_stop_saves_marks_and_exits_with_its_own_code(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "an earlier attempt stopped (scale alarm, " in out and "resumed from" in out
     assert not (run / "STOPPED").exists()
-    assert_finite(json.loads((run / "metrics.json").read_text()))
+    assert_finite(read_metrics(run))
 
 
 def stub(folder: Path, name: str, body: str) -> None:

@@ -15,10 +15,15 @@ class ParallelConfig(Config):
     """Tensor parallel size (megatron-core column/row parallel layers)."""
     pp: int = 1
     """Pipeline parallel size: the circular pipeline, one lap of the ring per loop."""
+    timeout_s: float = 600.0
+    """How long a collective waits for the other ranks before the run gives up (the process
+    groups' timeout): the bound on a run whose rank died. Our choice: 10 minutes (torch's
+    default is 10 for NCCL, 30 for gloo); a checkpoint save must fit in it."""
 
     def validate(self, prefix: str = "") -> None:
         check(self.tp >= 1, prefix + "tp", self.tp, "must be >= 1")
         check(self.pp >= 1, prefix + "pp", self.pp, "must be >= 1")
+        check(self.timeout_s > 0, prefix + "timeout_s", self.timeout_s, "must be > 0 seconds")
 
 
 def data_parallel_size(cfg, world_size: int) -> int:

@@ -4,11 +4,15 @@ a test never races the run it checks.
     MEGALOOP_TEST_HOLD_AT_STEP=N        after step N, wait until a preemption is requested
     MEGALOOP_TEST_NONFINITE_AT=N:K      during step N, loop K's hidden state becomes NaN
     MEGALOOP_TEST_NONFINITE_AT=N:grad   during step N, the gradients become inf (losses finite)
+    MEGALOOP_TEST_FILE_LIMIT_AT=N:BYTES after step N, no file may grow past BYTES (a full disk:
+                                        writes fail with EFBIG, as they would with ENOSPC)
 """
 
 from __future__ import annotations
 
 import os
+import resource
+import signal
 from contextlib import contextmanager
 
 import torch
@@ -16,6 +20,16 @@ import torch
 
 def hold_at_step() -> int:
     return int(os.environ.get("MEGALOOP_TEST_HOLD_AT_STEP", -1))
+
+
+def file_limit(step: int) -> None:
+    """After the configured step, cap every file this process writes (SIGXFSZ ignored, so a
+    write past the cap fails with an OSError instead of killing the process)."""
+    at, _, size = os.environ.get("MEGALOOP_TEST_FILE_LIMIT_AT", "").partition(":")
+    if at and int(at) == step:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE,
+                           (int(size), resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
 
 @contextmanager

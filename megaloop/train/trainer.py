@@ -68,6 +68,7 @@ class TrainConfig(Config):
     def validate(self, prefix: str = "") -> None:
         for name in ("micro_batch_size", "global_batch_size", "log_every", "keep_last"):
             check(getattr(self, name) >= 1, prefix + name, getattr(self, name), "must be >= 1")
+        check(0 <= self.seed < 2**63, prefix + "seed", self.seed, "must be in [0, 2**63)")
         check(self.steps is None or self.steps >= 1, prefix + "steps", self.steps,
               "must be >= 1 (or null to train for data.epochs)")
         check(self.eval_batches == "all" or self.eval_batches >= 1, prefix + "eval_batches",
@@ -208,6 +209,7 @@ class Trainer:
                     self.step += 1
                     self.stop_unhealthy("nonfinite", f"{e} (step {self.step})", save=False)
                 logger.advance()
+                faults.file_limit(self.step)
                 if record.get("skipped"):
                     self._nonfinite(record, logger)
                 if "layout" not in logger.data:  # after a step: the optimizer's state exists

@@ -1,0 +1,69 @@
+"""A dead rank: kill -9 of one rank of a TP2 x PP2 run started as bare processes with the
+environment srun gives its tasks (as slurm/train.sbatch runs them; no torchrun agent to stop
+the others). Every other rank exits non-zero within parallel.timeout_s, says which rank is gone,
+and a relaunch resumes from the newest complete checkpoint with the uninterrupted run's losses."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from multiproc import (BASE, TINY, assert_same_curve, env, free_port, metrics, train,
+                       wait_for_step)
+
+pytestmark = pytest.mark.multiprocess
+
+LAYOUT = ["parallel.tp=2", "parallel.pp=2", "train.save_every=2", "parallel.timeout_s=60"]
+
+
+def srun_tasks(run_dir, extra_env: dict) -> list[subprocess.Popen]:
+    """Four tasks as srun starts them: SLURM_PROCID/NTASKS/LOCALID, and the job script's
+    MASTER_ADDR/PORT."""
+    port = free_port()
+    procs = []
+    for rank in range(4):
+        task = {**env(), **extra_env, "SLURM_STEP_ID": "0", "SLURM_PROCID": str(rank),
+                "SLURM_NTASKS": "4", "SLURM_LOCALID": str(rank), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port)}
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            task.pop(key, None)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "megaloop", "train", TINY, *BASE, *LAYOUT,
+             f"train.dir={run_dir}"], env=task, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True))
+    return procs
+
+
+def test_a_dead_rank_stops_the_others_and_the_relaunch_resumes(tmp_path):
+    reference = tmp_path / "reference"
+    train(4, reference, LAYOUT)
+    run_dir = tmp_path / "run"
+    # the ranks wait at step 5 (hold-at-step hook): step 4 is the newest checkpoint
+    procs = srun_tasks(run_dir, {"MEGALOOP_TEST_HOLD_AT_STEP": "5"})
+    try:
+        wait_for_step(run_dir, 5, procs[0])
+        dead = procs[3]
+        os.kill(dead.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        outputs = [p.communicate(timeout=120) for p in procs[:3]]
+        exited_within = time.monotonic() - killed
+    finally:
+        for p in procs:
+            p.kill()
+    assert exited_within < 60  # parallel.timeout_s: gloo reports the closed connection at once
+    for p, (_, err) in zip(procs[:3], outputs):
+        assert p.returncode not in (0, 65, 75), err[-2000:]
+        assert f"rank 3 (pid {dead.pid}) is gone" in err, err[-2000:]
+        assert "a collective failed" in err and "Traceback" not in err
+    assert (run_dir / "checkpoints/latest").read_text().strip() == "step_0000004"
+
+    relaunch = srun_tasks(run_dir, {})
+    outs = [p.communicate(timeout=300) for p in relaunch]
+    assert all(p.returncode == 0 for p in relaunch), outs[0][1][-3000:]
+    assert f"resumed from {run_dir}/checkpoints/step_0000004" in outs[0][0]
+    assert_same_curve(metrics(run_dir), metrics(reference), 1e-12, steps=range(5, 11))
+    assert all(isinstance(s["loss"], float) and s["loss"] == s["loss"]
+               for s in metrics(run_dir)["steps"])
