@@ -2,6 +2,7 @@
 with each one named (it never trains from step 0 beside them), and pruning counts only
 loadable checkpoints (a corrupt one never pushes out a good one)."""
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,28 @@ def test_all_checkpoints_corrupt_stops_naming_each_and_trains_nothing(tmp_path, 
     assert "step_0000004: " in message and "step_0000002: " in message
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == before
     assert read_metrics(tmp_path)["steps"][-1]["step"] == 4
+
+
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path):
+    """From step 3 on no file may grow past 64 KiB (a full disk, as RLIMIT_FSIZE makes it): the
+    step-4 save fails with one message, the step-2 checkpoint stays the newest and loadable, no
+    half-written folder is left, and a relaunch resumes from step 2."""
+    import subprocess
+
+    from multiproc import BASE, TINY as TINY_CONFIG, env, train
+
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "megaloop", "train", TINY_CONFIG, *BASE, "train.save_every=2",
+         f"train.dir={run}"], capture_output=True, text=True, timeout=300,
+        env={**env(), "MEGALOOP_TEST_FILE_LIMIT_AT": "3:65536"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "saving checkpoint step_0000004" in proc.stderr and "GiB free there" in proc.stderr
+    assert "the previous checkpoint step_0000002 is intact" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    root = run / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step_0000002"
+    assert not list(root.glob(".tmp_*")) and checkpoint.verify(root / "step_0000002") is None
+    out = train(1, run, ["train.save_every=2"])
+    assert f"resumed from {root}/step_0000002" in out.stdout
+    assert [s["step"] for s in read_metrics(run)["steps"]] == list(range(1, 11))

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch.distributed as dist
 import xxhash
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megaloop.config import ConfigError
 from megaloop.parallel import comm
@@ -88,7 +89,10 @@ def write_meta(folder: Path, meta: dict) -> None:
 
 
 def save(root: Path, engine, position: dict, config: dict, keep_last: int) -> Path:
-    """Collective: every rank calls it. `position` is {"step", "consumed_samples"}."""
+    """Collective: every rank calls it. `position` is {"step", "consumed_samples"}. Written
+    beside the others and renamed into place, so a failed save (a full disk) leaves the previous
+    checkpoint the newest: CheckpointError says so (a rank whose peers failed waits at most
+    parallel.timeout_s)."""
     final = step_dir(root, position["step"])
     tmp = root / f".tmp_{final.name}"
     if _is_rank0():
@@ -96,17 +100,29 @@ def save(root: Path, engine, position: dict, config: dict, keep_last: int) -> Pa
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     comm.barrier()
-    engine.save_state(tmp, position)
-    comm.barrier()
-    if _is_rank0():
-        write_meta(tmp, {**position, "engine": engine.name, "layout": engine.layout(),
-                         "num_loops_trained": config["model"]["num_loops"], "config": config})
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        marker = root / "latest.tmp"
-        marker.write_text(final.name)
-        os.replace(marker, root / "latest")
-        prune(root, keep_last, fresh=final)
+    try:
+        engine.save_state(tmp, position)
+        comm.barrier()
+        if _is_rank0():
+            write_meta(tmp, {**position, "engine": engine.name, "layout": engine.layout(),
+                             "num_loops_trained": config["model"]["num_loops"],
+                             "config": config})
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            marker = root / "latest.tmp"
+            marker.write_text(final.name)
+            os.replace(marker, root / "latest")
+            prune(root, keep_last, fresh=final)
+    except (Exception, CheckpointException) as e:  # a full disk, a quota, a size limit
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
+        kept = (f"the previous checkpoint {previous} is intact" if previous else
+                "no earlier checkpoint exists")
+        cause = [line for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        free = shutil.disk_usage(root).free / 2**30
+        raise CheckpointError(f"saving checkpoint {final.name} in {root} failed ({cause[-1]}; "
+                              f"{free:.1f} GiB free there); {kept}. Free space and relaunch to "
+                              f"resume from it") from None
     comm.barrier()
     return final
 
