@@ -135,13 +135,36 @@ def check_resume(cfg: ExperimentConfig) -> None:
     folder = checkpoint.find_latest(Path(cfg.train.dir) / "checkpoints")
     if folder is None:
         return
-    changes = config_changes(checkpoint.read_meta(folder)["config"], cfg.to_dict())
+    meta = checkpoint.read_meta(folder)
+    changes = config_changes(meta["config"], cfg.to_dict())
     if changes:
         raise ConfigError(
             f"train.dir={cfg.train.dir} holds a run with another config (checkpoint "
             f"{folder.name}); it would resume with {len(changes)} changed key(s): "
             f"{'; '.join(changes)}. Resume it with its own values, or give another train.dir "
             f"(keys that may change on resume: {', '.join(RESUMABLE)})")
+    if meta["engine"] == "deepspeed":
+        check_deepspeed_layout(cfg, meta["layout"], folder)
+
+
+def check_deepspeed_layout(cfg: ExperimentConfig, saved: dict, folder: Path) -> None:
+    """DeepSpeed's checkpoints do not reshard: its optimizer state is partitioned over the DP
+    ranks (it refuses another DP size mid-load) and ZeRO-3's files differ from ZeRO-1/2's. The
+    megatron engine's checkpoints load in any layout."""
+    from megaloop.parallel import distributed, layout
+
+    dp = layout.data_parallel_size(cfg, distributed.world_size())
+    now = {"tp": cfg.parallel.tp, "dp": dp, "zero_stage": cfg.deepspeed.zero_stage}
+    was = {key: saved.get(key) for key in now}
+    if now["tp"] != was["tp"] or now["dp"] != was["dp"] or (
+            (now["zero_stage"] == 3) != (was["zero_stage"] == 3)):
+        raise ConfigError(
+            f"{folder} is a DeepSpeed checkpoint of TP={was['tp']} DP={was['dp']} "
+            f"ZeRO-{was['zero_stage']}; this launch is TP={now['tp']} DP={now['dp']} "
+            f"ZeRO-{now['zero_stage']}. DeepSpeed resumes only in its own TP and DP (ZeRO-1 and "
+            f"2 are interchangeable, 3 is not): relaunch with {was['dp'] * was['tp']} ranks, "
+            f"parallel.tp={was['tp']} and a ZeRO stage of its kind; engine=megatron "
+            f"checkpoints are the ones that reshard")
 
 
 INIT_FREE = ("max_seq_len", "attention", "init_std", "damping_init")
@@ -158,7 +181,11 @@ def check_init_from(cfg: ExperimentConfig) -> None:
         folder = checkpoint.resolve(Path(cfg.train.init_from))
     except ValueError as e:
         raise ConfigError(f"config key 'train.init_from': {e}") from None
-    saved = checkpoint.read_meta(folder)["config"]["model"]
+    meta = checkpoint.read_meta(folder)
+    check(meta["engine"] == "megatron", "train.init_from", str(folder),
+          "is a DeepSpeed checkpoint; train.init_from reads megatron-core dist checkpoints "
+          "(engine=megatron runs, `megaloop import ouro` folders)")
+    saved = meta["config"]["model"]
     changes = [c for c in config_changes({"model": saved}, {"model": cfg.model.to_dict()})
                if c.split(":")[0].removeprefix("model.") not in INIT_FREE]
     if changes:
