@@ -7,14 +7,13 @@ Every run here is a real `megaloop train` under torchrun with gloo on the CPU.
 import shutil
 import signal
 import subprocess
-import time
 
 import pytest
 
 from megaloop import experiment
 from megaloop.parallel.layout import params_per_rank, state_bytes
 from multiproc import (BASE, OBJECTIVES, TINY, assert_same_curve, command, env,
-                       kill_9_then_resume, metrics, train, train_here)
+                       kill_9_then_resume, metrics, train, train_here, wait_for_step)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -132,16 +131,15 @@ def test_sigterm_saves_exits_75_and_resumes(run, tmp_path):
     _, reference = run("per_loop+penalty")
     run_dir = tmp_path / "run"
     overrides = [*OBJECTIVES["per_loop+penalty"], "train.save_every=0"]
-    proc = subprocess.Popen(command(1, run_dir, overrides), env=env(), text=True,
+    # the run waits at step 3 for the signal (the hold-at-step hook): no race with its speed
+    proc = subprocess.Popen(command(1, run_dir, overrides), text=True,
+                            env={**env(), "MEGALOOP_TEST_HOLD_AT_STEP": "3"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.time() + 240
-    while not ((run_dir / "metrics.json").exists() and metrics(run_dir)["steps"]):
-        assert proc.poll() is None and time.time() < deadline
-        time.sleep(0.05)
+    wait_for_step(run_dir, 3, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=240)
     assert proc.returncode == 75, err[-3000:]
-    stopped = int((run_dir / "checkpoints/latest").read_text().split("_")[1])
-    assert f"preempted at step {stopped}" in err and stopped < 10
+    assert (run_dir / "checkpoints/latest").read_text().strip() == "step_0000003"
+    assert "preempted at step 3" in err
     train_here(run_dir, overrides)
     assert_same_curve(metrics(run_dir), reference, 1e-12)

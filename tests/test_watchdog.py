@@ -168,8 +168,9 @@ def test_job_script_never_requeues_an_unhealthy_stop(tmp_path, warned):
     (run_dir / "logs").mkdir(parents=True)
     bin_dir.mkdir()
     (run_dir / "STOPPED").write_text('{"message": "stale, from an earlier job"}')
-    stub(bin_dir, "srun", f'sleep 2; echo \'{{"message": "loop 4"}}\' > {run_dir}/STOPPED; '
-                          f'exit 137\n')
+    started = tmp_path / "srun_started"
+    stub(bin_dir, "srun", f'touch {started}; sleep 3; '
+                          f'echo \'{{"message": "loop 4"}}\' > {run_dir}/STOPPED; exit 137\n')
     stub(bin_dir, "scontrol", f'[ "$1" = requeue ] && touch {tmp_path}/requeued\n'
                               f'[ "$2" = hostnames ] && echo n1\n'
                               f'[ "$2" = node ] && echo "NodeName=n1 NodeAddr=127.0.0.1"\n'
@@ -182,8 +183,11 @@ def test_job_script_never_requeues_an_unhealthy_stop(tmp_path, warned):
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
            "SLURM_JOB_NODELIST": "n1", "SLURM_NTASKS": "1"}
     job = subprocess.Popen(["bash", str(tmp_path / "job.sh")], env=env)
-    if warned:
-        time.sleep(1)
+    if warned:  # while srun runs (the script's trap is set before it starts)
+        deadline = time.time() + 30
+        while not started.exists():
+            assert job.poll() is None and time.time() < deadline
+            time.sleep(0.05)
         job.send_signal(signal.SIGUSR1)
     assert job.wait(timeout=30) == 65
     assert not (tmp_path / "requeued").exists()
