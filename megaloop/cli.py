@@ -10,7 +10,7 @@ import warnings
 
 from megaloop.config import ConfigError
 from megaloop.evaluation.exported import EvalError
-from megaloop.slurm import LaunchError
+from megaloop.parallel.launch import LaunchError
 
 
 def _config(args):

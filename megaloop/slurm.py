@@ -1,16 +1,16 @@
-"""Slurm: the job scripts in slurm/ and the environment of its ranks (the layout a job gets is
-megaloop.parallel.layout's).
+"""Slurm: rendering and submitting the job scripts in slurm/ (the layout a job gets is
+megaloop.parallel.layout's, a rank's place in it megaloop.parallel.launch's).
 
 One launch path. `megaloop slurm submit` renders slurm/train.sbatch for N nodes x T tasks and
 submits it with sbatch; the script exports MASTER_ADDR (the first node's NodeAddr) and
 MASTER_PORT (from the job id), and its srun starts one `megaloop train` per rank. Each rank
-reads its place from Slurm's task environment (`task_env`), so no launcher sits in between.
+reads its place from Slurm's task environment (megaloop.parallel.launch), so no launcher sits
+in between.
 Kept free of torch imports: `megaloop slurm submit` runs on login nodes.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import subprocess
@@ -19,37 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from megaloop.parallel.launch import LaunchError
 from megaloop.parallel.layout import Layout, choose_layout, plan as plan_layout
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "slurm"
-
-
-class LaunchError(RuntimeError):
-    """The job request or the launcher's environment does not describe a consistent world."""
-
-
-# -- the ranks' side ----------------------------------------------------------------------------
-
-def task_env(environ=os.environ) -> None:
-    """Set RANK/LOCAL_RANK/WORLD_SIZE from Slurm's task environment for ranks started by srun
-    (SLURM_STEP_ID is set) rather than torchrun (which sets RANK itself)."""
-    if "RANK" in environ or "SLURM_STEP_ID" not in environ:
-        return
-    try:
-        rank, world = int(environ["SLURM_PROCID"]), int(environ["SLURM_NTASKS"])
-        local = int(environ.get("SLURM_LOCALID", 0))
-    except (KeyError, ValueError) as e:
-        raise LaunchError(f"srun task without a usable {e} in its environment; start ranks with "
-                          f"srun inside an sbatch/salloc allocation (slurm/train.sbatch)") from None
-    if not 0 <= rank < world:
-        raise LaunchError(f"SLURM_PROCID={rank} is not below SLURM_NTASKS={world}")
-    if world > 1:
-        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not environ.get(k)]
-        if missing:
-            raise LaunchError(f"{' and '.join(missing)} not set for a {world}-task srun step; "
-                              f"export them in the job script from the first node's NodeAddr "
-                              f"(as slurm/train.sbatch does)")
-    environ.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world))
 
 
 # -- the job script -----------------------------------------------------------------------------

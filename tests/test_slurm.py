@@ -18,7 +18,7 @@ import pytest
 from multiproc import BASE, ROOT, TINY
 
 from megaloop import slurm
-from megaloop.slurm import LaunchError
+from megaloop.parallel.launch import LaunchError, task_env
 from multiproc import metrics as read_metrics
 
 
@@ -36,13 +36,13 @@ def srun_env(**kw) -> dict:
 
 def test_ranks_come_from_the_slurm_task_environment():
     env = srun_env()
-    slurm.task_env(env)
+    task_env(env)
     assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == ("3", "1", "4")
     torchrun = srun_env(RANK="0", WORLD_SIZE="2")  # torchrun under srun: torchrun's values
-    slurm.task_env(torchrun)
+    task_env(torchrun)
     assert (torchrun["RANK"], torchrun["WORLD_SIZE"]) == ("0", "2")
     batch_shell = {k: v for k, v in srun_env().items() if k != "SLURM_STEP_ID"}
-    slurm.task_env(batch_shell)
+    task_env(batch_shell)
     assert "RANK" not in batch_shell
 
 
@@ -54,7 +54,7 @@ def test_ranks_come_from_the_slurm_task_environment():
 ])
 def test_inconsistent_slurm_environments_are_named(env, message):
     with pytest.raises(LaunchError, match=message):
-        slurm.task_env(env)
+        task_env(env)
 
 
 def test_a_rank_without_master_address_fails_in_one_line():

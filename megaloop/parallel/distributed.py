@@ -1,8 +1,8 @@
 """Process groups: torch.distributed plus megatron-core's model-parallel state.
 
 Under torchrun the rank and world size come from its environment; under srun (one task per
-rank, slurm/train.sbatch) from Slurm's (megaloop/slurm.py). A plain `megaloop` process is a
-world of one, with an in-memory store (no port to pick).
+rank, slurm/train.sbatch) from Slurm's (megaloop/parallel/launch.py). A plain `megaloop`
+process is a world of one, with an in-memory store (no port to pick).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-from megaloop import slurm
 from megaloop.parallel import comm
+from megaloop.parallel.launch import task_env
 
 
 _peers: list = []
@@ -31,7 +31,7 @@ def init(seed: int, tp: int = 1, pp: int = 1, virtual_pp: int | None = None,
     ranks of a run with a dead rank exit instead of waiting for it forever."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = timedelta(seconds=timeout_s)
-    slurm.task_env()
+    task_env()
     if not dist.is_initialized():
         if "WORLD_SIZE" in os.environ:
             if torch.cuda.is_available():
@@ -102,7 +102,7 @@ def world_size() -> int:
     """The world this process belongs to (before or after init)."""
     if dist.is_initialized():
         return dist.get_world_size()
-    slurm.task_env()
+    task_env()
     return int(os.environ.get("WORLD_SIZE", 1))
 
 
