@@ -103,12 +103,12 @@ def cmd_demo(args) -> int:
 def cmd_ckpt_consolidate(args) -> int:
     from pathlib import Path
 
+    from megaloop import experiment
     from megaloop.parallel import distributed
-    from megaloop.train import checkpoint
 
     distributed.init(seed=0)
     try:
-        path = checkpoint.consolidate(Path(args.checkpoint), Path(args.out))
+        path = experiment.consolidate(Path(args.checkpoint), Path(args.out))
     except ValueError as e:
         print(f"megaloop: error: {e}", file=sys.stderr)
         return 2

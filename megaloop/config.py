@@ -24,6 +24,12 @@ class ConfigError(ValueError):
     """A bad config value: the message names the key, the value and what is allowed."""
 
 
+class CheckpointError(ConfigError):
+    """A checkpoint cannot be used (unreadable, from another layout, refused as unsafe), and
+    starting over would hide that: reported like a bad config, before any compute, naming each
+    checkpoint and the way out."""
+
+
 class DataError(ConfigError):
     """A bad input file (data, tokenizer, manifest): the message names the file, the record or
     byte where that means something, and what to do. A ConfigError, so every command reports it

@@ -24,6 +24,7 @@ from megaloop.model import ModelConfig
 from megaloop.objectives import ObjectiveConfig
 from megaloop.parallel.deepspeed import DeepSpeedConfig
 from megaloop.parallel.layout import ParallelConfig, data_parallel_size
+from megaloop.train import checkpoint
 from megaloop.train.metrics import WandbConfig
 from megaloop.train.optim import OptimConfig
 from megaloop.train.trainer import TrainConfig
@@ -130,8 +131,6 @@ def config_changes(saved: dict, requested: dict) -> list[str]:
 def check_resume(cfg: ExperimentConfig) -> None:
     """Before any compute: the newest complete checkpoint of train.dir, if any, was written by
     this same experiment (collective)."""
-    from megaloop.train import checkpoint
-
     folder = checkpoint.find_latest(Path(cfg.train.dir) / "checkpoints")
     if folder is None:
         return
@@ -173,8 +172,6 @@ INIT_FREE = ("max_seq_len", "attention", "init_std", "damping_init")
 
 def check_init_from(cfg: ExperimentConfig) -> None:
     """Before any compute: train.init_from is a complete checkpoint of this same model."""
-    from megaloop.train import checkpoint
-
     if cfg.train.init_from is None:
         return
     try:
@@ -226,3 +223,36 @@ def build_trainer(cfg: ExperimentConfig, log: bool = True):
         from megaloop.parallel.deepspeed import DeepSpeedEngine as engine_class
     engine = engine_class(cfg, cfg.data.seq_len, cfg.train.micro_batch_size)
     return Trainer(cfg, engine, dataset, log=log and distributed.is_main())
+
+
+# -- checkpoints read back as experiments ---------------------------------------------------
+
+def config_of(folder: Path) -> ExperimentConfig:
+    """The config a checkpoint folder was written with."""
+    return ExperimentConfig.from_dict(checkpoint.read_meta(folder)["config"])
+
+
+def consolidated(path: Path) -> tuple[dict, ExperimentConfig, Path]:
+    """The whole model's tensors (one-process names), the run's config and the checkpoint
+    folder, from a checkpoint of any engine and layout; runs in one process."""
+    folder = checkpoint.resolve(path)
+    meta = checkpoint.read_meta(folder)
+    cfg = config_of(folder)
+    if meta["engine"] == "deepspeed":
+        from megaloop.parallel.deepspeed import consolidated_state
+    else:
+        from megaloop.parallel.megatron import consolidated_state
+    return consolidated_state(folder, cfg, meta["layout"]), cfg, folder
+
+
+def consolidate(path: Path, out: Path) -> Path:
+    """One safetensors file of the whole model, plus its config."""
+    from safetensors.torch import save_file
+
+    tensors, cfg, folder = consolidated(path)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "model.safetensors",
+              metadata={"source": str(folder),
+                        "step": str(checkpoint.read_meta(folder)["step"])})
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    return out / "model.safetensors"

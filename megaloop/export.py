@@ -4,7 +4,10 @@ The folder loads anywhere transformers does, with no megaloop or megatron-core i
 
     AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True, num_loops=8)
 
-The code is megaloop/hf/{configuration,modeling}_megaloop.py, copied in; the weights are the
+The code is megaloop/hf/{configuration,modeling}_megaloop.py, copied in, with the sha256 of each
+recorded in config.json ("megaloop_code"; config.json is written last, so a folder without it is
+not a finished export); megaloop itself loads an export only when its code is that record and
+this megaloop's own (megaloop.evaluation.exported). The weights are the
 consolidated checkpoint (any layout) renamed to that code's modules, with megatron-core's fused
 projections split: linear_qkv is grouped per key/value head as [q heads of the group, k, v],
 and the SwiGLU linear_fc1 is [gate; up].
@@ -12,6 +15,7 @@ and the SwiGLU linear_fc1 is [gate; up].
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -21,6 +25,36 @@ import torch
 HF_CODE = Path(__file__).parent / "hf"
 AUTO_MAP = {"AutoConfig": "configuration_megaloop.MegaloopConfig",
             "AutoModelForCausalLM": "modeling_megaloop.MegaloopForCausalLM"}
+CODE_FILES = ("configuration_megaloop.py", "modeling_megaloop.py")
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def own_code() -> dict[str, str]:
+    """sha256 of this megaloop's export code, by file name."""
+    return {name: sha256(HF_CODE / name) for name in CODE_FILES}
+
+
+def code_problem(folder: Path, config: dict) -> str | None:
+    """None if `folder` (an export, its config.json read as `config`) carries exactly this
+    megaloop's code, as recorded at export; else what is wrong."""
+    recorded, own = config.get("megaloop_code"), own_code()
+    if not isinstance(recorded, dict):
+        return ("config.json records no megaloop_code (the sha256 of its code files), so it was "
+                "not written by `megaloop export`, or the export did not finish")
+    if recorded != own:
+        return ("its recorded code is not this megaloop's (exported by another version, or "
+                "edited); export the checkpoint again with this megaloop")
+    if config.get("auto_map") != AUTO_MAP:
+        return f"its auto_map {config.get('auto_map')!r} points at code other than {AUTO_MAP}"
+    for name, digest in recorded.items():
+        if not (folder / name).is_file():
+            return f"{name} is missing"
+        if sha256(folder / name) != digest:
+            return f"{name} differs from the code recorded at export (sha256)"
+    return None
 
 
 def shape_config(model) -> dict:
@@ -126,16 +160,18 @@ def export(source: Path, out: Path) -> Path:
     """A run directory or checkpoint folder (any engine, any layout) → a transformers folder."""
     from safetensors.torch import save_file
 
-    from megaloop.train import checkpoint
+    from megaloop import experiment
 
-    state, cfg, folder = checkpoint.consolidated(source)
+    state, cfg, folder = experiment.consolidated(source)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").unlink(missing_ok=True)  # an earlier export's: written again last
     tensors = to_hf(state, cfg.model)
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt",
                                                           "source": str(folder)})
-    (out / "config.json").write_text(json.dumps(
-        {**hf_config(cfg.model), "run_config": cfg.to_dict()}, indent=1))
-    for name in ("configuration_megaloop.py", "modeling_megaloop.py"):
+    for name in CODE_FILES:
         shutil.copyfile(HF_CODE / name, out / name)
     save_tokenizer(cfg.data.tokenizer_spec(), out)
+    (out / "config.json").write_text(json.dumps(
+        {**hf_config(cfg.model), "run_config": cfg.to_dict(),
+         "megaloop_code": {name: sha256(out / name) for name in CODE_FILES}}, indent=1))
     return out

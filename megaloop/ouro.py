@@ -239,15 +239,16 @@ def export_ouro(source: Path, out: Path) -> Path:
     Ouro's config keys, auto_map to the published code, the tokenizer if the run has one)."""
     from safetensors.torch import save_file
 
+    from megaloop import experiment
     from megaloop.export import save_tokenizer
     from megaloop.train import checkpoint
 
     folder = checkpoint.resolve(source)
-    cfg = checkpoint.config_of(folder)
+    cfg = experiment.config_of(folder)
     reason = why_not_ouro(cfg.model)
     if reason:
         raise FormatError(f"{source} cannot be exported in Ouro's format: {reason}")
-    state, cfg, folder = checkpoint.consolidated(folder)
+    state, cfg, folder = experiment.consolidated(folder)
     out.mkdir(parents=True, exist_ok=True)
     save_file(to_ouro(state, cfg.model), out / "model.safetensors",
               metadata={"format": "pt", "source": str(folder)})

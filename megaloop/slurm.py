@@ -131,8 +131,23 @@ def plan(job: TrainJob, config: str, overrides: list) -> Run:
     return Run(config, kept, run_dir, layout)
 
 
+def directive(what: str, value) -> str:
+    """A value for an `#SBATCH` line, which is a comment to bash: a newline (or any control
+    character) in it would end the comment and run the rest as a command."""
+    text = str(value)
+    if any(ord(c) < 32 or ord(c) == 127 for c in text):
+        raise LaunchError(f"{what} {text!r} holds a control character (a newline?); it would end "
+                          f"its #SBATCH line and run the rest as a shell command")
+    return text
+
+
 def render_job(job: TrainJob, runs: list[Run], output: Path, name: str) -> str:
     """slurm/train.sbatch for one run, or a job array of runs (array task i trains runs[i])."""
+    for what, value in (("--partition", job.partition), ("--account", job.account),
+                        ("--job-name", job.job_name or name), ("the log path", output),
+                        *(("--sbatch-arg", a) for a in job.sbatch_args)):
+        if value is not None:
+            directive(what, value)
     lines = [f"#SBATCH --{k}={v}" for k, v in (("partition", job.partition),
                                                  ("account", job.account),
                                                  ("gpus-per-node", job.gpus_per_node)) if v]

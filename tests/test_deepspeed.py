@@ -10,7 +10,6 @@ from safetensors.torch import load_file
 from megaloop import experiment
 from megaloop.parallel import distributed
 from megaloop.parallel.layout import state_bytes
-from megaloop.train import checkpoint
 from multiproc import BASE, OBJECTIVES, TINY, assert_same_curve, kill_9_then_resume, metrics, train
 
 pytestmark = pytest.mark.multiprocess
@@ -72,8 +71,8 @@ def test_zero3_checkpoint_consolidates_to_the_one_process_weights(reference_run,
     reference_dir, _ = reference_run("per_loop+penalty")
     run_dir, _ = ds_run("zero3-dp2")
     distributed.init(seed=0)
-    zero3 = load_file(checkpoint.consolidate(run_dir, tmp_path / "zero3"))
-    one = load_file(checkpoint.consolidate(reference_dir, tmp_path / "one"))
+    zero3 = load_file(experiment.consolidate(run_dir, tmp_path / "zero3"))
+    one = load_file(experiment.consolidate(reference_dir, tmp_path / "one"))
     assert set(zero3) == set(one)
     for key, tensor in one.items():
         diff = (zero3[key] - tensor).norm() / tensor.norm()

@@ -155,8 +155,8 @@ def test_early_exit_takes_each_tokens_exit_loop(gate_input):
 @pytest.mark.multiprocess
 def test_export_of_a_tp2_pp2_checkpoint_loads_offline_in_a_fresh_process(tmp_path):
     from megaloop.cli import main
+    from megaloop import experiment
     from megaloop.model import build_model
-    from megaloop.train import checkpoint
 
     run = tmp_path / "run"
     train(4, run, ["parallel.tp=2", "parallel.pp=2", "model.num_query_groups=2"])
@@ -168,7 +168,7 @@ def test_export_of_a_tp2_pp2_checkpoint_loads_offline_in_a_fresh_process(tmp_pat
     from megaloop.parallel import distributed
 
     distributed.init(seed=0)
-    state, cfg, _ = checkpoint.consolidated(run)
+    state, cfg, _ = experiment.consolidated(run)
     model = build_model(cfg.model).eval()
     missing = model.load_state_dict(state, strict=False).missing_keys
     assert all("_extra_state" in k for k in missing)

@@ -581,9 +581,6 @@ def test_a_continuation_longer_than_the_context_names_the_task(export_dir):
     assert "max_seq_len=256" in message
 
 
-@pytest.mark.xfail(reason="megaloop/data/shards.py (ShardData._read) lets tarfile.ReadError and "
-                          "numpy's ValueError out; the fix is reported with issue 15, item 4",
-                   raises=Exception, strict=False)
 @pytest.mark.parametrize("damage", ["empty", "random", "truncated", "zeros"])
 def test_damaged_webdataset_shards_name_the_shard(tmp_path, damage):
     import webdataset as wds

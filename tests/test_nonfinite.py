@@ -71,7 +71,7 @@ def test_stop_saves_and_names_the_step_and_the_loop(tmp_path, monkeypatch, one_t
     assert (tmp_path / STOP_MARKER).is_file()
     folder = checkpoint.find_latest(tmp_path / "checkpoints")
     assert folder.name == "step_0000004"
-    state = checkpoint.consolidated(folder)[0]  # the weights saved are the last good ones
+    state = experiment.consolidated(folder)[0]  # the weights saved are the last good ones
     assert all(torch.isfinite(v).all() for v in state.values())
 
 

@@ -7,6 +7,8 @@ data), so ranks see disjoint samples whose union is the epoch. `resampled=true` 
 each next shard with replacement from (seed, rank, shard number): an endless stream. The shard
 order is megaloop's, not webdataset's shardshuffle (set to False), because it must be
 reproducible: a resumed run restarts at the first shard boundary at or after the saved position.
+Shards may come from elsewhere: a member named with an absolute path or `..` is refused
+(UnsafeShard), never read.
 The last `valid_shards` shards are held out for validation: validation sample i is their i-th
 sequence, in shard name order and the order within each shard.
 """
@@ -14,11 +16,52 @@ sequence, in shard name order and the order within each shard.
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from typing import Iterator
+import tarfile
+from contextlib import contextmanager
+from pathlib import Path, PurePosixPath
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
+
+from megaloop.config import DataError
+
+REPREPARE = "prepare the data again (megaloop prep fineweb)"
+
+
+class UnsafeShard(DataError):
+    """A shard member named outside the shard (an absolute path or `..`)."""
+
+
+def _checked(files: Iterable[dict]) -> Iterator[dict]:
+    for f in files:
+        name = f.get("fname")
+        if name is not None and (PurePosixPath(name).is_absolute()
+                                 or ".." in PurePosixPath(name).parts):
+            raise UnsafeShard(f"data shard {f.get('__url__')}: member {name!r} is named outside "
+                              f"the shard (an absolute path or '..'); refusing the shard: "
+                              f"{REPREPARE}")
+        yield f
+
+
+@contextmanager
+def damaged_shard(where: Path):
+    """A shard that tar or numpy cannot read becomes one DataError naming it."""
+    try:
+        yield
+    except DataError:
+        raise
+    except (tarfile.TarError, OSError, ValueError, KeyError) as e:
+        url = getattr(e, "url", None) or where
+        raise DataError(f"data shard {url} cannot be read ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}); {REPREPARE}") from None
+
+
+def tar_samples(src: Iterable[dict]) -> Iterator[dict]:
+    """webdataset's tarfile_to_samples with each member's name checked (_checked)."""
+    from webdataset.tariterators import group_by_keys, tar_file_expander, url_opener
+
+    return group_by_keys(_checked(tar_file_expander(url_opener(src))))
 
 
 class ShardData:
@@ -43,9 +86,15 @@ class ShardData:
     def _read(self, name: str) -> np.ndarray:
         import webdataset as wds
 
-        stream = wds.WebDataset(str(self.folder / "shards" / name), shardshuffle=False,
-                                nodesplitter=None, empty_check=False).decode()
-        return np.stack([s["tokens.npy"] for s in stream]).astype(np.int64)
+        path = self.folder / "shards" / name
+        with damaged_shard(path):
+            rows = [s["tokens.npy"] for s in wds.DataPipeline(
+                wds.SimpleShardList(str(path)), tar_samples, wds.decode())]
+        if len(rows) != self.counts[name] or any(r.shape != (self.seq_len + 1,) for r in rows):
+            raise DataError(f"data shard {path} holds {len(rows)} readable sequences of "
+                            f"{self.seq_len + 1} tokens; manifest.json says {self.counts[name]}: "
+                            f"truncated or damaged; {REPREPARE}")
+        return np.stack(rows).astype(np.int64)
 
     @property
     def valid_windows(self) -> int:
@@ -109,9 +158,12 @@ class StreamBatches:
                 yield {"url": str(folder / first)}
                 first = next(shards)
 
-        stream = wds.DataPipeline(urls, wds.split_by_worker, wds.tarfile_to_samples(),
-                                  wds.decode())
-        for sample in stream:
+        stream = iter(wds.DataPipeline(urls, wds.split_by_worker, tar_samples, wds.decode()))
+        while True:
+            with damaged_shard(folder):
+                sample = next(stream, None)
+            if sample is None:
+                return
             yield sample["tokens.npy"].astype(np.int64)
 
     def next_step(self) -> list[torch.Tensor]:

@@ -1,7 +1,15 @@
-"""Opening a `megaloop export` folder for evaluation: checked once, placed on a device."""
+"""Opening a `megaloop export` folder for evaluation: checked once, placed on a device.
+
+An export ships Python code (transformers remote code), and a folder can pose as an export. So
+megaloop opens only a folder whose code files are the ones recorded at export and the same as
+this megaloop's own (megaloop.export.code_problem), and even then runs none of the folder's
+code: the model is built from megaloop's own classes (megaloop.hf), the weights come from
+safetensors only, the tokenizer from its JSON.
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -19,20 +27,38 @@ def placement(device: str | None, dtype: str = "auto") -> tuple[str, str]:
     return device, dtype
 
 
-def load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
+def check_export(path: Path) -> None:
+    """EvalError unless `path` is a finished export carrying exactly this megaloop's code."""
+    from megaloop.export import code_problem
 
     if not (path / "config.json").is_file():
         raise EvalError(f"{path}: no config.json; give a folder from `megaloop export`")
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise EvalError(f"{path}/config.json is not valid JSON ({e})") from None
+    if not isinstance(config, dict) or config.get("model_type") != "megaloop":
+        kind = config.get("model_type") if isinstance(config, dict) else None
+        raise EvalError(f"{path}: model_type {kind!r} is not megaloop; give a folder from "
+                        f"`megaloop export`")
+    problem = code_problem(path, config)
+    if problem:
+        raise EvalError(f"{path}: refused: {problem}; megaloop runs only its own code")
+
+
+def load_tokenizer(path: Path):
+    from transformers import PreTrainedTokenizerFast
+
+    check_export(path)
+    return PreTrainedTokenizerFast.from_pretrained(path)
 
 
 def load_model(path: Path, device: str, dtype: str, **overrides):
     """The exported model in eval mode; `overrides` are its config fields (num_loops, ...)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    if not (path / "config.json").is_file():
-        raise EvalError(f"{path}: no config.json; give a folder from `megaloop export`")
-    return AutoModelForCausalLM.from_pretrained(
-        path, trust_remote_code=True, dtype=getattr(torch, dtype), **overrides).to(device).eval()
+    from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
+
+    check_export(path)
+    return MegaloopForCausalLM.from_pretrained(
+        path, dtype=getattr(torch, dtype), use_safetensors=True, **overrides).to(device).eval()

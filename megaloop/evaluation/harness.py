@@ -59,6 +59,7 @@ def open_model(path: Path, device: str = "cpu", dtype: str = "float32") -> Opene
                 "run_config": getattr(model.config, "run_config", None)}
         return Opened(model, lambda text: np.asarray(tokenizer(text)["input_ids"], np.int64),
                       info)
+    from megaloop import experiment
     from megaloop.data.tokenizer import load_tokenizer as megaloop_tokenizer
     from megaloop.export import hf_model
     from megaloop.parallel import distributed
@@ -66,7 +67,7 @@ def open_model(path: Path, device: str = "cpu", dtype: str = "float32") -> Opene
 
     distributed.init(seed=0)
     try:
-        state, cfg, folder = checkpoint.consolidated(path)
+        state, cfg, folder = experiment.consolidated(path)
     except ValueError as e:
         raise EvalError(f"MODEL {path}: {e}") from None
     model = hf_model(state, cfg.model).to(device=device, dtype=getattr(torch, dtype))

@@ -33,6 +33,7 @@ from megaloop.model.specs import recompute_config, transformer_config
 from megaloop.parallel import comm
 from megaloop.parallel.distributed import NonFiniteUpdate, reduce_terms, terms_finite
 from megaloop.parallel.layout import optimizer_state_bytes
+from megaloop.safe_load import deepspeed_globals, untrusted
 
 TAG = "deepspeed"
 
@@ -209,8 +210,11 @@ class DeepSpeedEngine:
                                 save_latest=False)
 
     def load_state(self, folder, same_layout: bool) -> None:
-        path, client = self.ds.load_checkpoint(str(folder), tag=TAG, load_optimizer_states=True,
-                                               load_lr_scheduler_states=True)
+        # DeepSpeed's own loader unpickles with weights_only=False
+        with untrusted(folder, allowed=deepspeed_globals()):
+            path, client = self.ds.load_checkpoint(str(folder), tag=TAG,
+                                                   load_optimizer_states=True,
+                                                   load_lr_scheduler_states=True)
         if path is None:
             raise ValueError(f"DeepSpeed could not load {folder}")
         if same_layout:
@@ -229,5 +233,6 @@ def consolidated_state(folder, cfg, layout: dict) -> dict[str, torch.Tensor]:
     _import_deepspeed()
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    state = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=TAG)
+    with untrusted(folder, allowed=deepspeed_globals()):  # zero_to_fp32: weights_only=False
+        state = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=TAG)
     return {k: v.contiguous() for k, v in state.items()}

@@ -33,6 +33,7 @@ from megaloop.parallel import comm
 from megaloop.parallel.distributed import reduce_terms, terms_finite
 from megaloop.parallel.layout import optimizer_state_bytes
 from megaloop.parallel.pipeline import ExitStore, LapChunk
+from megaloop.safe_load import untrusted
 
 
 OPTIMIZER_CHECKPOINT = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -229,7 +230,9 @@ class Engine:
     def load_weights(self, folder) -> None:
         """Only the model's weights of a checkpoint of any layout (train.init_from); the
         optimizer's fp32 main parameters are copied from them again."""
-        loaded = dist_checkpointing.load({"model": self.module.sharded_state_dict()}, str(folder))
+        with untrusted(folder):
+            loaded = dist_checkpointing.load({"model": self.module.sharded_state_dict()},
+                                             str(folder))
         self.module.load_state_dict(loaded["model"])
         self.optimizer.reload_model_params()
 
@@ -244,7 +247,8 @@ class Engine:
         state["scheduler"] = None
         if same_layout:
             state["rng"] = self._rng_state()
-        loaded = dist_checkpointing.load(state, str(folder))
+        with untrusted(folder):
+            loaded = dist_checkpointing.load(state, str(folder))
         self.module.load_state_dict(loaded["model"])
         self.optimizer.load_state_dict(loaded["optimizer"])
         for opt in self.optimizer.chained_optimizers:
@@ -265,7 +269,8 @@ class Engine:
 def consolidated_state(folder, cfg, layout: dict) -> dict[str, torch.Tensor]:
     """The whole model's tensors from a megatron checkpoint of any layout (one process)."""
     module = LoopedLM(cfg.model, transformer_config(cfg.model))
-    loaded = dist_checkpointing.load({"model": module.sharded_state_dict()}, str(folder))
+    with untrusted(folder):
+        loaded = dist_checkpointing.load({"model": module.sharded_state_dict()}, str(folder))
     module.load_state_dict(loaded["model"])
     return {k: v.detach().contiguous() for k, v in module.state_dict().items()
             if isinstance(v, torch.Tensor) and "_extra_state" not in k}

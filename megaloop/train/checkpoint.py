@@ -20,24 +20,16 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch.distributed as dist
 import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megaloop.config import ConfigError
+from megaloop.config import CheckpointError
 from megaloop.parallel import comm
 
-if TYPE_CHECKING:
-    from megaloop.experiment import ExperimentConfig
-
 MANIFEST = "manifest.json"
-
-
-class CheckpointError(ConfigError):
-    """A run directory's checkpoints cannot be used, and starting over would hide that: reported
-    like a bad config, before any compute, naming each checkpoint and the way out."""
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -169,13 +161,6 @@ def read_meta(folder: Path) -> dict:
     return json.loads((folder / "meta.json").read_text())
 
 
-def config_of(folder: Path) -> "ExperimentConfig":
-    """The config a checkpoint folder was written with."""
-    from megaloop.experiment import ExperimentConfig
-
-    return ExperimentConfig.from_dict(read_meta(folder)["config"])
-
-
 def load(folder: Path, engine) -> dict:
     """Restore the engine from `folder`; returns the data position {"step", "consumed_samples"}."""
     meta = read_meta(folder)
@@ -198,28 +183,3 @@ def resolve(path: Path) -> Path:
         raise ValueError(f"{path} is neither a checkpoint folder (with meta.json) nor a run "
                          f"directory with a complete checkpoint under checkpoints/")
     return folder
-
-
-def consolidated(path: Path) -> tuple[dict, ExperimentConfig, Path]:
-    """The whole model's tensors (one-process names), the run's config and the checkpoint
-    folder, from a checkpoint of any engine and layout; runs in one process."""
-    folder = resolve(path)
-    meta = read_meta(folder)
-    cfg = config_of(folder)
-    if meta["engine"] == "deepspeed":
-        from megaloop.parallel.deepspeed import consolidated_state
-    else:
-        from megaloop.parallel.megatron import consolidated_state
-    return consolidated_state(folder, cfg, meta["layout"]), cfg, folder
-
-
-def consolidate(path: Path, out: Path) -> Path:
-    """One safetensors file of the whole model, plus its config."""
-    from safetensors.torch import save_file
-
-    tensors, cfg, folder = consolidated(path)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, out / "model.safetensors",
-              metadata={"source": str(folder), "step": str(read_meta(folder)["step"])})
-    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-    return out / "model.safetensors"
