@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | cksum 
 # The Slurm tests bring up a real local cluster (slurm/local/up.sh): Debian's packages, ~13 MB.
 SLURM_PACKAGES := slurmctld slurmd slurm-client munge
 
-.PHONY: demo test test-fast install slurm clean
+.PHONY: demo test test-fast lint install slurm clean
 
 install: $(STAMP)
 
@@ -33,8 +33,14 @@ slurm:
 	  fi; \
 	fi
 
-test: $(STAMP) slurm
+test: $(STAMP) slurm lint
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q
+
+# ruff (lint and format) and the import contracts of pyproject.toml (docs/architecture.md).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 # Everything but the multi-process and Slurm-cluster tests (markers in pyproject.toml): < 5 min.
 test-fast: $(STAMP)

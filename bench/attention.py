@@ -38,9 +38,15 @@ def main():
     distributed.init(seed=0)
     models = {}
     for attention in ("megatron", "sdpa"):
-        cfg = ModelConfig(vocab_size=256, hidden_size=args.hidden, num_heads=args.heads,
-                          num_layers=args.layers, num_loops=args.loops, max_seq_len=args.seq,
-                          attention=attention)
+        cfg = ModelConfig(
+            vocab_size=256,
+            hidden_size=args.hidden,
+            num_heads=args.heads,
+            num_layers=args.layers,
+            num_loops=args.loops,
+            max_seq_len=args.seq,
+            attention=attention,
+        )
         models[attention] = build_model(cfg)
     tokens = torch.randint(0, 256, (args.batch, args.seq))
     times = {name: [] for name in models}
@@ -50,9 +56,11 @@ def main():
             if i >= 3:
                 times[name].append(t)
     med = {name: statistics.median(t) for name, t in times.items()}
-    print(f"shape: d={args.hidden} heads={args.heads} L={args.layers} K={args.loops} "
-          f"T={args.seq} B={args.batch}, {args.repeats} timed steps each, "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"shape: d={args.hidden} heads={args.heads} L={args.layers} K={args.loops} "
+        f"T={args.seq} B={args.batch}, {args.repeats} timed steps each, "
+        f"{torch.get_num_threads()} threads"
+    )
     for name, t in med.items():
         print(f"  {name:>9}: median step {t * 1e3:8.2f} ms")
     print(f"  megatron DotProductAttention / SDPA step time: {med['megatron'] / med['sdpa']:.2f}x")

@@ -25,12 +25,19 @@ import tempfile
 import time
 
 import torch
-
-from megaloop import experiment
 from overhead import alternate, megaloop_trainer, report, set_threads, spread, summary
 
-SMOKE = ["model.hidden_size=32", "model.num_heads=4", "model.num_layers=1", "model.num_loops=2",
-         "data.seq_len=16", "train.micro_batch_size=2", "train.global_batch_size=2"]
+from megaloop import experiment
+
+SMOKE = [
+    "model.hidden_size=32",
+    "model.num_heads=4",
+    "model.num_layers=1",
+    "model.num_loops=2",
+    "data.seq_len=16",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+]
 
 
 def median_step_ms(step, warmup, steps):
@@ -49,8 +56,12 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the step time")
     p.add_argument("--pairs", type=int, default=3)
-    p.add_argument("--tolerance", type=float, default=0.02,
-                   help="largest |Δloss| per step, as a fraction of the fp32 loss")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.02,
+        help="largest |Δloss| per step, as a fraction of the fp32 loss",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny shapes, one pair, three steps")
     p.add_argument("--side", choices=["fp32", "bf16"], help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*")
@@ -62,8 +73,12 @@ def main():
         set_threads()
         losses = []
         with tempfile.TemporaryDirectory() as run_dir:
-            trainer = megaloop_trainer([*args.overrides, f"train.bf16={args.side == 'bf16'}"],
-                                       args.steps, run_dir, config=args.config)
+            trainer = megaloop_trainer(
+                [*args.overrides, f"train.bf16={args.side == 'bf16'}"],
+                args.steps,
+                run_dir,
+                config=args.config,
+            )
 
             def step():
                 losses.append(trainer.train_step()["loss"])
@@ -71,12 +86,20 @@ def main():
             ms = median_step_ms(step, args.warmup, args.steps)
         report(step_ms=ms, losses=losses)
         return
-    child = ["--config", args.config, "--steps", str(args.steps), "--warmup", str(args.warmup),
-             *args.overrides]
+    child = [
+        "--config",
+        args.config,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        *args.overrides,
+    ]
     results = alternate(__file__, ("fp32", "bf16"), args.pairs, child)
     fp32, bf16 = results["fp32"][0]["losses"], results["bf16"][0]["losses"]
     repeatable = all(r["losses"] == fp32 for r in results["fp32"]) and all(
-        r["losses"] == bf16 for r in results["bf16"])
+        r["losses"] == bf16 for r in results["bf16"]
+    )
     diffs = [b - a for a, b in zip(fp32, bf16)]
     rel = [abs(d) / a for d, a in zip(diffs, fp32)]
     worst = max(range(len(rel)), key=rel.__getitem__)
@@ -84,24 +107,32 @@ def main():
     t16 = [r["step_ms"] for r in results["bf16"]]
     ratio, low, high, _ = summary([b / a for a, b in zip(t32, t16)])
     m = experiment.load(args.config, args.overrides).model
-    print(f"{' '.join([args.config, *args.overrides])}: d={m.hidden_size}, L={m.num_layers}, "
-          f"K={m.num_loops}, V={m.vocab_size}; {args.steps} steps, seed 0, 1 thread a process; "
-          f"{args.pairs} pairs of processes (fp32, bf16, ...)\n")
+    print(
+        f"{' '.join([args.config, *args.overrides])}: d={m.hidden_size}, L={m.num_layers}, "
+        f"K={m.num_loops}, V={m.vocab_size}; {args.steps} steps, seed 0, 1 thread a process; "
+        f"{args.pairs} pairs of processes (fp32, bf16, ...)\n"
+    )
     print("| step | loss fp32 | loss bf16 | Δ | Δ / fp32 |")
     print("|---|---|---|---|---|")
     for i, (a, b, d, r) in enumerate(zip(fp32, bf16, diffs, rel), 1):
         print(f"| {i} | {a:.4f} | {b:.4f} | {d:+.4f} | {100 * r:.2f}% |")
     verdict = "PASS" if rel[worst] <= args.tolerance else "FAIL"
-    print(f"\nmax |Δloss| {max(map(abs, diffs)):.4f} nats; max |Δloss|/loss_fp32 "
-          f"{100 * rel[worst]:.2f}% (step {worst + 1}); mean |Δloss| "
-          f"{statistics.mean(map(abs, diffs)):.4f}; final loss fp32 {fp32[-1]:.4f}, bf16 "
-          f"{bf16[-1]:.4f}; tolerance {100 * args.tolerance:g}% a step: {verdict}")
-    print(f"curves identical across each side's {args.pairs} processes: "
-          f"{'yes' if repeatable else 'no'}")
-    print(f"step time: fp32 {statistics.median(t32):.1f} ms ({spread(t32)}), bf16 "
-          f"{statistics.median(t16):.1f} ms ({spread(t16)}); bf16 / fp32: {ratio:.3f}x "
-          f"(median of per-pair ratios, min..max {low:.3f}..{high:.3f}; "
-          f"{'CPU' if not torch.cuda.is_available() else torch.cuda.get_device_name()})")
+    print(
+        f"\nmax |Δloss| {max(map(abs, diffs)):.4f} nats; max |Δloss|/loss_fp32 "
+        f"{100 * rel[worst]:.2f}% (step {worst + 1}); mean |Δloss| "
+        f"{statistics.mean(map(abs, diffs)):.4f}; final loss fp32 {fp32[-1]:.4f}, bf16 "
+        f"{bf16[-1]:.4f}; tolerance {100 * args.tolerance:g}% a step: {verdict}"
+    )
+    print(
+        f"curves identical across each side's {args.pairs} processes: "
+        f"{'yes' if repeatable else 'no'}"
+    )
+    print(
+        f"step time: fp32 {statistics.median(t32):.1f} ms ({spread(t32)}), bf16 "
+        f"{statistics.median(t16):.1f} ms ({spread(t16)}); bf16 / fp32: {ratio:.3f}x "
+        f"(median of per-pair ratios, min..max {low:.3f}..{high:.3f}; "
+        f"{'CPU' if not torch.cuda.is_available() else torch.cuda.get_device_name()})"
+    )
 
 
 if __name__ == "__main__":

@@ -22,10 +22,19 @@ from megaloop.model.looped import LoopedLM
 from megaloop.model.specs import transformer_config
 from megaloop.parallel import distributed
 
-DEFAULTS = ["model.hidden_size=128", "model.num_heads=4", "model.num_layers=4",
-            "model.num_loops=4", "data.seq_len=128", "train.micro_batch_size=4",
-            "train.global_batch_size=16", "train.steps=100", "optim.warmup_steps=10",
-            "wandb.mode=disabled", "train.dir=runs/bench-engines"]
+DEFAULTS = [
+    "model.hidden_size=128",
+    "model.num_heads=4",
+    "model.num_layers=4",
+    "model.num_loops=4",
+    "data.seq_len=128",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=16",
+    "train.steps=100",
+    "optim.warmup_steps=10",
+    "wandb.mode=disabled",
+    "train.dir=runs/bench-engines",
+]
 
 
 class TorchDDP:
@@ -37,14 +46,19 @@ class TorchDDP:
         init_weights(self.module, cfg.train.seed)
         self.ddp = torch.nn.parallel.DistributedDataParallel(self.module)
         o = cfg.optim
-        self.optimizer = torch.optim.AdamW(self.ddp.parameters(), lr=o.lr, betas=(o.beta1, o.beta2),
-                                           eps=o.eps, weight_decay=o.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.ddp.parameters(),
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+        )
 
     def train_step(self, microbatches):
         self.optimizer.zero_grad()
         for i, batch in enumerate(microbatches):
             sync = i == len(microbatches) - 1
-            with (torch.enable_grad() if sync else self.ddp.no_sync()):
+            with torch.enable_grad() if sync else self.ddp.no_sync():
                 out = self.ddp(batch[:, :-1], labels=batch[:, 1:])
                 loss, _ = objectives.compute(self.cfg.objective, out)
                 (loss / len(microbatches)).backward()
@@ -83,8 +97,10 @@ def main():
     if dist.get_rank() == 0:
         ref = results["torch DDP"]
         world = dist.get_world_size()
-        print(f"{world} ranks x {torch.get_num_threads()} threads, "
-              f"{os.environ.get('OMP_NUM_THREADS', '?')} OMP threads; median of {args.steps} steps")
+        print(
+            f"{world} ranks x {torch.get_num_threads()} threads, "
+            f"{os.environ.get('OMP_NUM_THREADS', '?')} OMP threads; median of {args.steps} steps"
+        )
         print(f"{'engine':<20} {'step (ms)':>10} {'vs torch DDP':>13}")
         for name, t in results.items():
             print(f"{name:<20} {t * 1e3:10.1f} {t / ref:12.2f}x")

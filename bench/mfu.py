@@ -27,10 +27,19 @@ def measure(config: str, overrides: list, steps: int, warmup: int) -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = experiment.load(config, overrides)
         mbs = cfg.train.micro_batch_size
-        cfg = experiment.load(config, [*overrides, "data.kind=synthetic", "data.epochs=null",
-                                       f"train.steps={warmup + steps}",
-                                       f"train.global_batch_size={mbs}", f"train.dir={run_dir}",
-                                       "wandb.mode=disabled", "train.eval_batches=1"])
+        cfg = experiment.load(
+            config,
+            [
+                *overrides,
+                "data.kind=synthetic",
+                "data.epochs=null",
+                f"train.steps={warmup + steps}",
+                f"train.global_batch_size={mbs}",
+                f"train.dir={run_dir}",
+                "wandb.mode=disabled",
+                "train.eval_batches=1",
+            ],
+        )
         trainer = experiment.build_trainer(cfg, log=False)
         times = []
         for i in range(warmup + steps):
@@ -50,18 +59,29 @@ def measure(config: str, overrides: list, steps: int, warmup: int) -> dict:
     step = statistics.median(times)
     tokens = mbs * cfg.data.seq_len
     flops = flops_per_token(cfg.model, cfg.data.seq_len, loss_exits(cfg)) * tokens / step
-    return {"K": cfg.model.num_loops, "step_s": step, "tokens_per_s": tokens / step,
-            "tflops": flops / 1e12, "peak_mem_gib": peak_mem, "tokens_per_step": tokens}
+    return {
+        "K": cfg.model.num_loops,
+        "step_s": step,
+        "tokens_per_s": tokens / step,
+        "tflops": flops / 1e12,
+        "peak_mem_gib": peak_mem,
+        "tokens_per_step": tokens,
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("config")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--peak-tflops", type=float, default=None,
-                        help="the device's dense bf16 peak (default: known GPUs by name)")
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="the device's dense bf16 peak (default: known GPUs by name)",
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
     _cpu_compat.apply()
@@ -70,16 +90,19 @@ def main() -> None:
     if peak is None:
         peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device), None)
     looped = measure(args.config, args.overrides, args.steps, args.warmup)
-    single = measure(args.config, [*args.overrides, "model.num_loops=1"], args.steps,
-                     args.warmup)
-    print(f"{args.config} on {device}, {looped['tokens_per_step']:,} tokens a step, median of "
-          f"{args.steps} steps after {args.warmup} warm-up")
+    single = measure(args.config, [*args.overrides, "model.num_loops=1"], args.steps, args.warmup)
+    print(
+        f"{args.config} on {device}, {looped['tokens_per_step']:,} tokens a step, median of "
+        f"{args.steps} steps after {args.warmup} warm-up"
+    )
     print("| K | step (s) | tokens/s | model TFLOP/s | MFU | peak memory (GiB) | step vs K=1 |")
     print("|---|---|---|---|---|---|---|")
     for r in (looped, single):
         mfu = f"{100 * r['tflops'] / peak:.1f}%" if peak else "n/a"
-        print(f"| {r['K']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.3g} | "
-              f"{mfu} | {r['peak_mem_gib']:.1f} | {r['step_s'] / single['step_s']:.2f}x |")
+        print(
+            f"| {r['K']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.3g} | "
+            f"{mfu} | {r['peak_mem_gib']:.1f} | {r['step_s'] / single['step_s']:.2f}x |"
+        )
     distributed.shutdown()
 
 

@@ -18,9 +18,19 @@ import statistics
 import tempfile
 
 import torch
-
-from overhead import (SHAPE, SMOKE_SHAPE, alternate, megaloop_overrides, megaloop_trainer,
-                      report, set_threads, sign_test, spread, summary, time_steps)
+from overhead import (
+    SHAPE,
+    SMOKE_SHAPE,
+    alternate,
+    megaloop_overrides,
+    megaloop_trainer,
+    report,
+    set_threads,
+    sign_test,
+    spread,
+    summary,
+    time_steps,
+)
 
 
 def main():
@@ -28,8 +38,12 @@ def main():
     p.add_argument("--pairs", type=int, default=6)
     p.add_argument("--steps", type=int, default=3, help="timed steps per process")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--penalty", type=float, default=1e-3,
-                   help="λ when on (the wikitext103 *_norm_penalty configs' value)")
+    p.add_argument(
+        "--penalty",
+        type=float,
+        default=1e-3,
+        help="λ when on (the wikitext103 *_norm_penalty configs' value)",
+    )
     for key, value in SHAPE.items():
         p.add_argument(f"--{key}", type=int, default=value)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, one pair, one step")
@@ -42,9 +56,11 @@ def main():
         set_threads()
         penalty = args.penalty if args.side == "on" else 0.0
         with tempfile.TemporaryDirectory() as run_dir:
-            trainer = megaloop_trainer([*megaloop_overrides(shape),
-                                        f"objective.norm_penalty={penalty}"],
-                                       args.warmup + args.steps, run_dir)
+            trainer = megaloop_trainer(
+                [*megaloop_overrides(shape), f"objective.norm_penalty={penalty}"],
+                args.warmup + args.steps,
+                run_dir,
+            )
             records = []
 
             def step():
@@ -52,25 +68,39 @@ def main():
                 return records[-1]["loss"]
 
             result = time_steps(step, args.warmup, args.steps)
-        report(**result, penalty_term=sum(records[-1]["norm_penalty"]),
-               threads=torch.get_num_threads())
+        report(
+            **result, penalty_term=sum(records[-1]["norm_penalty"]), threads=torch.get_num_threads()
+        )
         return
-    child = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--penalty",
-             str(args.penalty), *[a for k in SHAPE for a in (f"--{k}", str(shape[k]))]]
+    child = [
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--penalty",
+        str(args.penalty),
+        *[a for k in SHAPE for a in (f"--{k}", str(shape[k]))],
+    ]
     results = alternate(__file__, ("off", "on"), args.pairs, child)
     assert all(r["penalty_term"] == 0 for r in results["off"])
     assert all(r["penalty_term"] > 0 for r in results["on"])
-    print(f"d={shape['hidden']}, {shape['heads']} heads, L={shape['layers']}, "
-          f"K={shape['loops']}, T={shape['seq']}, B={shape['batch']}, V={shape['vocab']}, "
-          f"per-loop objective, fp32, 1 thread a process; {args.pairs} pairs of processes "
-          f"(off, on, ...), each the median of {args.steps} steps after {args.warmup} warm-up\n")
-    print("| objective.norm_penalty | step (ms) | per-process medians (ms) | CPU time (ms) | "
-          "per-process CPU (ms) |")
+    print(
+        f"d={shape['hidden']}, {shape['heads']} heads, L={shape['layers']}, "
+        f"K={shape['loops']}, T={shape['seq']}, B={shape['batch']}, V={shape['vocab']}, "
+        f"per-loop objective, fp32, 1 thread a process; {args.pairs} pairs of processes "
+        f"(off, on, ...), each the median of {args.steps} steps after {args.warmup} warm-up\n"
+    )
+    print(
+        "| objective.norm_penalty | step (ms) | per-process medians (ms) | CPU time (ms) | "
+        "per-process CPU (ms) |"
+    )
     print("|---|---|---|---|---|")
     for side, label in (("off", "0 (off)"), ("on", f"{args.penalty:g} (on)")):
         wall, cpu = ([r[k] for r in results[side]] for k in ("step_ms", "cpu_ms"))
-        print(f"| {label} | {statistics.median(wall):.1f} | {spread(wall)} | "
-              f"{statistics.median(cpu):.1f} | {spread(cpu)} |")
+        print(
+            f"| {label} | {statistics.median(wall):.1f} | {spread(wall)} | "
+            f"{statistics.median(cpu):.1f} | {spread(cpu)} |"
+        )
     print()
     for key, label in (("step_ms", "on / off"), ("cpu_ms", "CPU time on / off")):
         ratios = [on[key] / off[key] for off, on in zip(results["off"], results["on"])]
@@ -82,10 +112,12 @@ def verdict(ratios):
     ratio, low, high, (ci_low, ci_high) = summary(ratios)
     p_value = sign_test(ratios)
     slower = sum(r > 1 for r in ratios)
-    return (f"{ratio:.3f}x (median of {len(ratios)} per-pair ratios, min..max "
-            f"{low:.3f}..{high:.3f}, bootstrap 95% of the median {ci_low:.3f}..{ci_high:.3f}); "
-            f"{slower} of {len(ratios)} pairs slower with the penalty, sign test p = "
-            f"{p_value:.2f}: overhead {'resolvable' if p_value < 0.05 else 'not resolvable'} at 5%")
+    return (
+        f"{ratio:.3f}x (median of {len(ratios)} per-pair ratios, min..max "
+        f"{low:.3f}..{high:.3f}, bootstrap 95% of the median {ci_low:.3f}..{ci_high:.3f}); "
+        f"{slower} of {len(ratios)} pairs slower with the penalty, sign test p = "
+        f"{p_value:.2f}: overhead {'resolvable' if p_value < 0.05 else 'not resolvable'} at 5%"
+    )
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ SMOKE_SHAPE = dict(hidden=32, heads=4, layers=2, loops=2, seq=16, batch=2, vocab
 
 # -- the reference: plain PyTorch --------------------------------------------------------------
 
+
 def rotate(x, cos, sin):
     """RoPE on [b, heads, t, head_dim], halves rotated (megatron-core's non-interleaved form)."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -63,8 +64,9 @@ class Attention(nn.Module):
         b, t, d = x.shape
         qkv = self.linear_qkv(x).view(b, t, self.heads, 3 * d // self.heads).transpose(1, 2)
         q, k, v = qkv.chunk(3, dim=-1)
-        y = F.scaled_dot_product_attention(rotate(q, cos, sin), rotate(k, cos, sin), v,
-                                           is_causal=True)
+        y = F.scaled_dot_product_attention(
+            rotate(q, cos, sin), rotate(k, cos, sin), v, is_causal=True
+        )
         return self.linear_proj(y.transpose(1, 2).reshape(b, t, d))
 
 
@@ -96,8 +98,9 @@ class LoopedReference(nn.Module):
     """Embedding, then L layers applied K times; after every loop an exit reads
     RMSNorm(H_k) through the tied embedding, and the loss is the mean of the K exits' CE."""
 
-    def __init__(self, vocab, d, heads, layers, loops, seq_len, ffn=None, eps=1e-5,
-                 rope_base=10000.0):
+    def __init__(
+        self, vocab, d, heads, layers, loops, seq_len, ffn=None, eps=1e-5, rope_base=10000.0
+    ):
         super().__init__()
         self.loops = loops
         self.embedding = nn.Embedding(vocab, d)
@@ -136,8 +139,14 @@ def reference_name(megaloop_name):
 
 
 def reference_model(shape):
-    return LoopedReference(shape["vocab"], shape["hidden"], shape["heads"], shape["layers"],
-                           shape["loops"], shape["seq"])
+    return LoopedReference(
+        shape["vocab"],
+        shape["hidden"],
+        shape["heads"],
+        shape["layers"],
+        shape["loops"],
+        shape["seq"],
+    )
 
 
 class Phases:
@@ -175,10 +184,15 @@ class Phases:
         return step
 
 
-PHASES = {"data": "data", "forward": "forward + loss", "backward": "backward",
-          "grads": "gradient finalize (DP all-reduce)",
-          "optimizer": "zero grads, clip, optimizer, schedule", "terms": "logged terms to numbers",
-          "other": "rest of the step"}
+PHASES = {
+    "data": "data",
+    "forward": "forward + loss",
+    "backward": "backward",
+    "grads": "gradient finalize (DP all-reduce)",
+    "optimizer": "zero grads, clip, optimizer, schedule",
+    "terms": "logged terms to numbers",
+    "other": "rest of the step",
+}
 
 
 def torch_side(shape, phases, seed=0):
@@ -187,15 +201,22 @@ def torch_side(shape, phases, seed=0):
     model = reference_model(shape)
     decay = [p for p in model.parameters() if p.dim() > 1]
     no_decay = [p for p in model.parameters() if p.dim() == 1]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=LR, betas=BETAS, eps=EPS)
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": WEIGHT_DECAY},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+    )
     generator = torch.Generator().manual_seed(seed)
 
     def step():
         with phases.time("data"):
-            tokens = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"] + 1),
-                                   generator=generator)
+            tokens = torch.randint(
+                0, shape["vocab"], (shape["batch"], shape["seq"] + 1), generator=generator
+            )
         with phases.time("forward"):
             loss = model(tokens[:, :-1], tokens[:, 1:])
         with phases.time("backward"):
@@ -212,15 +233,26 @@ def torch_side(shape, phases, seed=0):
 
 # -- megaloop ----------------------------------------------------------------------------------
 
+
 def megaloop_overrides(shape):
-    return [f"model.hidden_size={shape['hidden']}", f"model.num_heads={shape['heads']}",
-            f"model.num_layers={shape['layers']}", f"model.num_loops={shape['loops']}",
-            f"model.vocab_size={shape['vocab']}", f"model.max_seq_len={shape['seq']}",
-            f"data.seq_len={shape['seq']}", f"train.micro_batch_size={shape['batch']}",
-            f"train.global_batch_size={shape['batch']}", f"optim.lr={LR}",
-            f"optim.beta1={BETAS[0]}", f"optim.beta2={BETAS[1]}", f"optim.eps={EPS}",
-            f"optim.weight_decay={WEIGHT_DECAY}", f"optim.clip_grad={CLIP}",
-            "optim.warmup_steps=0"]
+    return [
+        f"model.hidden_size={shape['hidden']}",
+        f"model.num_heads={shape['heads']}",
+        f"model.num_layers={shape['layers']}",
+        f"model.num_loops={shape['loops']}",
+        f"model.vocab_size={shape['vocab']}",
+        f"model.max_seq_len={shape['seq']}",
+        f"data.seq_len={shape['seq']}",
+        f"train.micro_batch_size={shape['batch']}",
+        f"train.global_batch_size={shape['batch']}",
+        f"optim.lr={LR}",
+        f"optim.beta1={BETAS[0]}",
+        f"optim.beta2={BETAS[1]}",
+        f"optim.eps={EPS}",
+        f"optim.weight_decay={WEIGHT_DECAY}",
+        f"optim.clip_grad={CLIP}",
+        "optim.warmup_steps=0",
+    ]
 
 
 def megaloop_trainer(overrides, steps, run_dir, config=None):
@@ -228,9 +260,17 @@ def megaloop_trainer(overrides, steps, run_dir, config=None):
     from megaloop import _cpu_compat, experiment
 
     _cpu_compat.apply()
-    cfg = experiment.load(config, [*overrides, "data.kind=synthetic", f"train.steps={steps}",
-                                   f"train.dir={run_dir}", "wandb.mode=disabled",
-                                   "train.eval_batches=1"])
+    cfg = experiment.load(
+        config,
+        [
+            *overrides,
+            "data.kind=synthetic",
+            f"train.steps={steps}",
+            f"train.dir={run_dir}",
+            "wandb.mode=disabled",
+            "train.eval_batches=1",
+        ],
+    )
     return experiment.build_trainer(cfg, log=False)
 
 
@@ -265,17 +305,26 @@ def check_same_math(shape):
     ours = build_model(cfg.model, seed=0)
     ref = reference_model(shape)
     ref.load_state_dict({reference_name(n): p.detach() for n, p in ours.named_parameters()})
-    tokens = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"] + 1),
-                           generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(
+        0,
+        shape["vocab"],
+        (shape["batch"], shape["seq"] + 1),
+        generator=torch.Generator().manual_seed(1),
+    )
     with torch.no_grad():
         loss, _ = objectives.compute(cfg.objective, ours(tokens[:, :-1], labels=tokens[:, 1:]))
         ref_loss = ref(tokens[:, :-1], tokens[:, 1:])
     distributed.shutdown()
-    return (loss.item(), ref_loss.item(), sum(p.numel() for p in ours.parameters()),
-            sum(p.numel() for p in ref.parameters()))
+    return (
+        loss.item(),
+        ref_loss.item(),
+        sum(p.numel() for p in ours.parameters()),
+        sum(p.numel() for p in ref.parameters()),
+    )
 
 
 # -- measuring ---------------------------------------------------------------------------------
+
 
 def set_threads(threads=1):
     torch.set_num_threads(threads)
@@ -299,8 +348,12 @@ def time_steps(step, warmup, steps, phases=None):
             for phase in PHASES:
                 parts[phase].append(timed.get(phase, 0.0))
             parts["other"][-1] = elapsed - sum(timed.values())
-    return {"step_ms": 1e3 * statistics.median(wall), "cpu_ms": 1e3 * statistics.median(cpu),
-            "loss": loss, "phases_ms": {k: 1e3 * statistics.median(v) for k, v in parts.items()}}
+    return {
+        "step_ms": 1e3 * statistics.median(wall),
+        "cpu_ms": 1e3 * statistics.median(cpu),
+        "loss": loss,
+        "phases_ms": {k: 1e3 * statistics.median(v) for k, v in parts.items()},
+    }
 
 
 def report(**result):
@@ -309,15 +362,21 @@ def report(**result):
 
 
 def run_child(script, args, threads=1):
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, script, *args], env=env, capture_output=True,
-                          text=True)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "WANDB_MODE": "disabled",
+        "PYTHONUNBUFFERED": "1",
+    }
+    proc = subprocess.run([sys.executable, script, *args], env=env, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
-        sys.exit(f"{os.path.basename(script)} {' '.join(args)} failed "
-                 f"(exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+        sys.exit(
+            f"{os.path.basename(script)} {' '.join(args)} failed "
+            f"(exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def alternate(script, sides, pairs, args, threads=1):
@@ -329,8 +388,11 @@ def alternate(script, sides, pairs, args, threads=1):
             results[side].append(run_child(script, ["--side", side, *args], threads))
             last = results[side][-1]
             cpu = f" ({last['cpu_ms']:.1f} ms CPU)" if "cpu_ms" in last else ""
-            print(f"pair {i + 1}/{pairs} {side}: {last['step_ms']:.1f} ms{cpu}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"pair {i + 1}/{pairs} {side}: {last['step_ms']:.1f} ms{cpu}",
+                file=sys.stderr,
+                flush=True,
+            )
     return results
 
 
@@ -339,16 +401,21 @@ def summary(ratios, resamples=2000, seed=0):
     import random
 
     rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
-                     for _ in range(resamples))
-    return (statistics.median(ratios), min(ratios), max(ratios),
-            (medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]))
+    medians = sorted(
+        statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples)
+    )
+    return (
+        statistics.median(ratios),
+        min(ratios),
+        max(ratios),
+        (medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]),
+    )
 
 
 def sign_test(ratios):
     """Two-sided sign-test p-value of "ratio 1": how often pairs split this unevenly by chance."""
     n, above = len(ratios), sum(r > 1 for r in ratios)
-    tail = sum(math.comb(n, i) for i in range(min(above, n - above) + 1)) / 2 ** n
+    tail = sum(math.comb(n, i) for i in range(min(above, n - above) + 1)) / 2**n
     return min(1.0, 2 * tail)
 
 
@@ -368,8 +435,10 @@ def profile_both(shape, warmup, steps, rows=30):
     set_threads()
     totals = {"megaloop": collections.Counter(), "torch": collections.Counter()}
     with tempfile.TemporaryDirectory() as run_dir:
-        sides = {"megaloop": megaloop_side(shape, warmup + 2 * steps, run_dir, Phases())[0],
-                 "torch": torch_side(shape, Phases())[0]}
+        sides = {
+            "megaloop": megaloop_side(shape, warmup + 2 * steps, run_dir, Phases())[0],
+            "torch": torch_side(shape, Phases())[0],
+        }
         for _ in range(warmup):
             for step in sides.values():
                 step()
@@ -380,8 +449,10 @@ def profile_both(shape, warmup, steps, rows=30):
                 for event in prof.key_averages():
                     totals[side][event.key] += event.self_cpu_time_total / 1e3 / steps
         ours, ref = totals["megaloop"], totals["torch"]
-        print(f"self CPU ms a step, mean of {steps} alternated steps; total megaloop "
-              f"{sum(ours.values()):.1f}, plain PyTorch {sum(ref.values()):.1f}\n")
+        print(
+            f"self CPU ms a step, mean of {steps} alternated steps; total megaloop "
+            f"{sum(ours.values()):.1f}, plain PyTorch {sum(ref.values()):.1f}\n"
+        )
         print("| op | megaloop | plain PyTorch | difference |")
         print("|---|---|---|---|")
         for op in sorted(set(ours) | set(ref), key=lambda k: -abs(ours[k] - ref[k]))[:rows]:
@@ -414,8 +485,11 @@ def main():
         set_threads(args.threads)
         phases = Phases()
         with tempfile.TemporaryDirectory() as run_dir:
-            step, params = (megaloop_side(shape, args.warmup + args.steps, run_dir, phases)
-                            if args.side == "megaloop" else torch_side(shape, phases))
+            step, params = (
+                megaloop_side(shape, args.warmup + args.steps, run_dir, phases)
+                if args.side == "megaloop"
+                else torch_side(shape, phases)
+            )
             result = time_steps(step, args.warmup, args.steps, phases)
         report(**result, params=params, threads=torch.get_num_threads())
         return
@@ -426,30 +500,47 @@ def main():
     ours, ref, n_ours, n_ref = check_same_math(shape)
     assert n_ours == n_ref, f"parameter counts differ: megaloop {n_ours:,}, reference {n_ref:,}"
     assert math.isclose(ours, ref, rel_tol=1e-4), f"losses differ: {ours} vs {ref}"
-    child = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--threads",
-             str(args.threads), *[a for k in SHAPE for a in (f"--{k}", str(shape[k]))]]
+    child = [
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--threads",
+        str(args.threads),
+        *[a for k in SHAPE for a in (f"--{k}", str(shape[k]))],
+    ]
     results = alternate(__file__, ("megaloop", "torch"), args.pairs, child, args.threads)
     ml, pt = ([r["step_ms"] for r in results[side]] for side in ("megaloop", "torch"))
     ml_cpu, pt_cpu = ([r["cpu_ms"] for r in results[side]] for side in ("megaloop", "torch"))
     ratio, low, high, (ci_low, ci_high) = summary([a / b for a, b in zip(ml, pt)])
     cpu_ratio, cpu_low, cpu_high, _ = summary([a / b for a, b in zip(ml_cpu, pt_cpu)])
-    print(f"d={shape['hidden']}, {shape['heads']} heads, L={shape['layers']}, "
-          f"K={shape['loops']}, T={shape['seq']}, B={shape['batch']}, V={shape['vocab']}, fp32, "
-          f"{args.threads} thread(s) a process; {args.pairs} pairs of processes (megaloop, torch, "
-          f"...), each the median of {args.steps} steps after {args.warmup} warm-up")
-    print(f"same math: loss at init {ours:.6f} (megaloop) vs {ref:.6f} (reference); "
-          f"parameters {n_ours:,} = {n_ref:,}\n")
-    print("| side | parameters | step (ms) | per-process medians (ms) | CPU time (ms) | "
-          "per-process CPU (ms) |")
+    print(
+        f"d={shape['hidden']}, {shape['heads']} heads, L={shape['layers']}, "
+        f"K={shape['loops']}, T={shape['seq']}, B={shape['batch']}, V={shape['vocab']}, fp32, "
+        f"{args.threads} thread(s) a process; {args.pairs} pairs of processes (megaloop, torch, "
+        f"...), each the median of {args.steps} steps after {args.warmup} warm-up"
+    )
+    print(
+        f"same math: loss at init {ours:.6f} (megaloop) vs {ref:.6f} (reference); "
+        f"parameters {n_ours:,} = {n_ref:,}\n"
+    )
+    print(
+        "| side | parameters | step (ms) | per-process medians (ms) | CPU time (ms) | "
+        "per-process CPU (ms) |"
+    )
     print("|---|---|---|---|---|---|")
     for label, n, w, c in (("megaloop", n_ours, ml, ml_cpu), ("plain PyTorch", n_ref, pt, pt_cpu)):
-        print(f"| {label} | {n:,} | {statistics.median(w):.1f} | {spread(w)} | "
-              f"{statistics.median(c):.1f} | {spread(c)} |")
-    print(f"\nmegaloop / plain PyTorch: {ratio:.3f}x (median of {args.pairs} per-pair ratios, "
-          f"min..max {low:.3f}..{high:.3f}, bootstrap 95% {ci_low:.3f}..{ci_high:.3f}); "
-          f"in CPU time: {cpu_ratio:.3f}x (min..max {cpu_low:.3f}..{cpu_high:.3f}); goal <= 1.05: "
-          f"{'met' if ratio <= 1.05 else 'missed'} (wall), "
-          f"{'met' if cpu_ratio <= 1.05 else 'missed'} (CPU)\n")
+        print(
+            f"| {label} | {n:,} | {statistics.median(w):.1f} | {spread(w)} | "
+            f"{statistics.median(c):.1f} | {spread(c)} |"
+        )
+    print(
+        f"\nmegaloop / plain PyTorch: {ratio:.3f}x (median of {args.pairs} per-pair ratios, "
+        f"min..max {low:.3f}..{high:.3f}, bootstrap 95% {ci_low:.3f}..{ci_high:.3f}); "
+        f"in CPU time: {cpu_ratio:.3f}x (min..max {cpu_low:.3f}..{cpu_high:.3f}); goal <= 1.05: "
+        f"{'met' if ratio <= 1.05 else 'missed'} (wall), "
+        f"{'met' if cpu_ratio <= 1.05 else 'missed'} (CPU)\n"
+    )
     print("Where the step goes (ms; per part, the median over processes of each one's median):\n")
     print("| part | megaloop | plain PyTorch | megaloop - PyTorch |")
     print("|---|---|---|---|")

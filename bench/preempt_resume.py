@@ -25,9 +25,20 @@ CONFIG = "configs/experiments/tiny.yaml"
 
 
 def launch(run_dir: Path, overrides: list, env: dict, log) -> subprocess.Popen:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "1", "-m", "megaloop", "train", CONFIG, *overrides,
-               f"train.dir={run_dir}"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        "-m",
+        "megaloop",
+        "train",
+        CONFIG,
+        *overrides,
+        f"train.dir={run_dir}",
+    ]
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
@@ -47,8 +58,7 @@ def worker_of(run_dir: Path) -> int:
             environ = (proc / "environ").read_bytes().split(b"\0")
         except (OSError, ValueError):
             continue
-        if f"train.dir={run_dir}" in cmdline and any(e.startswith(b"LOCAL_RANK=")
-                                                     for e in environ):
+        if f"train.dir={run_dir}" in cmdline and any(e.startswith(b"LOCAL_RANK=") for e in environ):
             return int(proc.name)
     raise RuntimeError(f"no worker process of the run in {run_dir}")
 
@@ -58,14 +68,24 @@ def main() -> int:
     p.add_argument("out", type=Path)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--at", type=int, default=10)
-    p.add_argument("--rel", type=float, default=1e-5,
-                   help="largest relative loss difference accepted (fp32: the same kernels on "
-                        "the same inputs; a resume restores RNG and data position exactly)")
+    p.add_argument(
+        "--rel",
+        type=float,
+        default=1e-5,
+        help="largest relative loss difference accepted (fp32: the same kernels on "
+        "the same inputs; a resume restores RNG and data position exactly)",
+    )
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
-    overrides = [f"train.steps={args.steps}", "train.log_every=1", "train.save_every=0",
-                 "train.eval_batches=1", "wandb.mode=disabled", *args.overrides]
+    overrides = [
+        f"train.steps={args.steps}",
+        "train.log_every=1",
+        "train.save_every=0",
+        "train.eval_batches=1",
+        "wandb.mode=disabled",
+        *args.overrides,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     args.out.mkdir(parents=True, exist_ok=True)
     reference, held = args.out / "reference", args.out / "preempted"
@@ -77,20 +97,25 @@ def main() -> int:
         deadline = time.monotonic() + args.timeout
         while len(steps_logged(held)) < args.at:
             if run.poll() is not None or time.monotonic() > deadline:
-                sys.exit(f"the run ended or stalled before step {args.at}: "
-                         f"{args.out / 'preempted.log'}")
+                sys.exit(
+                    f"the run ended or stalled before step {args.at}: {args.out / 'preempted.log'}"
+                )
             time.sleep(0.2)
         os.kill(worker_of(held), signal.SIGUSR1)
         first = run.wait(args.timeout)
     text = (args.out / "preempted.log").read_text()
     if f"preempted at step {args.at}" not in text:
-        sys.exit(f"no preemption checkpoint at step {args.at} (exit {first}): "
-                 f"{args.out / 'preempted.log'}")
+        sys.exit(
+            f"no preemption checkpoint at step {args.at} (exit {first}): "
+            f"{args.out / 'preempted.log'}"
+        )
     with open(args.out / "preempted.log", "a") as log:
         if launch(held, overrides, env, log).wait(args.timeout) != 0:
             sys.exit(f"the resumed run failed: {args.out / 'preempted.log'}")
-    if f"resumed from {held}/checkpoints/step_{args.at:07d}" not in (
-            args.out / "preempted.log").read_text():
+    if (
+        f"resumed from {held}/checkpoints/step_{args.at:07d}"
+        not in (args.out / "preempted.log").read_text()
+    ):
         sys.exit("the relaunch did not resume from the preemption checkpoint")
     want, got = steps_logged(reference), steps_logged(held)
     import torch
@@ -105,8 +130,10 @@ def main() -> int:
         worst = max(worst, rel)
         print(f"| {a['step']} | {a['loss']:.6f} | {b['loss']:.6f} | {rel:.1e} |")
     ok = len(got) == len(want) == args.steps and worst <= args.rel
-    print(f"\nlargest relative difference {worst:.1e} (accepted: {args.rel:g}): "
-          f"{'PASS' if ok else 'FAIL'}")
+    print(
+        f"\nlargest relative difference {worst:.1e} (accepted: {args.rel:g}): "
+        f"{'PASS' if ok else 'FAIL'}"
+    )
     return 0 if ok else 1
 
 

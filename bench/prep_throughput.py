@@ -21,17 +21,27 @@ from data_prep.wikitext103 import read_raw, split_articles
 
 
 def options(corpus, **kw):
-    return SimpleNamespace(executor="local", workers=1, partition=None, time="01:00:00",
-                           cpus_per_task=1, max_array_size=1001, job_name="bench",
-                           eos_token="<|endoftext|>", max_doc_bytes=10 * 2**20,
-                           corpus_module=f"data_prep.{corpus}", **kw)
+    return SimpleNamespace(
+        executor="local",
+        workers=1,
+        partition=None,
+        time="01:00:00",
+        cpus_per_task=1,
+        max_array_size=1001,
+        job_name="bench",
+        eos_token="<|endoftext|>",
+        max_doc_bytes=10 * 2**20,
+        corpus_module=f"data_prep.{corpus}",
+        **kw,
+    )
 
 
 def step_seconds(stats: list) -> float:
     """Time spent in the pipeline's steps (datatrove's runtime stats): the steady-state cost,
     without process start-up and imports (megatron-core alone takes ~4 s to import here)."""
-    return sum(step["time_stats"]["total"] for step in stats
-               if isinstance(step.get("time_stats"), dict))
+    return sum(
+        step["time_stats"]["total"] for step in stats if isinstance(step.get("time_stats"), dict)
+    )
 
 
 def encode_rate(tokenizer: Tokenizer, texts: list[str]) -> tuple[int, float]:
@@ -55,39 +65,58 @@ def main():
     for split in ("valid", "test"):
         shutil.copy(data / f"wikitext-103/wiki.{split}.raw", source / f"wiki.{split}.raw")
     start = time.perf_counter()
-    manifests = data_prep.run(options("wikitext103", source=str(source), tokenizer=str(tok_path),
-                                      out=str(out / "wikitext")))
+    manifests = data_prep.run(
+        options(
+            "wikitext103", source=str(source), tokenizer=str(tok_path), out=str(out / "wikitext")
+        )
+    )
     wall = time.perf_counter() - start
     docs = sum(m["documents"] for m in manifests.values())
     tokens = sum(m["tokens"] for m in manifests.values())
     steps = sum(step_seconds(m["datatrove_stats"]) for m in manifests.values())
-    articles = [a for s in ("valid", "test")
-                for a in split_articles(read_raw(source / f"wiki.{s}.raw"))]
+    articles = [
+        a for s in ("valid", "test") for a in split_articles(read_raw(source / f"wiki.{s}.raw"))
+    ]
     enc_tokens, enc_time = encode_rate(tokenizer, articles)
-    print(f"wikitext103 (valid+test): {docs} documents, {tokens:,} tokens, {wall:.2f} s wall "
-          f"({tokens / wall:,.0f} tokens/s), {steps:.2f} s in pipeline steps "
-          f"({tokens / steps:,.0f} tokens/s); tokenizer.encode_batch alone "
-          f"{enc_tokens / enc_time:,.0f} tokens/s; pipeline steps / tokenizer = "
-          f"{tokens / steps / (enc_tokens / enc_time):.2f}")
+    print(
+        f"wikitext103 (valid+test): {docs} documents, {tokens:,} tokens, {wall:.2f} s wall "
+        f"({tokens / wall:,.0f} tokens/s), {steps:.2f} s in pipeline steps "
+        f"({tokens / steps:,.0f} tokens/s); tokenizer.encode_batch alone "
+        f"{enc_tokens / enc_time:,.0f} tokens/s; pipeline steps / tokenizer = "
+        f"{tokens / steps / (enc_tokens / enc_time):.2f}"
+    )
 
     start = time.perf_counter()
-    m = data_prep.run(options("fineweb", source=str(data / "web/dolma-cc-sample"),
-                              tokenizer=str(tok_path), out=str(out / "web"), seq_len=1024,
-                              shard_size=64, lang_model=None, lang_threshold=0.65))
+    m = data_prep.run(
+        options(
+            "fineweb",
+            source=str(data / "web/dolma-cc-sample"),
+            tokenizer=str(tok_path),
+            out=str(out / "web"),
+            seq_len=1024,
+            shard_size=64,
+            lang_model=None,
+            lang_threshold=0.65,
+        )
+    )
     wall = time.perf_counter() - start
     read, steps = m["documents_read"], step_seconds(m["datatrove_stats"])
     kept_texts = [d for d in _kept_documents(data / "web/dolma-cc-sample", m)]
     enc_tokens, enc_time = encode_rate(tokenizer, kept_texts) if kept_texts else (0, 1)
-    print(f"fineweb (Common Crawl sample): {read} documents read, {m['documents_kept']} kept "
-          f"({100 * m['documents_kept'] / read:.1f}%), {m['tokens']:,} tokens, "
-          f"{m['sequences']} sequences of 1,025 in {len(m['shards'])} shards; {wall:.2f} s wall, "
-          f"{steps:.2f} s in pipeline steps ({read / steps:,.0f} documents/s, "
-          f"{m['tokens'] / steps:,.0f} kept tokens/s); tokenizer.encode_batch alone on the kept "
-          f"documents {enc_tokens / enc_time:,.0f} tokens/s")
+    print(
+        f"fineweb (Common Crawl sample): {read} documents read, {m['documents_kept']} kept "
+        f"({100 * m['documents_kept'] / read:.1f}%), {m['tokens']:,} tokens, "
+        f"{m['sequences']} sequences of 1,025 in {len(m['shards'])} shards; {wall:.2f} s wall, "
+        f"{steps:.2f} s in pipeline steps ({read / steps:,.0f} documents/s, "
+        f"{m['tokens'] / steps:,.0f} kept tokens/s); tokenizer.encode_batch alone on the kept "
+        f"documents {enc_tokens / enc_time:,.0f} tokens/s"
+    )
     for name, d in m["dropped"].items():
         reasons = ", ".join(f"{k} {v}" for k, v in d.items() if k != "total")
-        print(f"  {name:<24} dropped {d['total']:>4} ({100 * d['total'] / read:5.1f}% of read)"
-              + (f": {reasons}" if reasons else ""))
+        print(
+            f"  {name:<24} dropped {d['total']:>4} ({100 * d['total'] / read:5.1f}% of read)"
+            + (f": {reasons}" if reasons else "")
+        )
 
 
 def _kept_documents(folder: Path, manifest: dict) -> list[str]:

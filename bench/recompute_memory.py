@@ -28,9 +28,15 @@ OPTIONS = ("none", "selective", "full", "loop")
 
 def build(cfg, device: str) -> LoopedLM:
     with torch.device(device):
-        model = LoopedLM(cfg.model, transformer_config(
-            cfg.model, use_cpu_initialization=device == "cpu",
-            **recompute_config(cfg.train.recompute)), recompute=cfg.train.recompute)
+        model = LoopedLM(
+            cfg.model,
+            transformer_config(
+                cfg.model,
+                use_cpu_initialization=device == "cpu",
+                **recompute_config(cfg.train.recompute),
+            ),
+            recompute=cfg.train.recompute,
+        )
     init_weights(model, 0)
     return model.train()
 
@@ -66,29 +72,43 @@ def main():
     _cpu_compat.apply()
     distributed.init(seed=0)
     device = "cuda" if args.cuda else "cpu"
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seq),
-                           generator=torch.Generator().manual_seed(0)).to(device)
-    print(f"d={args.hidden}, L={args.layers}, seq {args.seq}, batch {args.batch}, "
-          f"V={args.vocab}{', bf16' if args.bf16 else ''}: MiB kept for backward (ratio to "
-          f"none) / `megaloop plan`'s figure" + (" / CUDA peak" if args.cuda else "") + "\n")
+    tokens = torch.randint(
+        0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0)
+    ).to(device)
+    print(
+        f"d={args.hidden}, L={args.layers}, seq {args.seq}, batch {args.batch}, "
+        f"V={args.vocab}{', bf16' if args.bf16 else ''}: MiB kept for backward (ratio to "
+        f"none) / `megaloop plan`'s figure" + (" / CUDA peak" if args.cuda else "") + "\n"
+    )
     print("| K | " + " | ".join(OPTIONS) + " |")
     print("|---|" + "---|" * len(OPTIONS))
     for k in [int(k) for k in args.loops.split(",")]:
         row, cells = {}, []
         for option in OPTIONS:
-            cfg = experiment.load("configs/experiments/tiny.yaml", [
-                f"model.vocab_size={args.vocab}", f"model.hidden_size={args.hidden}",
-                f"model.num_heads={args.heads}", f"model.num_layers={args.layers}",
-                f"model.num_loops={k}", f"model.max_seq_len={args.seq}",
-                f"data.seq_len={args.seq}", f"train.micro_batch_size={args.batch}",
-                f"train.global_batch_size={args.batch}", f"train.recompute={option}",
-                f"train.bf16={str(args.bf16).lower()}"])
+            cfg = experiment.load(
+                "configs/experiments/tiny.yaml",
+                [
+                    f"model.vocab_size={args.vocab}",
+                    f"model.hidden_size={args.hidden}",
+                    f"model.num_heads={args.heads}",
+                    f"model.num_layers={args.layers}",
+                    f"model.num_loops={k}",
+                    f"model.max_seq_len={args.seq}",
+                    f"data.seq_len={args.seq}",
+                    f"train.micro_batch_size={args.batch}",
+                    f"train.global_batch_size={args.batch}",
+                    f"train.recompute={option}",
+                    f"train.bf16={str(args.bf16).lower()}",
+                ],
+            )
             model = build(cfg, device)
             with torch.autocast(device, torch.bfloat16, enabled=args.bf16):
                 row[option] = saved_activation_bytes(model, tokens)
             planned = activation_bytes(cfg, 1, 1, 1, args.batch)["total"]
-            cell = (f"{row[option] / 2**20:.1f} ({row[option] / row['none']:.2f}x) / "
-                    f"{planned / 2**20:.1f}")
+            cell = (
+                f"{row[option] / 2**20:.1f} ({row[option] / row['none']:.2f}x) / "
+                f"{planned / 2**20:.1f}"
+            )
             if args.cuda:
                 cell += f" / {cuda_peak(model, tokens, args.bf16) / 2**20:.1f}"
             cells.append(cell)

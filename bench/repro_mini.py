@@ -35,12 +35,21 @@ SEEDS = (0, 1)
 VOCAB = 300 if SMOKE else 1024
 """BPE vocabulary trained on the training text (our choice); model.vocab_size in base.yaml."""
 SMOKE_VARIANTS = ("per_loop_norm", "per_loop_raw")
-SMOKE_SHAPE = ["model.hidden_size=32", "model.num_heads=2", "model.num_layers=1",
-               "model.vocab_size=300", "data.seq_len=32", "model.max_seq_len=32",
-               "train.steps=4", "train.log_every=2"]
-MEASURE = {"depth": {"loops": [1, 2, 3, 4, 8], "sequences": 8 if SMOKE else 160},
-           "halt": {"calib": 8 if SMOKE else 160, "bench": 8 if SMOKE else 160},
-           "diagnose": {"tokens": 256 if SMOKE else 4096, "rollout": 6 if SMOKE else 30}}
+SMOKE_SHAPE = [
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.num_layers=1",
+    "model.vocab_size=300",
+    "data.seq_len=32",
+    "model.max_seq_len=32",
+    "train.steps=4",
+    "train.log_every=2",
+]
+MEASURE = {
+    "depth": {"loops": [1, 2, 3, 4, 8], "sequences": 8 if SMOKE else 160},
+    "halt": {"calib": 8 if SMOKE else 160, "bench": 8 if SMOKE else 160},
+    "diagnose": {"tokens": 256 if SMOKE else 4096, "rollout": 6 if SMOKE else 30},
+}
 SEQ_LEN = 32 if SMOKE else 128
 """Measurement windows: the models' training context (the study's slice harness used 256)."""
 
@@ -54,8 +63,10 @@ def prepare(work: Path, source: Path, python: str) -> Path:
     """Link the texts, prepare indexed data with a BPE trained on the training text."""
     for name in ("wiki.test.raw", "wiki.valid.raw"):
         if not (source / name).is_file():
-            sys.exit(f"repro_mini: {source / name} is missing; set REPRO_SOURCE to a folder with "
-                     f"wiki.test.raw (trained on) and wiki.valid.raw (evaluated on)")
+            sys.exit(
+                f"repro_mini: {source / name} is missing; set REPRO_SOURCE to a folder with "
+                f"wiki.test.raw (trained on) and wiki.valid.raw (evaluated on)"
+            )
     links = work / "source"
     links.mkdir(parents=True, exist_ok=True)
     for link, target in (("wiki.train.raw", "wiki.test.raw"), ("wiki.valid.raw", "wiki.valid.raw")):
@@ -64,24 +75,46 @@ def prepare(work: Path, source: Path, python: str) -> Path:
             path.unlink()
         path.symlink_to((source / target).resolve())
     data = work / "data"
-    run([python, "-m", "megaloop", "prep", "wikitext103", "--source", str(links), "--tokenizer",
-         f"train:{VOCAB}", "--out", str(data)])
+    run(
+        [
+            python,
+            "-m",
+            "megaloop",
+            "prep",
+            "wikitext103",
+            "--source",
+            str(links),
+            "--tokenizer",
+            f"train:{VOCAB}",
+            "--out",
+            str(data),
+        ]
+    )
     return data
 
 
 def variants() -> list[Path]:
-    names = SMOKE_VARIANTS if SMOKE else sorted(p.stem for p in CONFIGS.glob("*.yaml")
-                                                if p.stem != "base")
+    names = (
+        SMOKE_VARIANTS
+        if SMOKE
+        else sorted(p.stem for p in CONFIGS.glob("*.yaml") if p.stem != "base")
+    )
     return [CONFIGS / f"{name}.yaml" for name in names]
 
 
 def train(work: Path, data: Path, python: str) -> None:
     """Each variant x seed through `megaloop sweep` (skips finished runs), two at a time."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    overrides = [f"data.path={data / 'train'}", f"data.valid_path={data / 'valid'}",
-                 *(SMOKE_SHAPE if SMOKE else [])]
-    jobs = [(config, seed) for config in variants()  # the no-weight-decay pair: one seed
-            for seed in (SEEDS[:1] if config.stem.endswith("no_wd") else SEEDS)]
+    overrides = [
+        f"data.path={data / 'train'}",
+        f"data.valid_path={data / 'valid'}",
+        *(SMOKE_SHAPE if SMOKE else []),
+    ]
+    jobs = [
+        (config, seed)
+        for config in variants()  # the no-weight-decay pair: one seed
+        for seed in (SEEDS[:1] if config.stem.endswith("no_wd") else SEEDS)
+    ]
     jobs.sort(key=lambda job: "no_wd" not in job[0].stem)  # the longest runs first
 
     def one(job):
@@ -89,9 +122,23 @@ def train(work: Path, data: Path, python: str) -> None:
         log = work / "logs" / f"{config.stem}-seed{seed}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "w") as f:
-            code = subprocess.run([python, "-m", "megaloop", "sweep", str(config), "--seeds",
-                                   str(seed), "--root", str(work / "runs"), *overrides],
-                                  stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+            code = subprocess.run(
+                [
+                    python,
+                    "-m",
+                    "megaloop",
+                    "sweep",
+                    str(config),
+                    "--seeds",
+                    str(seed),
+                    "--root",
+                    str(work / "runs"),
+                    *overrides,
+                ],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env=env,
+            ).returncode
         print(f"trained {config.stem} seed {seed}: exit {code} (log {log})", flush=True)
         return code
 
@@ -109,8 +156,12 @@ def measure(work: Path, python: str) -> list[Path]:
 
     def one(run_dir: Path) -> Path:
         out = work / "measure" / run_dir.relative_to(work / "runs")
-        subprocess.run([python, str(Path(__file__)), "--measure", str(run_dir), str(out), valid],
-                       check=True, env=env, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [python, str(Path(__file__)), "--measure", str(run_dir), str(out), valid],
+            check=True,
+            env=env,
+            stdout=subprocess.DEVNULL,
+        )
         print(f"measured {run_dir.relative_to(work)}", flush=True)
         return out
 
@@ -124,12 +175,28 @@ def measure_one(run_dir: Path, out: Path, data: Path) -> None:
     _cpu_compat.apply()
     from megaloop.evaluation import depth, diagnostics, halting
 
-    depth.run(run_dir, data, MEASURE["depth"]["loops"], MEASURE["depth"]["sequences"], SEQ_LEN,
-              out=out)
-    halting.run(run_dir, data, k_max=4, rho=1.01, calib=MEASURE["halt"]["calib"],
-                bench=MEASURE["halt"]["bench"], batch_size=8, seq_len=SEQ_LEN, out=out)
-    diagnostics.run(run_dir, data, tokens=MEASURE["diagnose"]["tokens"], seq_len=SEQ_LEN,
-                    rollout=MEASURE["diagnose"]["rollout"], out=out)
+    depth.run(
+        run_dir, data, MEASURE["depth"]["loops"], MEASURE["depth"]["sequences"], SEQ_LEN, out=out
+    )
+    halting.run(
+        run_dir,
+        data,
+        k_max=4,
+        rho=1.01,
+        calib=MEASURE["halt"]["calib"],
+        bench=MEASURE["halt"]["bench"],
+        batch_size=8,
+        seq_len=SEQ_LEN,
+        out=out,
+    )
+    diagnostics.run(
+        run_dir,
+        data,
+        tokens=MEASURE["diagnose"]["tokens"],
+        seq_len=SEQ_LEN,
+        rollout=MEASURE["diagnose"]["rollout"],
+        out=out,
+    )
 
 
 def main() -> None:
@@ -147,16 +214,39 @@ def main() -> None:
     clock["trained"] = time.time()
     measure(work, python)
     clock["measured"] = time.time()
-    run([python, "-m", "megaloop", "report", str(work / "runs"), str(work / "measure"),
-         "--out", str(out)])
+    run(
+        [
+            python,
+            "-m",
+            "megaloop",
+            "report",
+            str(work / "runs"),
+            str(work / "measure"),
+            "--out",
+            str(out),
+        ]
+    )
     clock["reported"] = time.time()
-    minutes = {f"{a}_to_{b}": round((clock[b] - clock[a]) / 60, 1) for a, b in
-               zip(clock, list(clock)[1:])}
-    (out / "repro_mini.json").write_text(json.dumps({
-        "smoke": SMOKE, "seeds": SEEDS, "bpe_vocab": VOCAB, "measurement_seq_len": SEQ_LEN,
-        "measure": MEASURE, "variants": [v.stem for v in variants()], "minutes": minutes,
-        "total_minutes": round((clock["reported"] - clock["start"]) / 60, 1),
-        "cpus": os.cpu_count()}, indent=1) + "\n")
+    minutes = {
+        f"{a}_to_{b}": round((clock[b] - clock[a]) / 60, 1) for a, b in zip(clock, list(clock)[1:])
+    }
+    (out / "repro_mini.json").write_text(
+        json.dumps(
+            {
+                "smoke": SMOKE,
+                "seeds": SEEDS,
+                "bpe_vocab": VOCAB,
+                "measurement_seq_len": SEQ_LEN,
+                "measure": MEASURE,
+                "variants": [v.stem for v in variants()],
+                "minutes": minutes,
+                "total_minutes": round((clock["reported"] - clock["start"]) / 60, 1),
+                "cpus": os.cpu_count(),
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"repro_mini: {minutes}; report in {out}")
 
 

@@ -11,7 +11,6 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 from datatrove.data import Document, DocumentsPipeline
@@ -38,6 +37,7 @@ def sha256_file(path: Path) -> str:
 
 # -- reading ---------------------------------------------------------------------------------
 
+
 class RobustReader(BaseDiskReader):
     """JSONL (optionally .gz) and parquet files with a `text` field. A record that is not valid
     UTF-8 or JSON is counted and skipped; a file that cannot be read at all is counted, logged
@@ -50,20 +50,29 @@ class RobustReader(BaseDiskReader):
         records = 0
         try:
             if filepath.endswith(".parquet"):
-                for records, document in enumerate(self._parquet(filepath), start=1):
+                for records, document in enumerate(self._parquet(filepath), start=1):  # noqa: B007
                     yield document
             else:
-                for records, document in enumerate(self._jsonl(filepath), start=1):
+                for records, document in enumerate(self._jsonl(filepath), start=1):  # noqa: B007
                     yield document
         except Exception as e:  # a corrupt gzip/parquet stream, a permission error, ...
             self.stat_update("unreadable_files")
-            kept = (f"kept the {records} document(s) read before it" if records else
-                    "nothing of it was kept")
-            print(f"megaloop prep: {filepath}: unreadable ({type(e).__name__}: {e}); {kept}, "
-                  f"skipped the rest", flush=True)
+            kept = (
+                f"kept the {records} document(s) read before it"
+                if records
+                else "nothing of it was kept"
+            )
+            print(
+                f"megaloop prep: {filepath}: unreadable ({type(e).__name__}: {e}); {kept}, "
+                f"skipped the rest",
+                flush=True,
+            )
         for reason, (count, line) in self._bad.items():
-            print(f"megaloop prep: {filepath}: skipped {count} {reason} record(s), the first at "
-                  f"line {line}", flush=True)
+            print(
+                f"megaloop prep: {filepath}: skipped {count} {reason} record(s), the first at "
+                f"line {line}",
+                flush=True,
+            )
 
     def _document(self, record: dict, filepath: str, i: int):
         """The record's Document, or None when its text is missing, empty or not a string."""
@@ -72,8 +81,9 @@ class RobustReader(BaseDiskReader):
         return self.get_document_from_dict(record, filepath, i)
 
     def _skip(self, reason: str, line: int) -> None:
-        self.stat_update({"non-UTF-8": "non_utf8_records",
-                          "invalid JSON": "invalid_json_records"}[reason])
+        self.stat_update(
+            {"non-UTF-8": "non_utf8_records", "invalid JSON": "invalid_json_records"}[reason]
+        )
         entry = self._bad.setdefault(reason, [0, line])
         entry[0] += 1
 
@@ -142,6 +152,7 @@ class BadDocumentGuard(BaseFilter):
 
 # -- tokenizers ------------------------------------------------------------------------------
 
+
 def resolve_tokenizer(spec: str, out: Path, training_text=None) -> Path:
     """A tokenizer.json path for `spec`: a local file, a Hugging Face hub name (downloaded), or
     `train:N` (a byte-level BPE of N tokens trained on `training_text`, saved as
@@ -151,11 +162,14 @@ def resolve_tokenizer(spec: str, out: Path, training_text=None) -> Path:
         try:
             size = int(spec.split(":", 1)[1])
         except ValueError:
-            raise PrepError(f"--tokenizer {spec!r}: use train:N with N an integer, e.g. "
-                            f"train:{DEFAULT_VOCAB}") from None
+            raise PrepError(
+                f"--tokenizer {spec!r}: use train:N with N an integer, e.g. train:{DEFAULT_VOCAB}"
+            ) from None
         if training_text is None:
-            raise PrepError(f"--tokenizer {spec}: training a tokenizer needs the training split; "
-                            f"give a source with wiki.train.raw or pass a tokenizer.json")
+            raise PrepError(
+                f"--tokenizer {spec}: training a tokenizer needs the training split; "
+                f"give a source with wiki.train.raw or pass a tokenizer.json"
+            )
         return train_bpe(training_text, size, out / "tokenizer.json")
     if Path(spec).is_file():
         return Path(spec)
@@ -168,9 +182,11 @@ def resolve_tokenizer(spec: str, out: Path, training_text=None) -> Path:
 
         return Path(hf_hub_download(spec, "tokenizer.json"))
     except Exception as e:
-        raise PrepError(f"--tokenizer {spec!r} is not a file and could not be fetched from the "
-                        f"Hugging Face hub ({type(e).__name__}); pass a tokenizer.json path or "
-                        f"train:N") from None
+        raise PrepError(
+            f"--tokenizer {spec!r} is not a file and could not be fetched from the "
+            f"Hugging Face hub ({type(e).__name__}); pass a tokenizer.json path or "
+            f"train:N"
+        ) from None
 
 
 def train_bpe(texts, vocab_size: int, path: Path) -> Path:
@@ -179,9 +195,12 @@ def train_bpe(texts, vocab_size: int, path: Path) -> Path:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     tokenizer.save(str(path))
     return path
@@ -195,16 +214,19 @@ def load_tokenizer(path: Path):
         return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception for unparsable JSON
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise PrepError(f"--tokenizer {path} is not a Hugging Face tokenizer.json ({reason})"
-                        ) from None
+        raise PrepError(
+            f"--tokenizer {path} is not a Hugging Face tokenizer.json ({reason})"
+        ) from None
 
 
 def eos_id(tokenizer_path: Path, eos: str = EOS) -> int:
     tok = load_tokenizer(tokenizer_path)
     token = tok.token_to_id(eos)
     if token is None:
-        raise PrepError(f"tokenizer {tokenizer_path} has no {eos!r} token to end documents with; "
-                        f"pass --eos-token with one it has")
+        raise PrepError(
+            f"tokenizer {tokenizer_path} has no {eos!r} token to end documents with; "
+            f"pass --eos-token with one it has"
+        )
     return token
 
 
@@ -213,6 +235,7 @@ def token_dtype(vocab_size: int):
 
 
 # -- tokenize and write ----------------------------------------------------------------------
+
 
 class TokenizingStep(PipelineStepWithTokenizer):
     """Tokenizes documents in batches (each followed by EOS) and counts documents and tokens on
@@ -226,8 +249,9 @@ class TokenizingStep(PipelineStepWithTokenizer):
         from datatrove.utils.batching import batched
 
         start, docs, tokens = time.perf_counter(), 0, 0
-        with tqdm(desc=f"{desc} [task {rank}]", unit="doc", position=rank, leave=True,
-                  mininterval=1.0) as bar:
+        with tqdm(
+            desc=f"{desc} [task {rank}]", unit="doc", position=rank, leave=True, mininterval=1.0
+        ) as bar:
             for batch in batched(data, self.batch_size):
                 with self.track_time(unit="batch"):
                     encoded = self.tokenizer.encode_batch([d.text for d in batch])
@@ -249,8 +273,9 @@ class IndexedDatasetWriter(TokenizingStep):
     name = "💾 megatron indexed dataset"
     type = "✍ WRITER"
 
-    def __init__(self, output_dir: str, prefix: str, tokenizer_path: str, dtype: str,
-                 eos_token: str = EOS):
+    def __init__(
+        self, output_dir: str, prefix: str, tokenizer_path: str, dtype: str, eos_token: str = EOS
+    ):
         super().__init__(tokenizer_path, eos_token)
         self.output_dir, self.prefix, self.dtype = output_dir, prefix, dtype
 
@@ -287,6 +312,7 @@ def merge_indexed(output_dir: Path, prefix: str, parts: int, dtype) -> Path:
 
 # -- executors and stats ---------------------------------------------------------------------
 
+
 def make_executor(pipeline: list[PipelineStep], logging_dir: Path, tasks: int, args):
     """datatrove's local or Slurm executor; completion markers in `logging_dir` make a re-run
     resume where the last one stopped (finished tasks are skipped)."""
@@ -294,14 +320,22 @@ def make_executor(pipeline: list[PipelineStep], logging_dir: Path, tasks: int, a
         from datatrove.executor.slurm import SlurmPipelineExecutor
 
         return SlurmPipelineExecutor(
-            pipeline, tasks=tasks, time=args.time, partition=args.partition,
-            cpus_per_task=args.cpus_per_task, job_name=args.job_name,
-            logging_dir=str(logging_dir), max_array_size=args.max_array_size,
-            workers=args.workers, venv_path=_venv_activate())
+            pipeline,
+            tasks=tasks,
+            time=args.time,
+            partition=args.partition,
+            cpus_per_task=args.cpus_per_task,
+            job_name=args.job_name,
+            logging_dir=str(logging_dir),
+            max_array_size=args.max_array_size,
+            workers=args.workers,
+            venv_path=_venv_activate(),
+        )
     from datatrove.executor.local import LocalPipelineExecutor
 
-    return LocalPipelineExecutor(pipeline, tasks=tasks, workers=min(args.workers, tasks),
-                                 logging_dir=str(logging_dir))
+    return LocalPipelineExecutor(
+        pipeline, tasks=tasks, workers=min(args.workers, tasks), logging_dir=str(logging_dir)
+    )
 
 
 def run_pipeline(pipeline: list[PipelineStep], logging_dir: Path, tasks: int, args) -> bool:
@@ -310,14 +344,16 @@ def run_pipeline(pipeline: list[PipelineStep], logging_dir: Path, tasks: int, ar
     executor = make_executor(pipeline, logging_dir, tasks, args)
     executor.run()
     if args.executor == "slurm" and not all(executor.is_rank_completed(r) for r in range(tasks)):
-        print(f"megaloop prep: {tasks} task(s) are queued or running on Slurm (logs in "
-              f"{logging_dir}); run the same command again when they are done to finish",
-              flush=True)
+        print(
+            f"megaloop prep: {tasks} task(s) are queued or running on Slurm (logs in "
+            f"{logging_dir}); run the same command again when they are done to finish",
+            flush=True,
+        )
         return False
     return True
 
 
-def _venv_activate() -> Optional[str]:
+def _venv_activate() -> str | None:
     """This venv's activate script, so array tasks find datatrove's `launch_pickled_pipeline`."""
     script = Path(sys.prefix, "bin", "activate")
     return str(script) if sys.prefix != sys.base_prefix and script.is_file() else None
@@ -330,8 +366,10 @@ def read_stats(logging_dir: Path) -> list:
     if not path.is_file():
         from datatrove.utils.stats import PipelineStats
 
-        parts = [PipelineStats.from_json(json.loads(p.read_text()))
-                 for p in sorted((logging_dir / "stats").glob("*.json"))]
+        parts = [
+            PipelineStats.from_json(json.loads(p.read_text()))
+            for p in sorted((logging_dir / "stats").glob("*.json"))
+        ]
         if not parts:
             return []
         with open(path, "w") as f:

@@ -51,11 +51,22 @@ class PackedShardWriter(TokenizingStep):
     name = "📦 packed webdataset shards"
     type = "✍ WRITER"
 
-    def __init__(self, output_dir: str, tokenizer_path: str, seq_len: int, shard_size: int,
-                 dtype: str, eos_token: str = EOS):
+    def __init__(
+        self,
+        output_dir: str,
+        tokenizer_path: str,
+        seq_len: int,
+        shard_size: int,
+        dtype: str,
+        eos_token: str = EOS,
+    ):
         super().__init__(tokenizer_path, eos_token)
         self.output_dir, self.seq_len, self.shard_size, self.dtype = (
-            output_dir, seq_len, shard_size, dtype)
+            output_dir,
+            seq_len,
+            shard_size,
+            dtype,
+        )
 
     def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         import webdataset as wds
@@ -66,18 +77,20 @@ class PackedShardWriter(TokenizingStep):
             stale.unlink()
         size, buffer, n = self.seq_len + 1, np.empty(0, dtype=np.int64), 0
         counts: dict[str, int] = {}
-        with wds.ShardWriter(str(folder / f"{rank:05d}-%06d.tar"), maxcount=self.shard_size,
-                             verbose=0) as sink:
+        with wds.ShardWriter(
+            str(folder / f"{rank:05d}-%06d.tar"), maxcount=self.shard_size, verbose=0
+        ) as sink:
             for _, ids in self.token_batches(data, rank, "fineweb"):
                 buffer = np.concatenate([buffer, *ids])
                 whole = len(buffer) // size
-                for seq in buffer[:whole * size].reshape(whole, size):
-                    sink.write({"__key__": f"{rank:05d}-{n:09d}",
-                                "tokens.npy": seq.astype(self.dtype)})
+                for seq in buffer[: whole * size].reshape(whole, size):
+                    sink.write(
+                        {"__key__": f"{rank:05d}-{n:09d}", "tokens.npy": seq.astype(self.dtype)}
+                    )
                     shard = Path(sink.fname).name
                     counts[shard] = counts.get(shard, 0) + 1
                     n += 1
-                buffer = buffer[whole * size:]
+                buffer = buffer[whole * size :]
         self.stat_update("sequences", value=n)
         self.stat_update("tail_tokens_dropped", value=len(buffer))
         (folder / f"{rank:05d}.json").write_text(json.dumps(counts))
@@ -97,11 +110,17 @@ def quality_filters(lang_model: str | None, threshold: float) -> list:
         from datatrove.pipeline.filters import FastTextClassifierFilter
 
         if not Path(lang_model).is_file():
-            raise PrepError(f"--lang-model {lang_model}: no such file (a fastText language-ID "
-                            f"model, e.g. lid.176.bin)")
+            raise PrepError(
+                f"--lang-model {lang_model}: no such file (a fastText language-ID "
+                f"model, e.g. lid.176.bin)"
+            )
         steps.append(FastTextClassifierFilter(lang_model, keep_labels=[("en", threshold)]))
-    return steps + [GopherRepetitionFilter(), GopherQualityFilter(),
-                    C4QualityFilter(filter_no_terminal_punct=False), FineWebQualityFilter()]
+    return steps + [
+        GopherRepetitionFilter(),
+        GopherQualityFilter(),
+        C4QualityFilter(filter_no_terminal_punct=False),
+        FineWebQualityFilter(),
+    ]
 
 
 def resolve_source(source: str) -> tuple[str, list[str]]:
@@ -116,11 +135,16 @@ def resolve_source(source: str) -> tuple[str, list[str]]:
     elif source.startswith("hf://") or source.count("/") >= 1:
         folder = source if source.startswith("hf://") else f"hf://datasets/{source}"
     else:
-        raise PrepError(f"--source {source}: no such folder (or give a hub dataset path such as "
-                        f"HuggingFaceFW/fineweb/sample/10BT)")
+        raise PrepError(
+            f"--source {source}: no such folder (or give a hub dataset path such as "
+            f"HuggingFaceFW/fineweb/sample/10BT)"
+        )
     try:
-        files = [f for f in get_datafolder(folder).list_files(recursive=True)
-                 if f.endswith((".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet"))]
+        files = [
+            f
+            for f in get_datafolder(folder).list_files(recursive=True)
+            if f.endswith((".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet"))
+        ]
     except Exception as e:
         raise PrepError(f"--source {source}: cannot list it ({type(e).__name__}: {e})") from None
     if not files:
@@ -144,16 +168,22 @@ def prepare(args) -> dict:
     eos = eos_id(tokenizer, args.eos_token)
     dtype = token_dtype(vocab)
     if len(files) == 1 and args.workers > 1:
-        print(f"megaloop prep: {files[0]} is the only input file: datatrove splits work by file, "
-              f"so one of the {args.workers} workers will be busy; split it into several files "
-              f"to use them all", flush=True)
+        print(
+            f"megaloop prep: {files[0]} is the only input file: datatrove splits work by file, "
+            f"so one of the {args.workers} workers will be busy; split it into several files "
+            f"to use them all",
+            flush=True,
+        )
     start = time.perf_counter()
     logs = out / "logs"
-    pipeline = [RobustReader(folder, paths_file=None, glob_pattern=None, text_key="text"),
-                BadDocumentGuard(args.max_doc_bytes),
-                *quality_filters(args.lang_model, args.lang_threshold),
-                PackedShardWriter(str(out), str(tokenizer), args.seq_len, args.shard_size,
-                                  dtype.__name__, args.eos_token)]
+    pipeline = [
+        RobustReader(folder, paths_file=None, glob_pattern=None, text_key="text"),
+        BadDocumentGuard(args.max_doc_bytes),
+        *quality_filters(args.lang_model, args.lang_threshold),
+        PackedShardWriter(
+            str(out), str(tokenizer), args.seq_len, args.shard_size, dtype.__name__, args.eos_token
+        ),
+    ]
     if not run_pipeline(pipeline, logs, tasks=len(files), args=args):
         return {}
     stats = read_stats(logs)
@@ -162,24 +192,35 @@ def prepare(args) -> dict:
         shards.update(json.loads(counts.read_text()))
     kept = stat(stats, "packed webdataset", "documents")
     if not shards or kept == 0:
-        raise PrepError(f"nothing usable in --source {args.source}: "
-                        f"{stat(stats, 'reader', 'documents')} documents read, none kept (or too "
-                        f"few tokens for one sequence of {args.seq_len + 1})")
+        raise PrepError(
+            f"nothing usable in --source {args.source}: "
+            f"{stat(stats, 'reader', 'documents')} documents read, none kept (or too "
+            f"few tokens for one sequence of {args.seq_len + 1})"
+        )
     manifest = {
-        "source": args.source, "files": files, "seq_len": args.seq_len,
+        "source": args.source,
+        "files": files,
+        "seq_len": args.seq_len,
         "documents_read": stat(stats, "reader", "documents"),
         "unreadable_files": stat(stats, "reader", "unreadable_files"),
         "non_utf8_records": stat(stats, "reader", "non_utf8_records"),
         "invalid_json_records": stat(stats, "reader", "invalid_json_records"),
         "records_without_text": stat(stats, "reader", "records_without_text"),
-        "dropped": _dropped(stats), "documents_kept": kept,
+        "dropped": _dropped(stats),
+        "documents_kept": kept,
         "tokens": stat(stats, "packed webdataset", "tokens"),
         "sequences": sum(shards.values()),
         "tail_tokens_dropped": stat(stats, "packed webdataset", "tail_tokens_dropped"),
-        "shards": dict(sorted(shards.items())), "dtype": dtype.__name__, "vocab_size": vocab,
-        "eos_token": args.eos_token, "eos_id": eos, "tokenizer": str(tokenizer),
+        "shards": dict(sorted(shards.items())),
+        "dtype": dtype.__name__,
+        "vocab_size": vocab,
+        "eos_token": args.eos_token,
+        "eos_id": eos,
+        "tokenizer": str(tokenizer),
         "tokenizer_sha256": sha256_file(tokenizer),
-        "seconds": round(time.perf_counter() - start, 2), "datatrove_stats": stats}
+        "seconds": round(time.perf_counter() - start, 2),
+        "datatrove_stats": stats,
+    }
     write_manifest(out / "manifest.json", manifest)
     return manifest
 
@@ -192,7 +233,8 @@ def _dropped(stats: list) -> dict:
             continue
         name = step["name"].split(":", 1)[1].strip()
         values = {k: (v["total"] if isinstance(v, dict) else v) for k, v in step["stats"].items()}
-        dropped[name] = {"total": int(values.get("dropped", 0)),
-                         **{k[len("dropped_"):]: int(v) for k, v in values.items()
-                            if k.startswith("dropped_")}}
+        dropped[name] = {
+            "total": int(values.get("dropped", 0)),
+            **{k[len("dropped_") :]: int(v) for k, v in values.items() if k.startswith("dropped_")},
+        }
     return dropped

@@ -50,12 +50,15 @@ def split_articles(text: str) -> list[str]:
     blank lines; a formula such as ` = 1 rad / s = ` inside a paragraph is not one) to the
     next; text before the first heading is kept only if it is not blank."""
     lines = text.splitlines(keepends=True)
-    starts = [i for i, line in enumerate(lines) if HEADING.match(line.rstrip("\r\n"))
-              and _blank(lines, i - 1) and _blank(lines, i + 1)]
+    starts = [
+        i
+        for i, line in enumerate(lines)
+        if HEADING.match(line.rstrip("\r\n")) and _blank(lines, i - 1) and _blank(lines, i + 1)
+    ]
     if not starts:
         return [text] if text.strip() else []
     articles = ["".join(lines[a:b]) for a, b in zip(starts, starts[1:] + [len(lines)])]
-    head = "".join(lines[:starts[0]])
+    head = "".join(lines[: starts[0]])
     return ([head] if head.strip() else []) + articles
 
 
@@ -75,15 +78,19 @@ class WikiTextReader(PipelineStep):
         super().__init__()
         self.path, self.split = path, split
 
-    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1
-            ) -> DocumentsPipeline:
+    def run(
+        self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1
+    ) -> DocumentsPipeline:
         for i, article in enumerate(split_articles(read_raw(Path(self.path)))):
             try:
                 article.encode("utf-8")
             except UnicodeEncodeError:
                 self.stat_update("non_utf8_documents")
-                print(f"megaloop prep: {self.path}: skipping {self.split} article {i}: not "
-                      f"valid UTF-8", flush=True)
+                print(
+                    f"megaloop prep: {self.path}: skipping {self.split} article {i}: not "
+                    f"valid UTF-8",
+                    flush=True,
+                )
                 continue
             self.stat_update("documents")
             title = article.strip().splitlines()[0].strip(" =") if article.strip() else ""
@@ -96,12 +103,15 @@ def fetch_from_hub(out: Path) -> Path:
         import pyarrow.parquet as pq
         from huggingface_hub import snapshot_download
 
-        folder = Path(snapshot_download(HUB_DATASET, repo_type="dataset",
-                                        allow_patterns=f"{HUB_CONFIG}/*"))
+        folder = Path(
+            snapshot_download(HUB_DATASET, repo_type="dataset", allow_patterns=f"{HUB_CONFIG}/*")
+        )
     except Exception as e:
-        raise PrepError(f"could not fetch {HUB_DATASET} ({HUB_CONFIG}) from the Hugging Face hub "
-                        f"({type(e).__name__}: {e}); pass --source with a folder holding "
-                        f"wiki.train.raw / wiki.valid.raw / wiki.test.raw") from None
+        raise PrepError(
+            f"could not fetch {HUB_DATASET} ({HUB_CONFIG}) from the Hugging Face hub "
+            f"({type(e).__name__}: {e}); pass --source with a folder holding "
+            f"wiki.train.raw / wiki.valid.raw / wiki.test.raw"
+        ) from None
     source = out / "source"
     source.mkdir(parents=True, exist_ok=True)
     names = {"train": "train", "valid": "validation", "test": "test"}
@@ -118,15 +128,15 @@ def source_files(source: str, out: Path) -> dict[str, Path]:
     folder = Path(source)
     if not folder.exists():
         if source != HUB_DATASET:
-            raise PrepError(f"--source {source}: no such folder (or use {HUB_DATASET} for the "
-                            f"hub)")
+            raise PrepError(f"--source {source}: no such folder (or use {HUB_DATASET} for the hub)")
         folder = fetch_from_hub(out)
     if folder.is_file():
         raise PrepError(f"--source {source} is a file; give the folder that holds wiki.*.raw")
     files = {s: folder / f"wiki.{s}.raw" for s in SPLITS if (folder / f"wiki.{s}.raw").is_file()}
     if not files:
-        raise PrepError(f"--source {folder} holds none of wiki.train.raw, wiki.valid.raw, "
-                        f"wiki.test.raw")
+        raise PrepError(
+            f"--source {folder} holds none of wiki.train.raw, wiki.valid.raw, wiki.test.raw"
+        )
     return files
 
 
@@ -137,8 +147,9 @@ def prepare(args) -> dict:
     files = source_files(args.source, out)
     training_text = None
     if args.tokenizer.startswith("train:") and "train" in files:
-        training_text = (a for a in split_articles(read_raw(files["train"]))
-                         if _is_utf8(a) and a.strip())
+        training_text = (
+            a for a in split_articles(read_raw(files["train"])) if _is_utf8(a) and a.strip()
+        )
     if args.tokenizer.startswith("train:") and (out / "tokenizer.json").is_file():
         tokenizer = out / "tokenizer.json"  # trained by an earlier run: resume with it
     else:
@@ -156,9 +167,11 @@ def prepare(args) -> dict:
         manifest_path.unlink(missing_ok=True)
         start = time.perf_counter()
         logs = out / "logs" / split
-        pipeline = [WikiTextReader(str(path), split), BadDocumentGuard(args.max_doc_bytes),
-                    IndexedDatasetWriter(str(out), split, str(tokenizer), dtype.__name__,
-                                         args.eos_token)]
+        pipeline = [
+            WikiTextReader(str(path), split),
+            BadDocumentGuard(args.max_doc_bytes),
+            IndexedDatasetWriter(str(out), split, str(tokenizer), dtype.__name__, args.eos_token),
+        ]
         if not run_pipeline(pipeline, logs, tasks=1, args=args):
             pending.append(split)
             continue
@@ -169,24 +182,41 @@ def prepare(args) -> dict:
                 (out / f"{split}_00000{ext}").unlink(missing_ok=True)
             print(f"megaloop prep: {split}: no usable documents in {path}; skipped", flush=True)
             continue
-        prefix = merge_indexed(out, split, parts=1, dtype=dtype) if (
-            out / f"{split}_00000.bin").is_file() else out / split
+        prefix = (
+            merge_indexed(out, split, parts=1, dtype=dtype)
+            if (out / f"{split}_00000.bin").is_file()
+            else out / split
+        )
         manifests[split] = manifest = {
-            "split": split, "prefix": str(prefix), "documents": kept,
+            "split": split,
+            "prefix": str(prefix),
+            "documents": kept,
             "tokens": stat(stats, "indexed dataset", "tokens"),
-            "dropped": {k: stat(stats, "guard", f"dropped_{k}")
-                        for k in ("empty", "too_long", "binary")},
+            "dropped": {
+                k: stat(stats, "guard", f"dropped_{k}") for k in ("empty", "too_long", "binary")
+            },
             "non_utf8_documents": stat(stats, "wikitext articles", "non_utf8_documents"),
-            "dtype": dtype.__name__, "vocab_size": vocab,
-            "eos_token": args.eos_token, "eos_id": eos_id(tokenizer, args.eos_token),
-            "tokenizer": str(tokenizer), "tokenizer_sha256": sha256_file(tokenizer),
-            "source": str(path), "source_sha256": sha256_file(path),
-            "seconds": round(time.perf_counter() - start, 2), "datatrove_stats": stats}
+            "dtype": dtype.__name__,
+            "vocab_size": vocab,
+            "eos_token": args.eos_token,
+            "eos_id": eos_id(tokenizer, args.eos_token),
+            "tokenizer": str(tokenizer),
+            "tokenizer_sha256": sha256_file(tokenizer),
+            "source": str(path),
+            "source_sha256": sha256_file(path),
+            "seconds": round(time.perf_counter() - start, 2),
+            "datatrove_stats": stats,
+        }
         write_manifest(manifest_path, manifest)
-    if not manifests and not pending and not any((out / f"{s}.manifest.json").is_file()
-                                                 for s in files):
-        raise PrepError(f"nothing usable in --source {args.source}: every split was empty or "
-                        f"all its documents were dropped")
+    if (
+        not manifests
+        and not pending
+        and not any((out / f"{s}.manifest.json").is_file() for s in files)
+    ):
+        raise PrepError(
+            f"nothing usable in --source {args.source}: every split was empty or "
+            f"all its documents were dropped"
+        )
     return manifests
 
 

@@ -14,8 +14,8 @@ import functools
 import importlib
 import inspect
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -53,8 +53,9 @@ class _TorchOnCPU(types.ModuleType):
 
     cuda = _CUDA_ON_CPU
     zeros, ones, empty, full, tensor, empty_like = (
-        staticmethod(_on_cpu(f)) for f in (torch.zeros, torch.ones, torch.empty, torch.full,
-                                           torch.tensor, torch.empty_like))
+        staticmethod(_on_cpu(f))
+        for f in (torch.zeros, torch.ones, torch.empty, torch.full, torch.tensor, torch.empty_like)
+    )
 
     def __getattr__(self, name):
         return getattr(torch, name)
@@ -134,7 +135,11 @@ def _set(target, name: str, value) -> Callable[[], None]:
     dotted name."""
 
     def apply():
-        owner = importlib.import_module(f"megatron.core.{target}") if isinstance(target, str) else target
+        owner = (
+            importlib.import_module(f"megatron.core.{target}")
+            if isinstance(target, str)
+            else target
+        )
         *path, attr = name.split(".")
         for part in path:
             owner = getattr(owner, part)
@@ -144,60 +149,131 @@ def _set(target, name: str, value) -> Callable[[], None]:
 
 
 PATCHES = [
-    Patch("~175 call sites, e.g. models/common/embeddings/rotary_pos_embedding.py:162, "
-          "tensor_parallel/layers.py:261, pipeline_parallel/p2p_communication.py:190",
-          "device=torch.cuda.current_device()",
-          _set(torch.cuda, "current_device", _CUDA_ON_CPU.current_device)),
-    Patch("pipeline_parallel/p2p_communication.py:242,398; distributed/distributed_data_parallel.py:588",
-          "torch.cuda.synchronize()", _set(torch.cuda, "synchronize", _CUDA_ON_CPU.synchronize)),
-    Patch("tensor_parallel/random.py:41-111 (_get_cuda_rng_state, _set_cuda_rng_state), "
-          "235-240 and 422 (torch.cuda.get_rng_state/manual_seed)",
-          "the CUDA RNG tracker: it tracks the CPU generator instead",
-          _module_torch("tensor_parallel.random")),
-    Patch("tensor_parallel/random.py:41", "_get_cuda_rng_state(...)",
-          _set("tensor_parallel.random", "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())),
-    Patch("tensor_parallel/random.py:72", "_set_cuda_rng_state(new_state, ...)",
-          _set("tensor_parallel.random", "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))),
-    Patch("pipeline_parallel/schedules.py:596,983,2138", "total_num_tokens = torch.zeros(..., device='cuda')",
-          _module_torch("pipeline_parallel.schedules")),
-    Patch("optimizer/optimizer.py:473,481,485,907", "torch.tensor(..., device='cuda')",
-          _module_torch("optimizer.optimizer")),
-    Patch("optimizer/clip_grads.py:90,103,115,174,207", "torch.tensor/zeros(..., device='cuda')",
-          _module_torch("optimizer.clip_grads")),
-    Patch("tensor_parallel/layers.py:68-69 (applied at 335, 347, 447, 494)",
-          "custom_fwd = partial(torch.amp.custom_fwd, device_type='cuda'), same for custom_bwd",
-          _cpu_autocast_functions("LinearWithFrozenWeight",
-                                  "LinearWithGradAccumulationAndAsyncCommunication")),
-    Patch("utils.py:1207 (local_multi_tensor_l2_norm, used for the gradient norm)",
-          "l2_cuda = torch.tensor([...], device='cuda')", _module_torch("utils")),
-    Patch("optimizer/grad_scaler.py:15,88,91,94", "torch.tensor(..., device='cuda')",
-          _module_torch("optimizer.grad_scaler")),
-    Patch("distributed/param_and_grad_buffer.py:768", "torch.zeros([1], device='cuda')",
-          _module_torch("distributed.param_and_grad_buffer")),
-    Patch("transformer/utils.py:35,40", "torch.ones(sq, sq, device='cuda') (causal masks)",
-          _module_torch("transformer.utils")),
-    Patch("rerun_state_machine.py:261,265", "torch.tensor(value, device='cuda')",
-          _module_torch("rerun_state_machine")),
-    Patch("dist_checkpointing/strategies/state_dict_saver.py:204", "torch.tensor(..., device='cuda')",
-          _module_torch("dist_checkpointing.strategies.state_dict_saver")),
-    Patch("dist_checkpointing/exchange_utils.py:98-110,326,336,499",
-          "init_data('cuda') / torch.empty(..., device='cuda') / .cuda()",
-          _module_torch("dist_checkpointing.exchange_utils")),
-    Patch("models/common/language_module/language_module.py:244", "weight.data = weight.data.cuda()",
-          _run_with_cpu_tensors_as_cuda("models.common.language_module.language_module",
-                                        "LanguageModule.setup_embeddings_and_output_layer")),
-    Patch("optimizer/optimizer.py:671,690", "param.type() == 'torch.cuda.FloatTensor'",
-          _run_with_cpu_tensors_as_cuda("optimizer.optimizer",
-                                        "Float16OptimizerWithFloat16Params.__init__")),
-    Patch("optimizer/clip_grads.py:167 (as imported by optimizer/optimizer.py:50)", "assert param.grad.type() == 'torch.cuda.FloatTensor'",
-          _run_with_cpu_tensors_as_cuda("optimizer.optimizer", "clip_grad_by_total_norm_fp32")),
-    Patch("optimizer/distrib_optimizer.py:361,420", "model_param.type() == 'torch.cuda.FloatTensor'",
-          _run_with_cpu_tensors_as_cuda("optimizer.distrib_optimizer",
-                                        "DistributedOptimizer._build_model_and_main_param_groups")),
-    Patch("optimizer/distrib_optimizer.py:1089 (fully reshardable checkpoints)",
-          "send_tensor = send_tensor.cuda()",
-          _run_with_cpu_tensors_as_cuda("optimizer.distrib_optimizer",
-                                        "DistributedOptimizer.get_parameter_state_dp_zero")),
+    Patch(
+        "~175 call sites, e.g. models/common/embeddings/rotary_pos_embedding.py:162, "
+        "tensor_parallel/layers.py:261, pipeline_parallel/p2p_communication.py:190",
+        "device=torch.cuda.current_device()",
+        _set(torch.cuda, "current_device", _CUDA_ON_CPU.current_device),
+    ),
+    Patch(
+        "pipeline_parallel/p2p_communication.py:242,398; "
+        "distributed/distributed_data_parallel.py:588",
+        "torch.cuda.synchronize()",
+        _set(torch.cuda, "synchronize", _CUDA_ON_CPU.synchronize),
+    ),
+    Patch(
+        "tensor_parallel/random.py:41-111 (_get_cuda_rng_state, _set_cuda_rng_state), "
+        "235-240 and 422 (torch.cuda.get_rng_state/manual_seed)",
+        "the CUDA RNG tracker: it tracks the CPU generator instead",
+        _module_torch("tensor_parallel.random"),
+    ),
+    Patch(
+        "tensor_parallel/random.py:41",
+        "_get_cuda_rng_state(...)",
+        _set(
+            "tensor_parallel.random", "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()
+        ),
+    ),
+    Patch(
+        "tensor_parallel/random.py:72",
+        "_set_cuda_rng_state(new_state, ...)",
+        _set(
+            "tensor_parallel.random",
+            "_set_cuda_rng_state",
+            lambda state, *a, **k: torch.set_rng_state(state),
+        ),
+    ),
+    Patch(
+        "pipeline_parallel/schedules.py:596,983,2138",
+        "total_num_tokens = torch.zeros(..., device='cuda')",
+        _module_torch("pipeline_parallel.schedules"),
+    ),
+    Patch(
+        "optimizer/optimizer.py:473,481,485,907",
+        "torch.tensor(..., device='cuda')",
+        _module_torch("optimizer.optimizer"),
+    ),
+    Patch(
+        "optimizer/clip_grads.py:90,103,115,174,207",
+        "torch.tensor/zeros(..., device='cuda')",
+        _module_torch("optimizer.clip_grads"),
+    ),
+    Patch(
+        "tensor_parallel/layers.py:68-69 (applied at 335, 347, 447, 494)",
+        "custom_fwd = partial(torch.amp.custom_fwd, device_type='cuda'), same for custom_bwd",
+        _cpu_autocast_functions(
+            "LinearWithFrozenWeight", "LinearWithGradAccumulationAndAsyncCommunication"
+        ),
+    ),
+    Patch(
+        "utils.py:1207 (local_multi_tensor_l2_norm, used for the gradient norm)",
+        "l2_cuda = torch.tensor([...], device='cuda')",
+        _module_torch("utils"),
+    ),
+    Patch(
+        "optimizer/grad_scaler.py:15,88,91,94",
+        "torch.tensor(..., device='cuda')",
+        _module_torch("optimizer.grad_scaler"),
+    ),
+    Patch(
+        "distributed/param_and_grad_buffer.py:768",
+        "torch.zeros([1], device='cuda')",
+        _module_torch("distributed.param_and_grad_buffer"),
+    ),
+    Patch(
+        "transformer/utils.py:35,40",
+        "torch.ones(sq, sq, device='cuda') (causal masks)",
+        _module_torch("transformer.utils"),
+    ),
+    Patch(
+        "rerun_state_machine.py:261,265",
+        "torch.tensor(value, device='cuda')",
+        _module_torch("rerun_state_machine"),
+    ),
+    Patch(
+        "dist_checkpointing/strategies/state_dict_saver.py:204",
+        "torch.tensor(..., device='cuda')",
+        _module_torch("dist_checkpointing.strategies.state_dict_saver"),
+    ),
+    Patch(
+        "dist_checkpointing/exchange_utils.py:98-110,326,336,499",
+        "init_data('cuda') / torch.empty(..., device='cuda') / .cuda()",
+        _module_torch("dist_checkpointing.exchange_utils"),
+    ),
+    Patch(
+        "models/common/language_module/language_module.py:244",
+        "weight.data = weight.data.cuda()",
+        _run_with_cpu_tensors_as_cuda(
+            "models.common.language_module.language_module",
+            "LanguageModule.setup_embeddings_and_output_layer",
+        ),
+    ),
+    Patch(
+        "optimizer/optimizer.py:671,690",
+        "param.type() == 'torch.cuda.FloatTensor'",
+        _run_with_cpu_tensors_as_cuda(
+            "optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__"
+        ),
+    ),
+    Patch(
+        "optimizer/clip_grads.py:167 (as imported by optimizer/optimizer.py:50)",
+        "assert param.grad.type() == 'torch.cuda.FloatTensor'",
+        _run_with_cpu_tensors_as_cuda("optimizer.optimizer", "clip_grad_by_total_norm_fp32"),
+    ),
+    Patch(
+        "optimizer/distrib_optimizer.py:361,420",
+        "model_param.type() == 'torch.cuda.FloatTensor'",
+        _run_with_cpu_tensors_as_cuda(
+            "optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups"
+        ),
+    ),
+    Patch(
+        "optimizer/distrib_optimizer.py:1089 (fully reshardable checkpoints)",
+        "send_tensor = send_tensor.cuda()",
+        _run_with_cpu_tensors_as_cuda(
+            "optimizer.distrib_optimizer", "DistributedOptimizer.get_parameter_state_dp_zero"
+        ),
+    ),
 ]
 
 _applied = False
@@ -215,8 +291,10 @@ def apply() -> None:
         raise RuntimeError(
             f"megaloop's CPU compatibility layer was tested with megatron-core "
             f"{TESTED_MEGATRON_CORE}, but {version} is installed; its patches name that "
-            f"version's lines. Install megatron-core=={TESTED_MEGATRON_CORE} (see requirements.txt), "
-            f"or run on a CUDA machine.")
+            f"version's lines. Install megatron-core=={TESTED_MEGATRON_CORE} (see "
+            f"requirements.txt), "
+            f"or run on a CUDA machine."
+        )
     for patch in PATCHES:
         patch.apply()
     _applied = True

@@ -45,15 +45,18 @@ class Config:
     """Base for every config section: strict construction from dicts, and `validate()`."""
 
     @classmethod
-    def from_dict(cls, data: dict, prefix: str = "") -> "Config":
+    def from_dict(cls, data: dict, prefix: str = "") -> Config:
         if not isinstance(data, dict):
             fail(prefix.rstrip(".") or "<root>", data, "expected a mapping of keys to values")
         fields = {f.name: f for f in dataclasses.fields(cls)}
         hints = typing.get_type_hints(cls)
         unknown = sorted((k for k in data if k not in fields), key=str)  # YAML keys may be 1, null
         if unknown:
-            fail(prefix + str(unknown[0]), data[unknown[0]],
-                 f"unknown key; allowed keys here: {', '.join(sorted(fields))}")
+            fail(
+                prefix + str(unknown[0]),
+                data[unknown[0]],
+                f"unknown key; allowed keys here: {', '.join(sorted(fields))}",
+            )
         kwargs = {name: _coerce(hints[name], value, prefix + name) for name, value in data.items()}
         cfg = cls(**kwargs)
         cfg.validate(prefix)
@@ -99,7 +102,7 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
             fail(key, value, "expected an integer")
-        if not -2**63 <= value < 2**63:
+        if not -(2**63) <= value < 2**63:
             fail(key, value, "out of range: expected an integer that fits 64 bits")
         return value
     if hint is float:
@@ -124,8 +127,9 @@ def _describe(hint: Any) -> str:
     """What a value of `hint` looks like, for error messages."""
     if typing.get_origin(hint) is Literal:
         return " or ".join(repr(a) for a in typing.get_args(hint))
-    return {bool: "true or false", int: "an integer", float: "a number",
-            str: "a string"}.get(hint, getattr(hint, "__name__", str(hint)))
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+        hint, getattr(hint, "__name__", str(hint))
+    )
 
 
 def check(cond: bool, key: str, value: Any, allowed: str) -> None:
@@ -147,7 +151,9 @@ def flatten(config: dict, prefix: str = "") -> dict:
 def _deep_merge(base: dict, update: dict) -> dict:
     out = dict(base)
     for k, v in update.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = (
+            _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        )
     return out
 
 
@@ -155,8 +161,10 @@ def _resolve(ref: str, relative_to: Path) -> Path:
     for candidate in (relative_to / ref, CONFIG_ROOT / ref, Path(ref)):
         if candidate.is_file():
             return candidate
-    raise ConfigError(f"config file '{ref}' (from {relative_to}) not found; looked beside it, "
-                      f"in {CONFIG_ROOT} and in the working directory")
+    raise ConfigError(
+        f"config file '{ref}' (from {relative_to}) not found; looked beside it, "
+        f"in {CONFIG_ROOT} and in the working directory"
+    )
 
 
 def read_yaml(path: Path, _seen: tuple = ()) -> dict:
@@ -171,20 +179,24 @@ def read_yaml(path: Path, _seen: tuple = ()) -> dict:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
-        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}, line {line}); "
-                          f"save it as UTF-8") from None
+        line = raw[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte {e.start}, line {line}); save it as UTF-8"
+        ) from None
     try:
         data = yaml.safe_load(text) or {}
     except (yaml.YAMLError, ValueError) as e:  # ValueError: an integer of > 4300 digits
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(data).__name__}")
+        raise ConfigError(
+            f"config file {path} must hold a mapping of keys, not {type(data).__name__}"
+        )
     merged: dict = {}
     defaults = data.pop("defaults", []) or []
     if not isinstance(defaults, list) or not all(isinstance(r, str) and r for r in defaults):
-        raise ConfigError(f"config file {path}: 'defaults' must be a list of YAML file names, "
-                          f"got {defaults!r}")
+        raise ConfigError(
+            f"config file {path}: 'defaults' must be a list of YAML file names, got {defaults!r}"
+        )
     for ref in defaults:
         merged = _deep_merge(merged, read_yaml(_resolve(str(ref), path.parent), _seen + (path,)))
     return _deep_merge(merged, data)
@@ -199,9 +211,11 @@ def parse_override(text: str) -> dict:
         value = yaml.safe_load(raw) if raw != "" else ""
     except (yaml.YAMLError, ValueError) as e:  # ValueError: an integer of > 4300 digits
         problem = str(getattr(e, "problem", None) or e).splitlines()[0]
-        raise ConfigError(f"config key '{key}': the value {raw!r} of override {text!r} is not "
-                          f"valid YAML ({problem}); give a number, true/false, a string or a "
-                          f"[list]") from None
+        raise ConfigError(
+            f"config key '{key}': the value {raw!r} of override {text!r} is not "
+            f"valid YAML ({problem}); give a number, true/false, a string or a "
+            f"[list]"
+        ) from None
     for part in reversed(key.split(".")):
         value = {part: value}
     return value

@@ -1,13 +1,13 @@
 """The root config of a run: one section per component, checked together before any compute.
 
-    model:     ModelConfig       (megaloop/model/looped.py)
-    objective: ObjectiveConfig   (megaloop/objectives.py)
-    data:      DataConfig        (megaloop/data/__init__.py)
-    optim:     OptimConfig       (megaloop/train/optim.py)
-    train:     TrainConfig       (megaloop/train/trainer.py)
-    parallel:  ParallelConfig    (megaloop/parallel/layout.py)
-    engine:    megatron | deepspeed, with deepspeed: DeepSpeedConfig (megaloop/parallel/deepspeed.py)
-    wandb:     WandbConfig       (megaloop/train/metrics.py)
+model:     ModelConfig       (megaloop/model/looped.py)
+objective: ObjectiveConfig   (megaloop/objectives.py)
+data:      DataConfig        (megaloop/data/__init__.py)
+optim:     OptimConfig       (megaloop/train/optim.py)
+train:     TrainConfig       (megaloop/train/trainer.py)
+parallel:  ParallelConfig    (megaloop/parallel/layout.py)
+engine:    megatron | deepspeed, with deepspeed: DeepSpeedConfig (megaloop/parallel/deepspeed.py)
+wandb:     WandbConfig       (megaloop/train/metrics.py)
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 from megaloop import config as config_lib
 from megaloop.config import CONFIG_ROOT, Config, ConfigError, check, flatten
@@ -45,34 +45,66 @@ class ExperimentConfig(Config):
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
     def validate(self, prefix: str = "") -> None:
-        check(self.engine == "megatron" or self.parallel.pp == 1, "parallel.pp", self.parallel.pp,
-              "engine=deepspeed runs ZeRO stage 0-3 over DP with megatron-core TP and no "
-              "pipeline (DeepSpeed refuses ZeRO-2/3 with pipelines). Supported: engine=megatron "
-              "with any parallel.tp x parallel.pp x DP, or engine=deepspeed with parallel.pp=1")
-        check(not self.objective.gated or self.model.exit_gate,
-              "model.exit_gate", self.model.exit_gate,
-              f"objective.kind={self.objective.kind} needs the exit gate: set "
-              f"model.exit_gate=true")
-        check(self.data.seq_len <= self.model.max_seq_len, "data.seq_len", self.data.seq_len,
-              f"must be <= model.max_seq_len={self.model.max_seq_len}")
-        check(self.train.nonfinite == "stop" or self.engine == "megatron", "train.nonfinite",
-              self.train.nonfinite, "skip needs engine=megatron (skipping a DeepSpeed update "
-              "would desynchronise its gradient accumulation); use train.nonfinite=stop")
-        check(self.train.init_from is None or self.engine == "megatron", "train.init_from",
-              self.train.init_from, "is read by engine=megatron only (megatron-core dist "
-              "checkpoints, any layout); start from it with engine=megatron")
-        check(self.train.eval_batches != "all" or self.data.kind != "synthetic",
-              "train.eval_batches", "all", "data.kind=synthetic has no finite validation split; "
-              "give a number of micro-batches, e.g. train.eval_batches=16")
+        check(
+            self.engine == "megatron" or self.parallel.pp == 1,
+            "parallel.pp",
+            self.parallel.pp,
+            "engine=deepspeed runs ZeRO stage 0-3 over DP with megatron-core TP and no "
+            "pipeline (DeepSpeed refuses ZeRO-2/3 with pipelines). Supported: engine=megatron "
+            "with any parallel.tp x parallel.pp x DP, or engine=deepspeed with parallel.pp=1",
+        )
+        check(
+            not self.objective.gated or self.model.exit_gate,
+            "model.exit_gate",
+            self.model.exit_gate,
+            f"objective.kind={self.objective.kind} needs the exit gate: set model.exit_gate=true",
+        )
+        check(
+            self.data.seq_len <= self.model.max_seq_len,
+            "data.seq_len",
+            self.data.seq_len,
+            f"must be <= model.max_seq_len={self.model.max_seq_len}",
+        )
+        check(
+            self.train.nonfinite == "stop" or self.engine == "megatron",
+            "train.nonfinite",
+            self.train.nonfinite,
+            "skip needs engine=megatron (skipping a DeepSpeed update "
+            "would desynchronise its gradient accumulation); use train.nonfinite=stop",
+        )
+        check(
+            self.train.init_from is None or self.engine == "megatron",
+            "train.init_from",
+            self.train.init_from,
+            "is read by engine=megatron only (megatron-core dist "
+            "checkpoints, any layout); start from it with engine=megatron",
+        )
+        check(
+            self.train.eval_batches != "all" or self.data.kind != "synthetic",
+            "train.eval_batches",
+            "all",
+            "data.kind=synthetic has no finite validation split; "
+            "give a number of micro-batches, e.g. train.eval_batches=16",
+        )
         # The layout against the model and the batch: every world is TP x PP x DP, and what
         # DP=1 rules out no DP allows, so a contradiction fails here, naming the key, not when
         # the ranks have started (the world's own checks stay in build_trainer).
         data_parallel_size(self, self.parallel.tp * self.parallel.pp)
 
 
-RESUMABLE = ("train.steps", "train.dir", "train.log_every", "train.eval_every",
-             "train.eval_batches", "train.save_every", "train.keep_last", "train.scale_alarm",
-             "parallel", "deepspeed.zero_stage", "wandb")
+RESUMABLE = (
+    "train.steps",
+    "train.dir",
+    "train.log_every",
+    "train.eval_every",
+    "train.eval_batches",
+    "train.save_every",
+    "train.keep_last",
+    "train.scale_alarm",
+    "parallel",
+    "deepspeed.zero_stage",
+    "wandb",
+)
 """Config keys (or sections) that may change when a run resumes: its length, cadence and
 monitoring, and the layout (checkpoints reshard; `slurm submit` rewrites it). Any other
 difference from the checkpoint's saved config stops the resume."""
@@ -100,19 +132,25 @@ def default_run_dir(path, seed: int) -> Path:
     return Path("runs", resolved.stem, f"seed{seed}")
 
 
-def resolve_steps(cfg: ExperimentConfig) -> Optional[str]:
+def resolve_steps(cfg: ExperimentConfig) -> str | None:
     """Fill in train.steps from data.epochs when it is not given; an explicit train.steps wins.
     Returns a note for the log when both were given."""
     if cfg.data.epochs is None:
-        check(cfg.train.steps is not None, "train.steps", None,
-              "set the number of optimizer steps (or data.epochs, for indexed data)")
+        check(
+            cfg.train.steps is not None,
+            "train.steps",
+            None,
+            "set the number of optimizer steps (or data.epochs, for indexed data)",
+        )
         return None
     epoch_steps = cfg.data.steps_for_epochs(cfg.train.global_batch_size)
     if cfg.train.steps is None:
         cfg.train.steps = epoch_steps
         return None
-    return (f"train.steps={cfg.train.steps} is given, so it is used: data.epochs="
-            f"{cfg.data.epochs} ({epoch_steps} steps) is ignored")
+    return (
+        f"train.steps={cfg.train.steps} is given, so it is used: data.epochs="
+        f"{cfg.data.epochs} ({epoch_steps} steps) is ignored"
+    )
 
 
 def config_changes(saved: dict, requested: dict) -> list[str]:
@@ -141,7 +179,8 @@ def check_resume(cfg: ExperimentConfig) -> None:
             f"train.dir={cfg.train.dir} holds a run with another config (checkpoint "
             f"{folder.name}); it would resume with {len(changes)} changed key(s): "
             f"{'; '.join(changes)}. Resume it with its own values, or give another train.dir "
-            f"(keys that may change on resume: {', '.join(RESUMABLE)})")
+            f"(keys that may change on resume: {', '.join(RESUMABLE)})"
+        )
     if meta["engine"] == "deepspeed":
         check_deepspeed_layout(cfg, meta["layout"], folder)
 
@@ -155,15 +194,19 @@ def check_deepspeed_layout(cfg: ExperimentConfig, saved: dict, folder: Path) -> 
     dp = layout.data_parallel_size(cfg, distributed.world_size())
     now = {"tp": cfg.parallel.tp, "dp": dp, "zero_stage": cfg.deepspeed.zero_stage}
     was = {key: saved.get(key) for key in now}
-    if now["tp"] != was["tp"] or now["dp"] != was["dp"] or (
-            (now["zero_stage"] == 3) != (was["zero_stage"] == 3)):
+    if (
+        now["tp"] != was["tp"]
+        or now["dp"] != was["dp"]
+        or ((now["zero_stage"] == 3) != (was["zero_stage"] == 3))
+    ):
         raise ConfigError(
             f"{folder} is a DeepSpeed checkpoint of TP={was['tp']} DP={was['dp']} "
             f"ZeRO-{was['zero_stage']}; this launch is TP={now['tp']} DP={now['dp']} "
             f"ZeRO-{now['zero_stage']}. DeepSpeed resumes only in its own TP and DP (ZeRO-1 and "
             f"2 are interchangeable, 3 is not): relaunch with {was['dp'] * was['tp']} ranks, "
             f"parallel.tp={was['tp']} and a ZeRO stage of its kind; engine=megatron "
-            f"checkpoints are the ones that reshard")
+            f"checkpoints are the ones that reshard"
+        )
 
 
 INIT_FREE = ("max_seq_len", "attention", "init_std", "damping_init")
@@ -179,16 +222,24 @@ def check_init_from(cfg: ExperimentConfig) -> None:
     except ValueError as e:
         raise ConfigError(f"config key 'train.init_from': {e}") from None
     meta = checkpoint.read_meta(folder)
-    check(meta["engine"] == "megatron", "train.init_from", str(folder),
-          "is a DeepSpeed checkpoint; train.init_from reads megatron-core dist checkpoints "
-          "(engine=megatron runs, `megaloop import ouro` folders)")
+    check(
+        meta["engine"] == "megatron",
+        "train.init_from",
+        str(folder),
+        "is a DeepSpeed checkpoint; train.init_from reads megatron-core dist checkpoints "
+        "(engine=megatron runs, `megaloop import ouro` folders)",
+    )
     saved = meta["config"]["model"]
-    changes = [c for c in config_changes({"model": saved}, {"model": cfg.model.to_dict()})
-               if c.split(":")[0].removeprefix("model.") not in INIT_FREE]
+    changes = [
+        c
+        for c in config_changes({"model": saved}, {"model": cfg.model.to_dict()})
+        if c.split(":")[0].removeprefix("model.") not in INIT_FREE
+    ]
     if changes:
         raise ConfigError(
             f"config key 'train.init_from': {folder} holds another model: {'; '.join(changes)}. "
-            f"Give the model keys of that checkpoint (only {', '.join(INIT_FREE)} may differ)")
+            f"Give the model keys of that checkpoint (only {', '.join(INIT_FREE)} may differ)"
+        )
 
 
 def build_trainer(cfg: ExperimentConfig, log: bool = True):
@@ -200,9 +251,13 @@ def build_trainer(cfg: ExperimentConfig, log: bool = True):
     cfg.data.check_files()
     note = resolve_steps(cfg)
     dp = layout.data_parallel_size(cfg, distributed.world_size())
-    distributed.init(cfg.train.seed, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
-                     virtual_pp=cfg.model.num_loops if cfg.parallel.pp > 1 else None,
-                     timeout_s=cfg.parallel.timeout_s)
+    distributed.init(
+        cfg.train.seed,
+        tp=cfg.parallel.tp,
+        pp=cfg.parallel.pp,
+        virtual_pp=cfg.model.num_loops if cfg.parallel.pp > 1 else None,
+        timeout_s=cfg.parallel.timeout_s,
+    )
     if note and log and distributed.is_main():
         print(f"megaloop: {note}", flush=True)
     check_resume(cfg)
@@ -210,8 +265,12 @@ def build_trainer(cfg: ExperimentConfig, log: bool = True):
     t = cfg.train
     dataset = cfg.data.build(t.seed, train_samples=t.steps * t.global_batch_size)
     vocab = dataset.tokenizer.vocab_size
-    check(cfg.model.vocab_size >= vocab, "model.vocab_size", cfg.model.vocab_size,
-          f"must be >= the tokenizer's {vocab} tokens (of data.kind={cfg.data.kind})")
+    check(
+        cfg.model.vocab_size >= vocab,
+        "model.vocab_size",
+        cfg.model.vocab_size,
+        f"must be >= the tokenizer's {vocab} tokens (of data.kind={cfg.data.kind})",
+    )
     if cfg.data.kind == "indexed":  # an id past the embedding would fail mid-run, not here
         from megaloop.data.indexed import check_indexed
 
@@ -226,6 +285,7 @@ def build_trainer(cfg: ExperimentConfig, log: bool = True):
 
 
 # -- checkpoints read back as experiments ---------------------------------------------------
+
 
 def config_of(folder: Path) -> ExperimentConfig:
     """The config a checkpoint folder was written with."""
@@ -251,8 +311,10 @@ def consolidate(path: Path, out: Path) -> Path:
 
     tensors, cfg, folder = consolidated(path)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, out / "model.safetensors",
-              metadata={"source": str(folder),
-                        "step": str(checkpoint.read_meta(folder)["step"])})
+    save_file(
+        tensors,
+        out / "model.safetensors",
+        metadata={"source": str(folder), "step": str(checkpoint.read_meta(folder)["step"])},
+    )
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     return out / "model.safetensors"

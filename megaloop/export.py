@@ -23,8 +23,10 @@ from pathlib import Path
 import torch
 
 HF_CODE = Path(__file__).parent / "hf"
-AUTO_MAP = {"AutoConfig": "configuration_megaloop.MegaloopConfig",
-            "AutoModelForCausalLM": "modeling_megaloop.MegaloopForCausalLM"}
+AUTO_MAP = {
+    "AutoConfig": "configuration_megaloop.MegaloopConfig",
+    "AutoModelForCausalLM": "modeling_megaloop.MegaloopForCausalLM",
+}
 CODE_FILES = ("configuration_megaloop.py", "modeling_megaloop.py")
 
 
@@ -42,11 +44,15 @@ def code_problem(folder: Path, config: dict) -> str | None:
     megaloop's code, as recorded at export; else what is wrong."""
     recorded, own = config.get("megaloop_code"), own_code()
     if not isinstance(recorded, dict):
-        return ("config.json records no megaloop_code (the sha256 of its code files), so it was "
-                "not written by `megaloop export`, or the export did not finish")
+        return (
+            "config.json records no megaloop_code (the sha256 of its code files), so it was "
+            "not written by `megaloop export`, or the export did not finish"
+        )
     if recorded != own:
-        return ("its recorded code is not this megaloop's (exported by another version, or "
-                "edited); export the checkpoint again with this megaloop")
+        return (
+            "its recorded code is not this megaloop's (exported by another version, or "
+            "edited); export the checkpoint again with this megaloop"
+        )
     if config.get("auto_map") != AUTO_MAP:
         return f"its auto_map {config.get('auto_map')!r} points at code other than {AUTO_MAP}"
     for name, digest in recorded.items():
@@ -61,27 +67,39 @@ def shape_config(model) -> dict:
     """The transformers config keys of a `ModelConfig`'s shape (shared by megaloop's and Ouro's
     config.json)."""
     return {
-        "vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
-        "intermediate_size": model.ffn_size, "num_hidden_layers": model.num_layers,
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.hidden_size,
+        "intermediate_size": model.ffn_size,
+        "num_hidden_layers": model.num_layers,
         "num_attention_heads": model.num_heads,
         "num_key_value_heads": model.num_query_groups or model.num_heads,
         "max_position_embeddings": model.max_seq_len,
-        "rope_theta": model.rope_base, "rms_norm_eps": model.norm_eps,
-        "tie_word_embeddings": model.tie_embeddings, "torch_dtype": "float32",
+        "rope_theta": model.rope_base,
+        "rms_norm_eps": model.norm_eps,
+        "tie_word_embeddings": model.tie_embeddings,
+        "torch_dtype": "float32",
     }
 
 
 def hf_config(model) -> dict:
     """config.json of a `ModelConfig`."""
     return {
-        "model_type": "megaloop", "architectures": ["MegaloopForCausalLM"], "auto_map": AUTO_MAP,
+        "model_type": "megaloop",
+        "architectures": ["MegaloopForCausalLM"],
+        "auto_map": AUTO_MAP,
         **shape_config(model),
-        "num_loops": model.num_loops, "num_loops_trained": model.num_loops,
-        "readout": model.readout, "recurrence": model.recurrence,
-        "damping_shape": model.damping_shape, "exit_gate": model.exit_gate,
-        "exit_gate_input": model.exit_gate_input, "layer_norms": model.layer_norms,
+        "num_loops": model.num_loops,
+        "num_loops_trained": model.num_loops,
+        "readout": model.readout,
+        "recurrence": model.recurrence,
+        "damping_shape": model.damping_shape,
+        "exit_gate": model.exit_gate,
+        "exit_gate_input": model.exit_gate_input,
+        "layer_norms": model.layer_norms,
         "loop_norm": model.loop_norm,
-        "clamp": False, "early_exit": "none", "exit_threshold": 0.5,
+        "clamp": False,
+        "early_exit": "none",
+        "exit_threshold": 0.5,
     }
 
 
@@ -100,24 +118,34 @@ def to_hf(state: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
         src, dst = f"layers.{i}.", f"layers.{i}."
         q, k, v = split_qkv(state[src + "self_attention.linear_qkv.weight"], heads, groups)
         gate, up = state[src + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-        out.update({
-            dst + "input_layernorm.weight": state[src + "input_layernorm.weight"],
-            dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
-            dst + "self_attn.v_proj.weight": v,
-            dst + "self_attn.o_proj.weight": state[src + "self_attention.linear_proj.weight"],
-            dst + "post_attention_layernorm.weight": state[src + "pre_mlp_layernorm.weight"],
-            dst + "mlp.gate_proj.weight": gate.contiguous(),
-            dst + "mlp.up_proj.weight": up.contiguous(),
-            dst + "mlp.down_proj.weight": state[src + "mlp.linear_fc2.weight"]})
+        out.update(
+            {
+                dst + "input_layernorm.weight": state[src + "input_layernorm.weight"],
+                dst + "self_attn.q_proj.weight": q,
+                dst + "self_attn.k_proj.weight": k,
+                dst + "self_attn.v_proj.weight": v,
+                dst + "self_attn.o_proj.weight": state[src + "self_attention.linear_proj.weight"],
+                dst + "post_attention_layernorm.weight": state[src + "pre_mlp_layernorm.weight"],
+                dst + "mlp.gate_proj.weight": gate.contiguous(),
+                dst + "mlp.up_proj.weight": up.contiguous(),
+                dst + "mlp.down_proj.weight": state[src + "mlp.linear_fc2.weight"],
+            }
+        )
         if model.layer_norms == "sandwich":
             out[dst + "input_layernorm_2.weight"] = state[
-                src + "self_attention.linear_proj.post_norm.weight"]
+                src + "self_attention.linear_proj.post_norm.weight"
+            ]
             out[dst + "post_attention_layernorm_2.weight"] = state[
-                src + "mlp.linear_fc2.post_norm.weight"]
-    renames = {"recurrence.norm.weight": "recurrence.norm.weight",
-               "recurrence.damping_logit": "recurrence.damping_logit",
-               "readout.norm.weight": "readout_norm.weight", "loop_norm.weight": "norm.weight",
-               "exit_gate.proj.weight": "exit_gate.weight", "exit_gate.proj.bias": "exit_gate.bias"}
+                src + "mlp.linear_fc2.post_norm.weight"
+            ]
+    renames = {
+        "recurrence.norm.weight": "recurrence.norm.weight",
+        "recurrence.damping_logit": "recurrence.damping_logit",
+        "readout.norm.weight": "readout_norm.weight",
+        "loop_norm.weight": "norm.weight",
+        "exit_gate.proj.weight": "exit_gate.weight",
+        "exit_gate.proj.bias": "exit_gate.bias",
+    }
     if not model.tie_embeddings:
         renames["readout.output_layer.weight"] = "lm_head.weight"
     out.update({dst: state[src] for src, dst in renames.items() if src in state})
@@ -129,13 +157,18 @@ def hf_model(state: dict[str, torch.Tensor], model):
     from megaloop.hf.configuration_megaloop import MegaloopConfig
     from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
 
-    config = {k: v for k, v in hf_config(model).items()
-              if k not in ("auto_map", "architectures", "model_type", "torch_dtype")}
+    config = {
+        k: v
+        for k, v in hf_config(model).items()
+        if k not in ("auto_map", "architectures", "model_type", "torch_dtype")
+    }
     hf = MegaloopForCausalLM(MegaloopConfig(**config))
     missing, unexpected = hf.load_state_dict(to_hf(state, model), strict=False)
     if unexpected or set(missing) - ({"lm_head.weight"} if model.tie_embeddings else set()):
-        raise ValueError(f"the checkpoint does not fit the exported model: missing {missing}, "
-                         f"unexpected {unexpected}")
+        raise ValueError(
+            f"the checkpoint does not fit the exported model: missing {missing}, "
+            f"unexpected {unexpected}"
+        )
     hf.tie_weights()
     return hf.eval()
 
@@ -166,12 +199,18 @@ def export(source: Path, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").unlink(missing_ok=True)  # an earlier export's: written again last
     tensors = to_hf(state, cfg.model)
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt",
-                                                          "source": str(folder)})
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt", "source": str(folder)})
     for name in CODE_FILES:
         shutil.copyfile(HF_CODE / name, out / name)
     save_tokenizer(cfg.data.tokenizer_spec(), out)
-    (out / "config.json").write_text(json.dumps(
-        {**hf_config(cfg.model), "run_config": cfg.to_dict(),
-         "megaloop_code": {name: sha256(out / name) for name in CODE_FILES}}, indent=1))
+    (out / "config.json").write_text(
+        json.dumps(
+            {
+                **hf_config(cfg.model),
+                "run_config": cfg.to_dict(),
+                "megaloop_code": {name: sha256(out / name) for name in CODE_FILES},
+            },
+            indent=1,
+        )
+    )
     return out

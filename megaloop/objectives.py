@@ -16,7 +16,7 @@ in which per-token drift shows first).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 from megatron.core import tensor_parallel
@@ -36,8 +36,12 @@ class ObjectiveConfig(Config):
 
     def validate(self, prefix: str = "") -> None:
         check(self.entropy_beta >= 0, prefix + "entropy_beta", self.entropy_beta, "must be >= 0")
-        check(self.entropy_beta == 0 or self.kind == "exit_weighted", prefix + "entropy_beta",
-              self.entropy_beta, "is only used by kind=exit_weighted; set it to 0")
+        check(
+            self.entropy_beta == 0 or self.kind == "exit_weighted",
+            prefix + "entropy_beta",
+            self.entropy_beta,
+            "is only used by kind=exit_weighted; set it to 0",
+        )
         check(self.norm_penalty >= 0, prefix + "norm_penalty", self.norm_penalty, "must be >= 0")
 
     @property
@@ -51,7 +55,7 @@ class ObjectiveConfig(Config):
         return self.kind == "exit_mixture"
 
 
-def masked_mean(x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     if mask is None:
         return x.mean()
     return (x * mask).sum() / mask.sum().clamp_min(1)
@@ -62,8 +66,9 @@ def mean_square(h: torch.Tensor) -> torch.Tensor:
     return h.float().pow(2).mean(dim=-1).t()
 
 
-def rms_percentiles(mean_squares: list[torch.Tensor], loss_mask: Optional[torch.Tensor]
-                    ) -> dict[str, torch.Tensor]:
+def rms_percentiles(
+    mean_squares: list[torch.Tensor], loss_mask: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
     """Per loop, the p50, p99 and max of the per-token ‖H_k‖_rms over the masked tokens (detached,
     [K] each; zeros when the mask keeps no token)."""
     rms = torch.stack([m.detach().float().sqrt() for m in mean_squares]).flatten(1)  # [K, b·s]
@@ -84,28 +89,30 @@ class ExitTerms:
     mean_square: list[torch.Tensor]
     gates: list[torch.Tensor]
     logits: list[torch.Tensor] = field(default_factory=list)
-    labels: Optional[torch.Tensor] = None
+    labels: torch.Tensor | None = None
 
     @classmethod
-    def from_output(cls, out: LoopOutput) -> "ExitTerms":
-        return cls(out.token_ce, [mean_square(h) for h in out.hidden], out.gates, out.logits,
-                   out.labels)
+    def from_output(cls, out: LoopOutput) -> ExitTerms:
+        return cls(
+            out.token_ce, [mean_square(h) for h in out.hidden], out.gates, out.logits, out.labels
+        )
 
 
-def mixture_ce(probs: torch.Tensor, logits: list[torch.Tensor], labels: torch.Tensor
-               ) -> torch.Tensor:
+def mixture_ce(
+    probs: torch.Tensor, logits: list[torch.Tensor], labels: torch.Tensor
+) -> torch.Tensor:
     """Per-token CE [b, s] of Σ_k p_k·logits_k (probs [K, b, s]); the mixture of vocab-parallel
     logits is vocab-parallel, so the CE is megatron-core's vocabulary-parallel one. Each
     tensor-parallel rank holds p_k whole but only its vocabulary shard of the logits, so the
     gradient of p_k is summed over the ranks (megatron-core's copy into a parallel region)."""
     probs = tensor_parallel.copy_to_tensor_model_parallel_region(probs)
-    mixed = sum(p.t().unsqueeze(-1) * l.float() for p, l in zip(probs, logits))
+    mixed = sum(p.t().unsqueeze(-1) * z.float() for p, z in zip(probs, logits))
     return tensor_parallel.vocab_parallel_cross_entropy(mixed, labels.t().contiguous()).t()
 
 
-def compute(cfg: ObjectiveConfig, exits: ExitTerms | LoopOutput,
-            loss_mask: Optional[torch.Tensor] = None
-            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def compute(
+    cfg: ObjectiveConfig, exits: ExitTerms | LoopOutput, loss_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The scalar loss and its terms per loop (`ce`, `hidden_rms` and its percentiles,
     `norm_penalty`, ...), the terms as detached tensors (converted to numbers once per step, not
     per micro-batch)."""
@@ -119,8 +126,9 @@ def compute(cfg: ObjectiveConfig, exits: ExitTerms | LoopOutput,
         loss = ce.mean()
     else:
         if len(exits.gates) != num_loops:
-            raise ValueError(f"the {cfg.kind} objective needs the model's exit gate "
-                             "(model.exit_gate=true)")
+            raise ValueError(
+                f"the {cfg.kind} objective needs the model's exit gate (model.exit_gate=true)"
+            )
         probs = exit_probabilities(exits.gates)  # [K, b, s]
         token_ce = torch.stack(exits.ce)
         entropy = -(probs * probs.clamp_min(1e-12).log()).sum(0)
@@ -128,7 +136,8 @@ def compute(cfg: ObjectiveConfig, exits: ExitTerms | LoopOutput,
             loss = masked_mean(mixture_ce(probs, exits.logits, exits.labels), loss_mask)
         else:
             loss = masked_mean((probs * token_ce).sum(0), loss_mask) - (
-                cfg.entropy_beta * masked_mean(entropy, loss_mask))
+                cfg.entropy_beta * masked_mean(entropy, loss_mask)
+            )
     ms = torch.stack([masked_mean(m, loss_mask) for m in exits.mean_square])
     if cfg.norm_penalty > 0:
         loss = loss + cfg.norm_penalty * ms.mean()
@@ -136,14 +145,16 @@ def compute(cfg: ObjectiveConfig, exits: ExitTerms | LoopOutput,
         # a copy: the terminal loss is a view of ce, and megatron-core's schedule divides the
         # returned loss by the number of micro-batches in place
         "ce": ce.detach().clone(),
-        "hidden_rms": torch.stack([masked_mean(m.sqrt(), loss_mask) for m in exits.mean_square]
-                                  ).detach(),
+        "hidden_rms": torch.stack(
+            [masked_mean(m.sqrt(), loss_mask) for m in exits.mean_square]
+        ).detach(),
         **rms_percentiles(exits.mean_square, loss_mask),
         "norm_penalty": (cfg.norm_penalty / num_loops * ms).detach(),
     }
     if cfg.gated:
         terms["exit_prob"] = torch.stack([masked_mean(p, loss_mask) for p in probs]).detach()
-        terms["weighted_ce"] = torch.stack([masked_mean(p * c, loss_mask)
-                                            for p, c in zip(probs, token_ce)]).detach()
+        terms["weighted_ce"] = torch.stack(
+            [masked_mean(p * c, loss_mask) for p, c in zip(probs, token_ce)]
+        ).detach()
         terms["exit_entropy"] = masked_mean(entropy, loss_mask).detach()
     return loss, terms

@@ -36,11 +36,19 @@ import torch
 from megaloop.model import ModelConfig
 
 OURO_CODE = "ByteDance/Ouro-1.4B"
-AUTO_MAP = {"AutoConfig": f"{OURO_CODE}--configuration_ouro.OuroConfig",
-            "AutoModel": f"{OURO_CODE}--modeling_ouro.OuroModel",
-            "AutoModelForCausalLM": f"{OURO_CODE}--modeling_ouro.OuroForCausalLM"}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "generation_config.json")
+AUTO_MAP = {
+    "AutoConfig": f"{OURO_CODE}--configuration_ouro.OuroConfig",
+    "AutoModel": f"{OURO_CODE}--modeling_ouro.OuroModel",
+    "AutoModelForCausalLM": f"{OURO_CODE}--modeling_ouro.OuroForCausalLM",
+}
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+)
 
 
 class FormatError(ValueError):
@@ -49,57 +57,94 @@ class FormatError(ValueError):
 
 def model_config(cfg: dict, lm_head_present: bool) -> ModelConfig:
     """ModelConfig of an Ouro config.json; what this architecture cannot represent is refused."""
+
     def refuse(key, why):
         raise FormatError(f"Ouro config key '{key}': got {cfg.get(key)!r}; {why}")
 
     if cfg.get("model_type", "ouro") != "ouro":
         refuse("model_type", "not an Ouro checkpoint")
     if cfg.get("hidden_act", "silu") != "silu":
-        refuse("hidden_act", "megaloop's layers are SwiGLU (silu); another activation cannot be "
-                             "represented")
+        refuse(
+            "hidden_act",
+            "megaloop's layers are SwiGLU (silu); another activation cannot be represented",
+        )
     if cfg.get("use_sliding_window"):
-        refuse("use_sliding_window", "megaloop attends over the full causal context; sliding-"
-                                     "window layers cannot be represented")
+        refuse(
+            "use_sliding_window",
+            "megaloop attends over the full causal context; sliding-"
+            "window layers cannot be represented",
+        )
     if any(t != "full_attention" for t in cfg.get("layer_types") or []):
         refuse("layer_types", "only full_attention layers can be represented")
     if cfg.get("rope_scaling"):
         refuse("rope_scaling", "megaloop's RoPE has no scaling")
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-        refuse("attention_bias" if cfg.get("attention_bias") else "mlp_bias",
-               "megaloop's projections have no biases")
+        refuse(
+            "attention_bias" if cfg.get("attention_bias") else "mlp_bias",
+            "megaloop's projections have no biases",
+        )
     heads = cfg["num_attention_heads"]
     if cfg.get("head_dim") not in (None, cfg["hidden_size"] // heads):
-        refuse("head_dim", f"megaloop's head dimension is hidden_size / num_attention_heads = "
-                           f"{cfg['hidden_size'] // heads}")
+        refuse(
+            "head_dim",
+            f"megaloop's head dimension is hidden_size / num_attention_heads = "
+            f"{cfg['hidden_size'] // heads}",
+        )
     tied = bool(cfg.get("tie_word_embeddings", False))
     if tied == lm_head_present:
-        refuse("tie_word_embeddings", "the weights disagree: " + (
-            "lm_head.weight is present, so the embeddings are not tied" if tied else
-            "there is no lm_head.weight, so the output layer must be the tied embedding"))
+        refuse(
+            "tie_word_embeddings",
+            "the weights disagree: "
+            + (
+                "lm_head.weight is present, so the embeddings are not tied"
+                if tied
+                else "there is no lm_head.weight, so the output layer must be the tied embedding"
+            ),
+        )
     return ModelConfig(
-        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], num_heads=heads,
-        num_query_groups=(None if cfg.get("num_key_value_heads") in (None, heads)
-                          else cfg["num_key_value_heads"]),
-        num_layers=cfg["num_hidden_layers"], ffn_hidden_size=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        num_heads=heads,
+        num_query_groups=(
+            None if cfg.get("num_key_value_heads") in (None, heads) else cfg["num_key_value_heads"]
+        ),
+        num_layers=cfg["num_hidden_layers"],
+        ffn_hidden_size=cfg["intermediate_size"],
         num_loops=cfg.get("total_ut_steps", 4),
         max_seq_len=cfg.get("max_position_embeddings", 4096),
         rope_base=float(cfg.get("rope_theta", 10000.0)),
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        init_std=float(cfg.get("initializer_range", 0.02)), tie_embeddings=tied,
-        readout="norm", recurrence="none", layer_norms="sandwich", loop_norm="shared",
-        exit_gate=True)
+        init_std=float(cfg.get("initializer_range", 0.02)),
+        tie_embeddings=tied,
+        readout="norm",
+        recurrence="none",
+        layer_norms="sandwich",
+        loop_norm="shared",
+        exit_gate=True,
+    )
 
 
 def why_not_ouro(model: ModelConfig) -> str | None:
     """None if Ouro's code computes what `model` computes, else the reason it does not."""
-    wanted = {"layer_norms": "sandwich", "loop_norm": "shared", "recurrence": "none",
-              "readout": "norm", "exit_gate": True}
+    wanted = {
+        "layer_norms": "sandwich",
+        "loop_norm": "shared",
+        "recurrence": "none",
+        "readout": "norm",
+        "exit_gate": True,
+    }
     for key, value in wanted.items():
         if getattr(model, key) != value:
-            return (f"model.{key}={getattr(model, key)!r}: Ouro's architecture has "
-                    f"{key}={value!r}" + (" (its lm_head reads model.norm's output; export the "
-                                          "no-readout-norm model in megaloop format)"
-                                          if key == "readout" else ""))
+            return (
+                f"model.{key}={getattr(model, key)!r}: Ouro's architecture has "
+                f"{key}={value!r}"
+                + (
+                    " (its lm_head reads model.norm's output; export the "
+                    "no-readout-norm model in megaloop format)"
+                    if key == "readout"
+                    else ""
+                )
+            )
     return None
 
 
@@ -107,12 +152,18 @@ def ouro_config(model: ModelConfig) -> dict:
     from megaloop.export import shape_config
 
     return {
-        "model_type": "ouro", "architectures": ["OuroForCausalLM"], "auto_map": AUTO_MAP,
+        "model_type": "ouro",
+        "architectures": ["OuroForCausalLM"],
+        "auto_map": AUTO_MAP,
         **shape_config(model),
-        "head_dim": model.hidden_size // model.num_heads, "hidden_act": "silu",
-        "initializer_range": model.init_std, "total_ut_steps": model.num_loops,
-        "early_exit_threshold": 1.0, "use_sliding_window": False,
-        "layer_types": ["full_attention"] * model.num_layers, "use_cache": True,
+        "head_dim": model.hidden_size // model.num_heads,
+        "hidden_act": "silu",
+        "initializer_range": model.init_std,
+        "total_ut_steps": model.num_loops,
+        "early_exit_threshold": 1.0,
+        "use_sliding_window": False,
+        "layer_types": ["full_attention"] * model.num_layers,
+        "use_cache": True,
     }
 
 
@@ -140,33 +191,49 @@ def from_ouro(tensors: dict[str, torch.Tensor], model: ModelConfig) -> dict[str,
 
     def pop(name: str) -> torch.Tensor:
         if name not in take:
-            raise FormatError(f"weight {name!r} is missing: config.json describes a model the "
-                              f"safetensors files do not hold")
+            raise FormatError(
+                f"weight {name!r} is missing: config.json describes a model the "
+                f"safetensors files do not hold"
+            )
         return take.pop(name)
 
-    out = {"embedding.word_embeddings.weight": pop("model.embed_tokens.weight"),
-           "loop_norm.weight": pop("model.norm.weight"),
-           "exit_gate.proj.weight": pop("model.early_exit_gate.weight"),
-           "exit_gate.proj.bias": pop("model.early_exit_gate.bias")}
+    out = {
+        "embedding.word_embeddings.weight": pop("model.embed_tokens.weight"),
+        "loop_norm.weight": pop("model.norm.weight"),
+        "exit_gate.proj.weight": pop("model.early_exit_gate.weight"),
+        "exit_gate.proj.bias": pop("model.early_exit_gate.bias"),
+    }
     if not model.tie_embeddings:
         out["readout.output_layer.weight"] = pop("lm_head.weight")
     for i in range(model.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         q, k, v = (pop(src + f"self_attn.{p}_proj.weight") for p in "qkv")
-        qkv = torch.cat([q.view(groups, heads // groups * head_dim, -1),
-                         k.view(groups, head_dim, -1), v.view(groups, head_dim, -1)], dim=1)
-        out.update({
-            dst + "input_layernorm.weight": pop(src + "input_layernorm.weight"),
-            dst + "self_attention.linear_qkv.weight": qkv.reshape(-1, model.hidden_size),
-            dst + "self_attention.linear_proj.weight": pop(src + "self_attn.o_proj.weight"),
-            dst + "self_attention.linear_proj.post_norm.weight":
-                pop(src + "input_layernorm_2.weight"),
-            dst + "pre_mlp_layernorm.weight": pop(src + "post_attention_layernorm.weight"),
-            dst + "mlp.linear_fc1.weight": torch.cat([pop(src + "mlp.gate_proj.weight"),
-                                                      pop(src + "mlp.up_proj.weight")]),
-            dst + "mlp.linear_fc2.weight": pop(src + "mlp.down_proj.weight"),
-            dst + "mlp.linear_fc2.post_norm.weight":
-                pop(src + "post_attention_layernorm_2.weight")})
+        qkv = torch.cat(
+            [
+                q.view(groups, heads // groups * head_dim, -1),
+                k.view(groups, head_dim, -1),
+                v.view(groups, head_dim, -1),
+            ],
+            dim=1,
+        )
+        out.update(
+            {
+                dst + "input_layernorm.weight": pop(src + "input_layernorm.weight"),
+                dst + "self_attention.linear_qkv.weight": qkv.reshape(-1, model.hidden_size),
+                dst + "self_attention.linear_proj.weight": pop(src + "self_attn.o_proj.weight"),
+                dst + "self_attention.linear_proj.post_norm.weight": pop(
+                    src + "input_layernorm_2.weight"
+                ),
+                dst + "pre_mlp_layernorm.weight": pop(src + "post_attention_layernorm.weight"),
+                dst + "mlp.linear_fc1.weight": torch.cat(
+                    [pop(src + "mlp.gate_proj.weight"), pop(src + "mlp.up_proj.weight")]
+                ),
+                dst + "mlp.linear_fc2.weight": pop(src + "mlp.down_proj.weight"),
+                dst + "mlp.linear_fc2.post_norm.weight": pop(
+                    src + "post_attention_layernorm_2.weight"
+                ),
+            }
+        )
     take = {k: v for k, v in take.items() if not k.endswith("rotary_emb.inv_freq")}
     if take:
         raise FormatError(f"weights this architecture has no place for: {sorted(take)[:8]}")
@@ -183,8 +250,10 @@ def read_tensors(src: Path) -> dict[str, torch.Tensor]:
     elif (src / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
-        raise FormatError(f"{src} holds neither model.safetensors nor "
-                          f"model.safetensors.index.json (only safetensors are read)")
+        raise FormatError(
+            f"{src} holds neither model.safetensors nor "
+            f"model.safetensors.index.json (only safetensors are read)"
+        )
     tensors = {}
     for name in files:
         tensors.update(load_file(src / name))
@@ -206,8 +275,9 @@ def import_ouro(src: Path, out: Path) -> Path:
     if out.exists():
         raise FormatError(f"{out} exists; import into a new folder (nothing is overwritten)")
     tensors = read_tensors(src)
-    model = model_config(json.loads((src / "config.json").read_text()),
-                         lm_head_present="lm_head.weight" in tensors)
+    model = model_config(
+        json.loads((src / "config.json").read_text()), lm_head_present="lm_head.weight" in tensors
+    )
     seq_len = min(ExperimentConfig().data.seq_len, model.max_seq_len)
     cfg = ExperimentConfig.from_dict({"model": model.to_dict(), "data": {"seq_len": seq_len}})
     state = from_ouro(tensors, model)
@@ -215,8 +285,10 @@ def import_ouro(src: Path, out: Path) -> Path:
     missing, unexpected = module.load_state_dict(state, strict=False)
     missing = [m for m in missing if "_extra_state" not in m]
     if missing or unexpected:
-        raise FormatError(f"the weights do not fit the architecture of config.json: missing "
-                          f"{missing[:8]}, unexpected {unexpected[:8]}")
+        raise FormatError(
+            f"the weights do not fit the architecture of config.json: missing "
+            f"{missing[:8]}, unexpected {unexpected[:8]}"
+        )
     tmp = out.with_name(f".tmp_{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -226,10 +298,18 @@ def import_ouro(src: Path, out: Path) -> Path:
     if (tmp / "tokenizer.json").is_file():
         cfg.data.tokenizer = str((out / "tokenizer.json").resolve())
     dist_checkpointing.save({"model": module.sharded_state_dict()}, str(tmp))
-    checkpoint.write_meta(tmp, {"step": 0, "consumed_samples": 0, "engine": "megatron",
-                                "layout": {"tp": 1, "pp": 1, "dp": 1},
-                                "num_loops_trained": model.num_loops, "config": cfg.to_dict(),
-                                "imported_from": str(src.resolve())})
+    checkpoint.write_meta(
+        tmp,
+        {
+            "step": 0,
+            "consumed_samples": 0,
+            "engine": "megatron",
+            "layout": {"tp": 1, "pp": 1, "dp": 1},
+            "num_loops_trained": model.num_loops,
+            "config": cfg.to_dict(),
+            "imported_from": str(src.resolve()),
+        },
+    )
     tmp.rename(out)
     return out
 
@@ -250,8 +330,11 @@ def export_ouro(source: Path, out: Path) -> Path:
         raise FormatError(f"{source} cannot be exported in Ouro's format: {reason}")
     state, cfg, folder = experiment.consolidated(folder)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(to_ouro(state, cfg.model), out / "model.safetensors",
-              metadata={"format": "pt", "source": str(folder)})
+    save_file(
+        to_ouro(state, cfg.model),
+        out / "model.safetensors",
+        metadata={"format": "pt", "source": str(folder)},
+    )
     (out / "config.json").write_text(json.dumps(ouro_config(cfg.model), indent=1))
     if (folder / "tokenizer.json").is_file():  # an imported folder: Ouro's own files
         for name in TOKENIZER_FILES:

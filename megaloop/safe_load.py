@@ -11,8 +11,8 @@ torch's default (which an environment variable can turn off).
 Inside `untrusted(folder)` every one of them goes through megaloop's loaders instead:
 `torch.load` always runs with `weights_only=True` (plus, for DeepSpeed's files, an explicit
 allow-list of the few data classes they hold: `deepspeed_globals`), and `.metadata` is read by
-an unpickler that admits only the torch.distributed.checkpoint metadata classes. Anything else is refused before it is called,
-as a CheckpointError naming the file and the callable.
+an unpickler that admits only the torch.distributed.checkpoint metadata classes. Anything else
+is refused before it is called, as a CheckpointError naming the file and the callable.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import os
 import pickle
 import re
 import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import torch
 
@@ -32,17 +32,31 @@ from megaloop.config import CheckpointError
 
 # What a torch_dist `.metadata` holds (torch 2.13): dataclasses, enums, torch.Size, dtypes,
 # and torch's own layout decoder.
-METADATA_GLOBALS = frozenset({
-    ("collections", "OrderedDict"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    *(("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
-    *(("torch.distributed.checkpoint.planner", name) for name in (
-        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")),
-})
+METADATA_GLOBALS = frozenset(
+    {
+        ("collections", "OrderedDict"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        *(
+            ("torch.distributed.checkpoint.metadata", name)
+            for name in (
+                "Metadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "TensorProperties",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        *(
+            ("torch.distributed.checkpoint.planner", name)
+            for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")
+        ),
+    }
+)
 
 
 def deepspeed_globals() -> list:
@@ -61,7 +75,8 @@ def refused(name: str, what: str) -> CheckpointError:
     _Guard.refusal = CheckpointError(
         f"{name}: refused to load: it would call {what}, which is not among the tensors and "
         f"data classes a checkpoint holds (a pickle that runs code?). megaloop reads checkpoints "
-        f"with torch.load(weights_only=True) and an allow-list; nothing was run or written")
+        f"with torch.load(weights_only=True) and an allow-list; nothing was run or written"
+    )
     return _Guard.refusal
 
 
@@ -70,7 +85,8 @@ class MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str):
         if (module, name) in METADATA_GLOBALS or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not allowed")
 
@@ -80,7 +96,7 @@ def _global_of(error: Exception) -> str:
     return found.group(1) if found else f"something not allowed ({str(error).splitlines()[0]})"
 
 
-def load_metadata(path) -> "torch.distributed.checkpoint.Metadata":
+def load_metadata(path) -> torch.distributed.checkpoint.Metadata:
     """A torch_dist checkpoint's `.metadata`, through MetadataUnpickler."""
     from torch.distributed.checkpoint.metadata import Metadata
 
@@ -92,14 +108,14 @@ def load_metadata(path) -> "torch.distributed.checkpoint.Metadata":
         except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as e:
             raise CheckpointError(f"{path} is not readable torch_dist metadata ({e})") from None
     if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not torch_dist "
-                              f"metadata")
+        raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not torch_dist metadata")
     return metadata
 
 
 class _Guard:
     """The patches `untrusted` installs, once however deeply it is nested (the outermost
     `allowed` applies)."""
+
     lock = threading.RLock()
     depth = 0
     saved: dict = {}
@@ -108,15 +124,21 @@ class _Guard:
 
 def _safe_torch_load(original, folder: Path, allowed: list):
     """torch.load as the engines call it, but always with weights_only=True."""
+
     def load(f, map_location=None, pickle_module=None, *, weights_only=None, **kwargs):
-        name = (str(f) if isinstance(f, (str, os.PathLike))
-                else f"an object stored in the *.distcp shards of {folder}"
-                if isinstance(f, io.BytesIO) else f"a file of {folder}")
+        name = (
+            str(f)
+            if isinstance(f, (str, os.PathLike))
+            else f"an object stored in the *.distcp shards of {folder}"
+            if isinstance(f, io.BytesIO)
+            else f"a file of {folder}"
+        )
         with torch.serialization.safe_globals(allowed):
             try:
                 return original(f, map_location=map_location, weights_only=True, **kwargs)
             except pickle.UnpicklingError as e:
                 raise refused(name, _global_of(e)) from None
+
     return load
 
 

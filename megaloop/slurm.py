@@ -17,10 +17,10 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from megaloop.parallel.launch import LaunchError
-from megaloop.parallel.layout import Layout, choose_layout, plan as plan_layout
+from megaloop.parallel.layout import Layout, choose_layout
+from megaloop.parallel.layout import plan as plan_layout
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "slurm"
 
@@ -54,37 +54,45 @@ def time_limit_seconds(time: str) -> int:
 @dataclass
 class TrainJob:
     """What `megaloop slurm submit` asks Slurm for."""
+
     config: str
     overrides: list
     nodes: int = 1
     gpus_per_node: int = 0
-    tasks_per_node: Optional[int] = None
+    tasks_per_node: int | None = None
     """Ranks per node; default: one per GPU (1 without GPUs)."""
-    cpus_per_task: Optional[int] = None
+    cpus_per_task: int | None = None
     """CPUs (and torch threads) per rank; default 8 on GPU nodes (data loading), 1 without."""
     time: str = "24:00:00"
     warning_seconds: int = 300
-    partition: Optional[str] = None
-    account: Optional[str] = None
+    partition: str | None = None
+    account: str | None = None
     gpu_memory_gib: float = 80.0
     sbatch_args: tuple = ()
-    job_name: Optional[str] = None
+    job_name: str | None = None
 
     def check(self) -> None:
-        if self.nodes < 1 or self.gpus_per_node < 0 or (self.cpus_per_task is not None
-                                                         and self.cpus_per_task < 1):
+        if (
+            self.nodes < 1
+            or self.gpus_per_node < 0
+            or (self.cpus_per_task is not None and self.cpus_per_task < 1)
+        ):
             raise LaunchError("--nodes and --cpus-per-task must be >= 1, --gpus-per-node >= 0")
         if self.tasks_per_node is not None and self.tasks_per_node < 1:
             raise LaunchError("--tasks-per-node must be >= 1")
         if self.gpus_per_node and self.tasks_per_node not in (None, self.gpus_per_node):
-            raise LaunchError(f"--tasks-per-node {self.tasks_per_node} with --gpus-per-node "
-                              f"{self.gpus_per_node}: megaloop runs one rank per GPU; drop "
-                              f"--tasks-per-node")
+            raise LaunchError(
+                f"--tasks-per-node {self.tasks_per_node} with --gpus-per-node "
+                f"{self.gpus_per_node}: megaloop runs one rank per GPU; drop "
+                f"--tasks-per-node"
+            )
         limit = time_limit_seconds(self.time)
         if not 1 <= self.warning_seconds < limit:
-            raise LaunchError(f"--warning-seconds {self.warning_seconds} must lie in [1, {limit}) "
-                              f"for --time {self.time}: the warning comes that long before the "
-                              f"limit, and the run needs time to reach it")
+            raise LaunchError(
+                f"--warning-seconds {self.warning_seconds} must lie in [1, {limit}) "
+                f"for --time {self.time}: the warning comes that long before the "
+                f"limit, and the run needs time to reach it"
+            )
         if not Path(self.config).is_file():
             raise LaunchError(f"{self.config}: no such config file")
 
@@ -100,6 +108,7 @@ class TrainJob:
 @dataclass
 class Run:
     """One training run of a job: what its srun step starts, where, in which layout."""
+
     config: str
     overrides: list
     run_dir: Path
@@ -108,8 +117,10 @@ class Run:
     def command(self) -> str:
         """Bash: RUN_DIR and the RUN array of `megaloop train` arguments, every value quoted."""
         args = [str(Path(self.config).resolve()), *self.overrides]
-        return (f"RUN_DIR={shlex.quote(str(self.run_dir))}; "
-                f"RUN=({' '.join(shlex.quote(a) for a in args)})")
+        return (
+            f"RUN_DIR={shlex.quote(str(self.run_dir))}; "
+            f"RUN=({' '.join(shlex.quote(a) for a in args)})"
+        )
 
 
 def plan(job: TrainJob, config: str, overrides: list) -> Run:
@@ -125,8 +136,9 @@ def plan(job: TrainJob, config: str, overrides: list) -> Run:
     else:
         layout = choose_layout(cfg, world, job.gpus_per_node, job.gpu_memory_gib)
     run_dir = Path(cfg.train.dir).resolve()
-    kept = [o for o in overrides if not o.startswith(("train.dir=", "parallel.tp=",
-                                                      "parallel.pp="))]
+    kept = [
+        o for o in overrides if not o.startswith(("train.dir=", "parallel.tp=", "parallel.pp="))
+    ]
     kept += [f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}", f"train.dir={run_dir}"]
     return Run(config, kept, run_dir, layout)
 
@@ -136,34 +148,58 @@ def directive(what: str, value) -> str:
     character) in it would end the comment and run the rest as a command."""
     text = str(value)
     if any(ord(c) < 32 or ord(c) == 127 for c in text):
-        raise LaunchError(f"{what} {text!r} holds a control character (a newline?); it would end "
-                          f"its #SBATCH line and run the rest as a shell command")
+        raise LaunchError(
+            f"{what} {text!r} holds a control character (a newline?); it would end "
+            f"its #SBATCH line and run the rest as a shell command"
+        )
     return text
 
 
 def render_job(job: TrainJob, runs: list[Run], output: Path, name: str) -> str:
     """slurm/train.sbatch for one run, or a job array of runs (array task i trains runs[i])."""
-    for what, value in (("--partition", job.partition), ("--account", job.account),
-                        ("--job-name", job.job_name or name), ("the log path", output),
-                        *(("--sbatch-arg", a) for a in job.sbatch_args)):
+    for what, value in (
+        ("--partition", job.partition),
+        ("--account", job.account),
+        ("--job-name", job.job_name or name),
+        ("the log path", output),
+        *(("--sbatch-arg", a) for a in job.sbatch_args),
+    ):
         if value is not None:
             directive(what, value)
-    lines = [f"#SBATCH --{k}={v}" for k, v in (("partition", job.partition),
-                                                 ("account", job.account),
-                                                 ("gpus-per-node", job.gpus_per_node)) if v]
+    lines = [
+        f"#SBATCH --{k}={v}"
+        for k, v in (
+            ("partition", job.partition),
+            ("account", job.account),
+            ("gpus-per-node", job.gpus_per_node),
+        )
+        if v
+    ]
     if len(runs) > 1:
         lines.append(f"#SBATCH --array=0-{len(runs) - 1}")
-        select = "\n".join(['case "$SLURM_ARRAY_TASK_ID" in'] + [
-            f"  {i}) {run.command()} ;;" for i, run in enumerate(runs)] + ["esac"])
+        select = "\n".join(
+            ['case "$SLURM_ARRAY_TASK_ID" in']
+            + [f"  {i}) {run.command()} ;;" for i, run in enumerate(runs)]
+            + ["esac"]
+        )
     else:
         select = runs[0].command()
     lines += [f"#SBATCH {a}" for a in job.sbatch_args]
-    return render(TEMPLATES / "train.sbatch", {
-        "job_name": job.job_name or name, "nodes": job.nodes,
-        "tasks_per_node": job.ranks_per_node, "cpus_per_task": job.cpus, "time": job.time,
-        "warning_seconds": job.warning_seconds, "output": shlex.quote(str(output)),
-        "sbatch_lines": "\n".join(lines), "runs": select,
-        "python": shlex.quote(sys.executable)})
+    return render(
+        TEMPLATES / "train.sbatch",
+        {
+            "job_name": job.job_name or name,
+            "nodes": job.nodes,
+            "tasks_per_node": job.ranks_per_node,
+            "cpus_per_task": job.cpus,
+            "time": job.time,
+            "warning_seconds": job.warning_seconds,
+            "output": shlex.quote(str(output)),
+            "sbatch_lines": "\n".join(lines),
+            "runs": select,
+            "python": shlex.quote(sys.executable),
+        },
+    )
 
 
 def prepare(job: TrainJob) -> tuple[str, Path, Layout]:
@@ -171,8 +207,9 @@ def prepare(job: TrainJob) -> tuple[str, Path, Layout]:
     Nothing is written and nothing is submitted."""
     job.check()
     run = plan(job, job.config, job.overrides)
-    script = render_job(job, [run], run.run_dir / "logs" / "slurm-%j.out",
-                        f"megaloop-{run.run_dir.name}")
+    script = render_job(
+        job, [run], run.run_dir / "logs" / "slurm-%j.out", f"megaloop-{run.run_dir.name}"
+    )
     return script, run.run_dir, run.layout
 
 
@@ -184,11 +221,14 @@ def submit(script: str, logs: Path, name: str = "train") -> str:
     path = logs / f"{name}-{n}.sbatch"
     path.write_text(script)
     try:
-        out = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True,
-                             check=True)
+        out = subprocess.run(
+            ["sbatch", "--parsable", str(path)], capture_output=True, text=True, check=True
+        )
     except FileNotFoundError:
-        raise LaunchError("sbatch not found: run this on a Slurm login node (or source the "
-                          "env.sh of slurm/local/up.sh)") from None
+        raise LaunchError(
+            "sbatch not found: run this on a Slurm login node (or source the "
+            "env.sh of slurm/local/up.sh)"
+        ) from None
     except subprocess.CalledProcessError as e:
         raise LaunchError(f"sbatch refused {path}: {e.stderr.strip()}") from None
     return out.stdout.strip().split(";")[0]

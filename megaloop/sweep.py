@@ -17,7 +17,6 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from megaloop.config import ConfigError
 
@@ -29,20 +28,21 @@ class SweepRun:
     run_dir: Path
     overrides: list
     """What `megaloop train CONFIG` is given: the sweep's overrides, the seed, the directory."""
-    steps: Optional[int]
+    steps: int | None
     """train.steps as requested (None: from data.epochs)."""
 
 
-def plan(configs: list[str], seeds: list[int], overrides: list[str], root: Path
-         ) -> list[SweepRun]:
+def plan(configs: list[str], seeds: list[int], overrides: list[str], root: Path) -> list[SweepRun]:
     """Every config × seed, each config checked (loaded and validated) before anything runs."""
     from megaloop import experiment
 
     given = {o.split("=", 1)[0] for o in overrides}
     for key in ("train.dir", "train.seed"):
         if key in given:
-            raise ConfigError(f"{key} cannot be given to a sweep: every run gets its own "
-                              f"(--seeds, and --root for where the run directories go)")
+            raise ConfigError(
+                f"{key} cannot be given to a sweep: every run gets its own "
+                f"(--seeds, and --root for where the run directories go)"
+            )
     if not seeds:
         raise ConfigError("--seeds: give at least one seed, e.g. --seeds 0,1,2")
     runs = []
@@ -54,8 +54,10 @@ def plan(configs: list[str], seeds: list[int], overrides: list[str], root: Path
             runs.append(SweepRun(config, seed, run_dir, run_overrides, cfg.train.steps))
     dirs = [r.run_dir.resolve() for r in runs]
     if len(set(dirs)) < len(dirs):
-        raise ConfigError("two configs of the sweep map to one run directory (the same file "
-                          "given twice?); give each config once")
+        raise ConfigError(
+            "two configs of the sweep map to one run directory (the same file "
+            "given twice?); give each config once"
+        )
     return runs
 
 
@@ -76,10 +78,10 @@ def run_local(runs: list[SweepRun]) -> list[tuple[SweepRun, int]]:
     """Train each run in a child process, one after another; returns the failures."""
     failed = []
     for i, run in enumerate(runs, start=1):
-        print(f"sweep: [{i}/{len(runs)}] {run.config} seed {run.seed} -> {run.run_dir}",
-              flush=True)
-        code = subprocess.run([sys.executable, "-m", "megaloop", "train", run.config,
-                               *run.overrides]).returncode
+        print(f"sweep: [{i}/{len(runs)}] {run.config} seed {run.seed} -> {run.run_dir}", flush=True)
+        code = subprocess.run(
+            [sys.executable, "-m", "megaloop", "train", run.config, *run.overrides]
+        ).returncode
         if code != 0:
             print(f"sweep: {run.run_dir} ended with exit code {code}", flush=True)
             failed.append((run, code))

@@ -30,8 +30,9 @@ def one_process_world():
 def tiny_cfg():
     from megaloop.model import ModelConfig
 
-    return ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_layers=2, num_loops=4,
-                       max_seq_len=32)
+    return ModelConfig(
+        vocab_size=64, hidden_size=32, num_heads=4, num_layers=2, num_loops=4, max_seq_len=32
+    )
 
 
 def build(cfg, seed: int = 0):
@@ -66,10 +67,9 @@ def reference_run(tmp_path_factory):
 def export_dir(tmp_path_factory):
     """A briefly trained tiny model (bytes tokenizer), exported once a session. 256 positions:
     lm-eval needs the longest continuation of a real task row to fit."""
-    from multiproc import train_here
-
     from megaloop.export import export
     from megaloop.parallel import distributed
+    from multiproc import train_here
 
     root = tmp_path_factory.mktemp("eval")
     train_here(root / "run", ["train.steps=6", "train.save_every=6", "model.max_seq_len=256"])
@@ -98,4 +98,5 @@ def pytest_terminal_summary(terminalreporter):
                 f"dp {r['dp_rank']}): {r['params']:>7,} params ({r['layer_params']:>7,} in "
                 f"layers), {r['param_bytes'] / 1024:7.1f} KiB params, "
                 f"{r['grad_bytes'] / 1024:7.1f} KiB grads, "
-                f"{r['optimizer_bytes'] / 1024:7.1f} KiB optimizer")
+                f"{r['optimizer_bytes'] / 1024:7.1f} KiB optimizer"
+            )

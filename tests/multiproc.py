@@ -14,11 +14,24 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs/experiments/tiny.yaml")
 
 # L=4, K=4, tiny widths: 10 steps of 4 micro-batches of 1 sequence, checkpoints at 5 and 10
-BASE = ["model.hidden_size=32", "model.num_heads=4", "model.num_layers=4", "model.num_loops=4",
-        "model.max_seq_len=32", "data.seq_len=32", "train.micro_batch_size=1",
-        "train.global_batch_size=4", "train.steps=10", "train.log_every=1", "train.eval_batches=4",
-        "train.save_every=5", "train.keep_last=3", "optim.lr=1e-3", "optim.warmup_steps=2",
-        "wandb.mode=disabled"]
+BASE = [
+    "model.hidden_size=32",
+    "model.num_heads=4",
+    "model.num_layers=4",
+    "model.num_loops=4",
+    "model.max_seq_len=32",
+    "data.seq_len=32",
+    "train.micro_batch_size=1",
+    "train.global_batch_size=4",
+    "train.steps=10",
+    "train.log_every=1",
+    "train.eval_batches=4",
+    "train.save_every=5",
+    "train.keep_last=3",
+    "optim.lr=1e-3",
+    "optim.warmup_steps=2",
+    "wandb.mode=disabled",
+]
 
 
 def free_port() -> int:
@@ -31,8 +44,14 @@ def command(nproc: int, run_dir: Path, overrides: list[str]) -> list[str]:
     args = ["-m", "megaloop", "train", TINY, *BASE, f"train.dir={run_dir}", *overrides]
     if nproc == 1:
         return [sys.executable, *args]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-            f"--master-port={free_port()}", *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}",
+        *args,
+    ]
 
 
 def env() -> dict:
@@ -53,12 +72,18 @@ def finished(run_dir: Path) -> bool:
     return bool(data["evals"]) and data["evals"][-1]["step"] == steps
 
 
-def train(nproc: int, run_dir: Path, overrides: list[str], timeout: int = 300
-          ) -> subprocess.CompletedProcess:
+def train(
+    nproc: int, run_dir: Path, overrides: list[str], timeout: int = 300
+) -> subprocess.CompletedProcess:
     """Run to completion; a run is judged by its result file, so an abort at process exit
     after the work is done does not fail the test (the abort is still required to be that)."""
-    proc = subprocess.run(command(nproc, run_dir, overrides), capture_output=True, text=True,
-                          env=env(), timeout=timeout)
+    proc = subprocess.run(
+        command(nproc, run_dir, overrides),
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=timeout,
+    )
     ok = proc.returncode == 0 or (finished(run_dir) and EXIT_ABORT in proc.stderr)
     assert ok and finished(run_dir), proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
@@ -82,12 +107,19 @@ def train_here(run_dir: Path, overrides: list[str]) -> None:
 
 OBJECTIVES = {
     "per_loop+penalty": ["objective.kind=per_loop", "objective.norm_penalty=0.01"],
-    "exit_weighted": ["objective.kind=exit_weighted", "model.exit_gate=true",
-                      "objective.entropy_beta=0.1"],
+    "exit_weighted": [
+        "objective.kind=exit_weighted",
+        "model.exit_gate=true",
+        "objective.entropy_beta=0.1",
+    ],
     # Ouro's architecture and label path: sandwich norms, the shared loop norm, untied W_out
-    "exit_mixture": ["objective.kind=exit_mixture", "model.exit_gate=true",
-                     "model.layer_norms=sandwich", "model.loop_norm=shared",
-                     "model.tie_embeddings=false"],
+    "exit_mixture": [
+        "objective.kind=exit_mixture",
+        "model.exit_gate=true",
+        "model.layer_norms=sandwich",
+        "model.loop_norm=shared",
+        "model.tie_embeddings=false",
+    ],
 }
 
 
@@ -129,8 +161,12 @@ def kill_9_then_resume(run_dir: Path, overrides: list[str], reference: dict) -> 
     import psutil
 
     held = {**env(), "MEGALOOP_TEST_HOLD_AT_STEP": "8"}
-    proc = subprocess.Popen(command(2, run_dir, [*overrides, "train.save_every=1"]), env=held,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        command(2, run_dir, [*overrides, "train.save_every=1"]),
+        env=held,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     wait_for_step(run_dir, 8, proc)
     for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
         p.kill()
@@ -155,4 +191,3 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
         assert proc.poll() is None, f"the run ended before step {step}"
         assert time.time() < deadline, f"no step {step} within {timeout} s"
         time.sleep(0.05)
-

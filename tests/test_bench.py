@@ -16,8 +16,13 @@ NUMBER = r"([-+]?\d[\d,]*\.?\d*(?:e[-+]?\d+)?)"
 
 
 def run(script: str, *args: str) -> str:
-    proc = subprocess.run([sys.executable, f"bench/{script}", "--smoke", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, f"bench/{script}", "--smoke", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 

@@ -17,6 +17,7 @@ TINY = Path(__file__).resolve().parent.parent / "configs/experiments/tiny.yaml"
 
 class FileEngine:
     """An engine whose state is one small file: what `checkpoint.save` needs of an engine."""
+
     name = "file"
 
     def layout(self) -> dict:
@@ -27,8 +28,13 @@ class FileEngine:
 
 
 def save(root: Path, step: int) -> None:
-    checkpoint.save(root, FileEngine(), {"step": step, "consumed_samples": step},
-                    {"model": {"num_loops": 4}}, keep_last=2)
+    checkpoint.save(
+        root,
+        FileEngine(),
+        {"step": step, "consumed_samples": step},
+        {"model": {"num_loops": 4}},
+        keep_last=2,
+    )
 
 
 def corrupt(folder: Path) -> None:
@@ -52,8 +58,13 @@ def test_pruning_counts_only_loadable_checkpoints(tmp_path):
 
 
 def test_all_checkpoints_corrupt_stops_naming_each_and_trains_nothing(tmp_path, capsys):
-    overrides = [f"train.dir={tmp_path}", "train.steps=4", "train.save_every=2",
-                 "data.seq_len=32", "wandb.mode=disabled"]
+    overrides = [
+        f"train.dir={tmp_path}",
+        "train.steps=4",
+        "train.save_every=2",
+        "data.seq_len=32",
+        "wandb.mode=disabled",
+    ]
     experiment.build_trainer(experiment.load(TINY, overrides)).fit()
     ckpts = tmp_path / "checkpoints"
     for step in (2, 4):
@@ -75,13 +86,26 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     half-written folder is left, and a relaunch resumes from step 2."""
     import subprocess
 
-    from multiproc import BASE, TINY as TINY_CONFIG, env, train
+    from multiproc import BASE, env, train
+    from multiproc import TINY as TINY_CONFIG
 
     run = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "megaloop", "train", TINY_CONFIG, *BASE, "train.save_every=2",
-         f"train.dir={run}"], capture_output=True, text=True, timeout=300,
-        env={**env(), "MEGALOOP_TEST_FILE_LIMIT_AT": "3:65536"})
+        [
+            sys.executable,
+            "-m",
+            "megaloop",
+            "train",
+            TINY_CONFIG,
+            *BASE,
+            "train.save_every=2",
+            f"train.dir={run}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env(), "MEGALOOP_TEST_FILE_LIMIT_AT": "3:65536"},
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "saving checkpoint step_0000004" in proc.stderr and "GiB free there" in proc.stderr
     assert "the previous checkpoint step_0000002 is intact" in proc.stderr

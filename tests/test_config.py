@@ -18,18 +18,30 @@ def test_every_shipped_config_loads_and_validates(path):
 
 
 def test_composition_and_overrides():
-    cfg = experiment.load(ROOT / "configs/experiments/wikitext103/44m/per_loop_norm_penalty.yaml",
-                          ["train.steps=1200", "model.readout=raw", "optim.lr=1e-3"])
-    assert (cfg.model.hidden_size, cfg.model.num_layers) == (512, 8)   # from model/44m.yaml
-    assert cfg.optim.warmup_steps == 500                                 # from ../base.yaml
-    assert cfg.objective.norm_penalty == pytest.approx(1e-3)             # from the row file
+    cfg = experiment.load(
+        ROOT / "configs/experiments/wikitext103/44m/per_loop_norm_penalty.yaml",
+        ["train.steps=1200", "model.readout=raw", "optim.lr=1e-3"],
+    )
+    assert (cfg.model.hidden_size, cfg.model.num_layers) == (512, 8)  # from model/44m.yaml
+    assert cfg.optim.warmup_steps == 500  # from ../base.yaml
+    assert cfg.objective.norm_penalty == pytest.approx(1e-3)  # from the row file
     assert (cfg.train.steps, cfg.model.readout, cfg.optim.lr) == (1200, "raw", 1e-3)
 
 
 def test_ablation_table_has_one_file_per_row_for_both_sizes():
-    rows = {"terminal_norm", "terminal_raw", "per_loop_norm", "per_loop_raw",
-            "per_loop_norm_penalty", "terminal_norm_penalty", "final_norm", "exit_weighted",
-            "spectral_damping", "spectral_damping_terminal", "interloop_rmsnorm"}
+    rows = {
+        "terminal_norm",
+        "terminal_raw",
+        "per_loop_norm",
+        "per_loop_raw",
+        "per_loop_norm_penalty",
+        "terminal_norm_penalty",
+        "final_norm",
+        "exit_weighted",
+        "spectral_damping",
+        "spectral_damping_terminal",
+        "interloop_rmsnorm",
+    }
     for size, d in (("44m", 512), ("129m", 768)):
         files = {p.stem for p in (ROOT / f"configs/experiments/wikitext103/{size}").glob("*.yaml")}
         assert files == rows

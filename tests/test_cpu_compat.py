@@ -18,8 +18,11 @@ def test_every_patch_names_a_megatron_core_file_and_line():
 
 
 def test_nothing_but_entry_points_imports_it():
-    importers = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")
-                 if "_cpu_compat" in p.read_text() and p.name != "_cpu_compat.py"}
+    importers = {
+        p.relative_to(PACKAGE).as_posix()
+        for p in PACKAGE.rglob("*.py")
+        if "_cpu_compat" in p.read_text() and p.name != "_cpu_compat.py"
+    }
     assert importers == {"cli.py"}
 
 

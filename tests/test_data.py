@@ -17,14 +17,16 @@ from data_prep.common import PrepError
 from data_prep.wikitext103 import split_articles
 from multiproc import metrics as read_metrics
 
-WORDS = ("the of and to in that is was for with as on by at from his her they which this be "
-         "river city music history people water garden winter market school letter morning "
-         "painter harbour village station theatre engine island forest summer journey story "
-         "built opened wrote carried crossed lived found moved became turned remained named "
-         "small large early later northern southern famous quiet bright ancient narrow").split()
+WORDS = (
+    "the of and to in that is was for with as on by at from his her they which this be "
+    "river city music history people water garden winter market school letter morning "
+    "painter harbour village station theatre engine island forest summer journey story "
+    "built opened wrote carried crossed lived found moved became turned remained named "
+    "small large early later northern southern famous quiet bright ancient narrow"
+).split()
 
 
-CONTENT_WORDS = WORDS[WORDS.index("river"):]
+CONTENT_WORDS = WORDS[WORDS.index("river") :]
 
 
 def sentence(rng) -> str:
@@ -37,16 +39,25 @@ def article(rng, paragraphs: int = 3) -> str:
 
 
 def prep_args(corpus: str, **options) -> SimpleNamespace:
-    defaults = dict(executor="local", workers=1, partition=None, time="01:00:00",
-                    cpus_per_task=1, max_array_size=1001, job_name="test",
-                    eos_token="<|endoftext|>", max_doc_bytes=10 * 2**20,
-                    corpus_module=f"data_prep.{corpus}")
+    defaults = dict(
+        executor="local",
+        workers=1,
+        partition=None,
+        time="01:00:00",
+        cpus_per_task=1,
+        max_array_size=1001,
+        job_name="test",
+        eos_token="<|endoftext|>",
+        max_doc_bytes=10 * 2**20,
+        corpus_module=f"data_prep.{corpus}",
+    )
     if corpus == "fineweb":
         defaults.update(seq_len=64, shard_size=16, lang_model=None, lang_threshold=0.65)
     return SimpleNamespace(**{**defaults, **options})
 
 
 # -- WikiText --------------------------------------------------------------------------------
+
 
 def wikitext(rng, titles) -> str:
     parts = [" \n"]
@@ -60,9 +71,12 @@ def test_articles_split_on_top_level_headings_only():
     rng = random.Random(0)
     text = wikitext(rng, ["Alpha", "Beta ( film )", "Gamma"])
     docs = split_articles(text)
-    assert [d.splitlines()[0] for d in docs] == [" = Alpha = ", " = Beta ( film ) = ",
-                                                 " = Gamma = "]
-    assert "".join(docs) == text[len(" \n"):]  # nothing lost or changed but the blank head
+    assert [d.splitlines()[0] for d in docs] == [
+        " = Alpha = ",
+        " = Beta ( film ) = ",
+        " = Gamma = ",
+    ]
+    assert "".join(docs) == text[len(" \n") :]  # nothing lost or changed but the blank head
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +88,9 @@ def wikitext_prep(tmp_path_factory):
     (source / "wiki.train.raw").write_text(wikitext(rng, [f"Train {i}" for i in range(30)]))
     (source / "wiki.valid.raw").write_text(wikitext(rng, [f"Valid {i}" for i in range(5)]))
     out = root / "out"
-    manifests = data_prep.run(prep_args("wikitext103", source=str(source), tokenizer="train:400",
-                                        out=str(out)))
+    manifests = data_prep.run(
+        prep_args("wikitext103", source=str(source), tokenizer="train:400", out=str(out))
+    )
     return source, out, manifests
 
 
@@ -102,8 +117,9 @@ def test_wikitext_tokens_read_back_equal_tokenizing_the_articles(wikitext_prep):
 def test_wikitext_rerun_resumes_without_rewriting(wikitext_prep, capsys):
     source, out, _ = wikitext_prep
     before = (out / "train.bin").stat().st_mtime_ns
-    again = data_prep.run(prep_args("wikitext103", source=str(source), tokenizer="train:400",
-                                    out=str(out)))
+    again = data_prep.run(
+        prep_args("wikitext103", source=str(source), tokenizer="train:400", out=str(out))
+    )
     assert again == {} and (out / "train.bin").stat().st_mtime_ns == before
     assert "train is already prepared" in capsys.readouterr().out
 
@@ -117,35 +133,59 @@ def test_wikitext_bad_inputs(tmp_path):
     junk = " = Junk = \n \n" + "".join(chr(c) for c in range(1, 9)) * 300 + "\n \n"
     (source / "wiki.train.raw").write_bytes(good.encode() + bad_utf8 + junk.encode())
     (source / "wiki.test.raw").write_text("")  # empty split
-    manifests = data_prep.run(prep_args("wikitext103", source=str(source),
-                                        tokenizer="train:300", out=str(tmp_path / "out")))
+    manifests = data_prep.run(
+        prep_args(
+            "wikitext103", source=str(source), tokenizer="train:300", out=str(tmp_path / "out")
+        )
+    )
     assert set(manifests) == {"train"}
     m = manifests["train"]
     assert m["documents"] == 1 and m["non_utf8_documents"] == 1 and m["dropped"]["binary"] == 1
     with pytest.raises(PrepError, match="holds none of wiki.train.raw"):
-        data_prep.run(prep_args("wikitext103", source=str(tmp_path / "out"), tokenizer="train:9",
-                                out=str(tmp_path / "o2")))
+        data_prep.run(
+            prep_args(
+                "wikitext103",
+                source=str(tmp_path / "out"),
+                tokenizer="train:9",
+                out=str(tmp_path / "o2"),
+            )
+        )
     with pytest.raises(PrepError, match="no such folder"):
-        data_prep.run(prep_args("wikitext103", source=str(tmp_path / "missing"),
-                                tokenizer="train:9", out=str(tmp_path / "o3")))
+        data_prep.run(
+            prep_args(
+                "wikitext103",
+                source=str(tmp_path / "missing"),
+                tokenizer="train:9",
+                out=str(tmp_path / "o3"),
+            )
+        )
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "wiki.valid.raw").write_text(" \n \n")
     with pytest.raises(PrepError, match="nothing usable"):
-        data_prep.run(prep_args("wikitext103", source=str(empty),
-                                tokenizer=str(tmp_path / "out/tokenizer.json"),
-                                out=str(tmp_path / "o4")))
+        data_prep.run(
+            prep_args(
+                "wikitext103",
+                source=str(empty),
+                tokenizer=str(tmp_path / "out/tokenizer.json"),
+                out=str(tmp_path / "o4"),
+            )
+        )
 
 
 # -- FineWeb-style web text ------------------------------------------------------------------
+
 
 def web_documents(rng):
     good = [{"text": article(rng, 3)} for _ in range(8)]
     designed = {
         "repeated": {"text": "\n".join(["The same line about the river and the city."] * 30)},
-        "no_stop_words": {"text": "\n".join(
-            " ".join(rng.choice(CONTENT_WORDS) for _ in range(12)).capitalize() + "."
-            for _ in range(8))},
+        "no_stop_words": {
+            "text": "\n".join(
+                " ".join(rng.choice(CONTENT_WORDS) for _ in range(12)).capitalize() + "."
+                for _ in range(8)
+            )
+        },
         "curly": {"text": article(rng, 3) + "\nfunction() { return the value; }"},
         "empty": {"text": "   "},
         "binary": {"text": "".join(chr(c) for c in range(1, 30)) * 200},
@@ -164,7 +204,7 @@ def web_prep(tmp_path_factory):
         for record in good + list(designed.values()):
             f.write(json.dumps(record).encode() + b"\n")
         f.write(b'{"text": "caf\xe9 with a broken byte"}\n')  # not UTF-8
-        f.write(b'{"text": "unterminated\n')                   # not JSON
+        f.write(b'{"text": "unterminated\n')  # not JSON
     more = [{"text": article(rng, 3)} for _ in range(6)]
     with gzip.open(source / "b.jsonl.gz", "wb") as f:
         for record in more + [{"text": "word " * (11 * 2**20 // 5)}]:  # a single ~11 MB doc
@@ -176,8 +216,9 @@ def web_prep(tmp_path_factory):
 
     tokenizer = train_bpe([r["text"] for r in good + more + table], 300, root / "tok.json")
     out = root / "out"
-    manifest = data_prep.run(prep_args("fineweb", source=str(source), tokenizer=str(tokenizer),
-                                       out=str(out)))
+    manifest = data_prep.run(
+        prep_args("fineweb", source=str(source), tokenizer=str(tokenizer), out=str(out))
+    )
     files = {"a.jsonl": good + list(designed.values()), "b.jsonl.gz": more, "c.parquet": table}
     return out, manifest, files, tokenizer, source
 
@@ -214,10 +255,12 @@ def test_web_shards_hold_exactly_the_kept_documents_tokens(web_prep):
     for task, name in enumerate(sorted(files)):
         kept, _ = expected_filtering(files[name])
         stream = np.concatenate([np.asarray(tok.encode(t).ids + [eos]) for t in kept])
-        stream = stream[:len(stream) // size * size]
+        stream = stream[: len(stream) // size * size]
         shards = sorted((out / "shards").glob(f"{task:05d}-*.tar"))
-        got = [s["tokens.npy"] for s in wds.WebDataset([str(p) for p in shards],
-                                                       shardshuffle=False).decode()]
+        got = [
+            s["tokens.npy"]
+            for s in wds.WebDataset([str(p) for p in shards], shardshuffle=False).decode()
+        ]
         assert np.array_equal(np.concatenate(got), stream), name
         assert all(len(g) == size for g in got)
 
@@ -237,8 +280,11 @@ def test_web_filter_counts_match_the_filters_applied_directly(web_prep):
     assert manifest["dropped"]["👯 Gopher Repetition"]["dup_line_frac"] == 1
     assert manifest["dropped"]["⛰ C4 Quality"]["curly_bracket"] == 1
     assert manifest["documents_read"] == len(everything) + 1
-    assert (manifest["unreadable_files"], manifest["non_utf8_records"],
-            manifest["invalid_json_records"]) == (1, 1, 1)
+    assert (
+        manifest["unreadable_files"],
+        manifest["non_utf8_records"],
+        manifest["invalid_json_records"],
+    ) == (1, 1, 1)
     assert manifest["sequences"] == sum(manifest["shards"].values())
 
 
@@ -248,15 +294,25 @@ def test_web_nothing_usable_is_one_clear_error(tmp_path, web_prep):
     source.mkdir()
     (source / "x.jsonl").write_text(json.dumps({"text": ""}) + "\n")
     with pytest.raises(PrepError, match="nothing usable"):
-        data_prep.run(prep_args("fineweb", source=str(source), tokenizer=str(tokenizer),
-                                out=str(tmp_path / "out")))
+        data_prep.run(
+            prep_args(
+                "fineweb", source=str(source), tokenizer=str(tokenizer), out=str(tmp_path / "out")
+            )
+        )
     (tmp_path / "void").mkdir()
     with pytest.raises(PrepError, match="holds no .parquet, .jsonl"):
-        data_prep.run(prep_args("fineweb", source=str(tmp_path / "void"),
-                                tokenizer=str(tokenizer), out=str(tmp_path / "out2")))
+        data_prep.run(
+            prep_args(
+                "fineweb",
+                source=str(tmp_path / "void"),
+                tokenizer=str(tokenizer),
+                out=str(tmp_path / "out2"),
+            )
+        )
 
 
 # -- loaders ---------------------------------------------------------------------------------
+
 
 def epoch_of(data, rank: int, size: int) -> list[str]:
     """This rank's shards in the first epoch."""
@@ -288,9 +344,9 @@ def test_shard_stream_resumes_at_the_next_shard_boundary(web_prep):
     first = data.counts[shards[0]]
     full = take(data.batches(1, 1), first + data.counts[shards[1]])
     resumed = take(data.batches(1, 1, consumed_samples=first - 3), 5)  # mid-shard 0
-    assert [bytes(r) for r in resumed] == [bytes(r) for r in full[first:first + 5]]
-    exact = take(data.batches(1, 1, consumed_samples=first), 5)       # on the boundary
-    assert [bytes(r) for r in exact] == [bytes(r) for r in full[first:first + 5]]
+    assert [bytes(r) for r in resumed] == [bytes(r) for r in full[first : first + 5]]
+    exact = take(data.batches(1, 1, consumed_samples=first), 5)  # on the boundary
+    assert [bytes(r) for r in exact] == [bytes(r) for r in full[first : first + 5]]
 
 
 def test_shard_stream_resampled_is_endless_and_reproducible(web_prep):
@@ -307,8 +363,12 @@ def test_shard_stream_resampled_is_endless_and_reproducible(web_prep):
 def read_all(out: Path, names):
     import webdataset as wds
 
-    return [s["tokens.npy"].astype(np.int64) for s in wds.WebDataset(
-        [str(out / "shards" / n) for n in names], shardshuffle=False).decode()]
+    return [
+        s["tokens.npy"].astype(np.int64)
+        for s in wds.WebDataset(
+            [str(out / "shards" / n) for n in names], shardshuffle=False
+        ).decode()
+    ]
 
 
 def take(batches, n: int) -> list:
@@ -325,8 +385,14 @@ def test_indexed_dp_ranks_disjoint_resume_exact_and_epochs(wikitext_prep):
     _, out, _ = wikitext_prep
     tokenizer = load_tokenizer(str(out / "tokenizer.json"))
     samples = samples_for_epochs(str(out / "train"), 32, epochs=4)
-    data = IndexedData(str(out / "train"), str(out / "valid"), 32, seed=5,
-                       num_train_samples=samples, tokenizer=tokenizer)
+    data = IndexedData(
+        str(out / "train"),
+        str(out / "valid"),
+        32,
+        seed=5,
+        num_train_samples=samples,
+        tokenizer=tokenizer,
+    )
     # exactly four passes: every document appears four times in GPTDataset's document order
     counts = np.bincount(data.train.document_index)
     assert (counts == 4).all() and len(data.train) == samples
@@ -359,19 +425,44 @@ def test_train_on_prepared_data_indexed_epochs_and_webdataset(wikitext_prep, web
 
     _, out, _ = wikitext_prep
     tiny = Path(__file__).resolve().parent.parent / "configs/experiments/tiny.yaml"
-    common = ["model.vocab_size=512", "model.max_seq_len=64", "train.global_batch_size=8",
-              "train.micro_batch_size=4", "wandb.mode=disabled", "train.log_every=1"]
-    cfg = experiment.load(tiny, [*common, "data.kind=indexed", f"data.path={out}/train",
-                                 f"data.valid_path={out}/valid", "data.epochs=2", "train.steps=null",
-                                 "data.seq_len=32", f"train.dir={tmp_path / 'wt'}"])
+    common = [
+        "model.vocab_size=512",
+        "model.max_seq_len=64",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=4",
+        "wandb.mode=disabled",
+        "train.log_every=1",
+    ]
+    cfg = experiment.load(
+        tiny,
+        [
+            *common,
+            "data.kind=indexed",
+            f"data.path={out}/train",
+            f"data.valid_path={out}/valid",
+            "data.epochs=2",
+            "train.steps=null",
+            "data.seq_len=32",
+            f"train.dir={tmp_path / 'wt'}",
+        ],
+    )
     experiment.build_trainer(cfg).fit()
     metrics = read_metrics(tmp_path / "wt")
     steps = samples_for_epochs(str(out / "train"), 32, 2) // 8
     assert metrics["config"]["train"]["steps"] == steps == len(metrics["steps"])
     web_out = web_prep[0]
-    cfg = experiment.load(tiny, [*common, "data.kind=webdataset", f"data.path={web_out}",
-                                 "data.seq_len=64", "train.steps=3", "train.eval_batches=all",
-                                 f"train.dir={tmp_path / 'web'}"])
+    cfg = experiment.load(
+        tiny,
+        [
+            *common,
+            "data.kind=webdataset",
+            f"data.path={web_out}",
+            "data.seq_len=64",
+            "train.steps=3",
+            "train.eval_batches=all",
+            f"train.dir={tmp_path / 'web'}",
+        ],
+    )
     trainer = experiment.build_trainer(cfg)
     result = trainer.fit()
     assert len(result["ce"]) == 4
@@ -382,9 +473,21 @@ def test_prep_cli_reports_bad_sources_in_one_line(tmp_path):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "megaloop", "prep", "wikitext103", "--source",
-                           str(tmp_path / "missing"), "--out", str(tmp_path / "out")],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megaloop",
+            "prep",
+            "wikitext103",
+            "--source",
+            str(tmp_path / "missing"),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("megaloop prep: error: --source")
 
@@ -396,11 +499,12 @@ def test_web_rerun_redoes_only_the_unfinished_task(web_prep, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(source_out, out)
     (out / "manifest.json").unlink()
-    (out / "logs/completions/00001").unlink()           # task 1 "died"
+    (out / "logs/completions/00001").unlink()  # task 1 "died"
     for shard in (out / "shards").glob("00001-*.tar"):
         shard.unlink()
     kept = {p.name: p.stat().st_mtime_ns for p in (out / "shards").glob("0000[02]-*.tar")}
-    again = data_prep.run(prep_args("fineweb", source=str(source), tokenizer=str(tokenizer),
-                                    out=str(out)))
+    again = data_prep.run(
+        prep_args("fineweb", source=str(source), tokenizer=str(tokenizer), out=str(out))
+    )
     assert {p.name: p.stat().st_mtime_ns for p in (out / "shards").glob("0000[02]-*.tar")} == kept
     assert again["shards"] == manifest["shards"] and again["sequences"] == manifest["sequences"]

@@ -81,16 +81,21 @@ def test_zero3_checkpoint_consolidates_to_the_one_process_weights(reference_run,
 
 def test_kill_9_then_resume_continues_exactly(ds_run, tmp_path):
     _, reference = ds_run("zero3-dp2")
-    kill_9_then_resume(tmp_path / "run",
-                       [*OBJECTIVE, "engine=deepspeed", *ZERO["zero3-dp2"][1]], reference)
+    kill_9_then_resume(
+        tmp_path / "run", [*OBJECTIVE, "engine=deepspeed", *ZERO["zero3-dp2"][1]], reference
+    )
 
 
-@pytest.mark.parametrize("nproc, change, launch", [
-    (1, "deepspeed.zero_stage=2", "this launch is TP=1 DP=1 ZeRO-2"),
-    (2, "deepspeed.zero_stage=3", "this launch is TP=1 DP=2 ZeRO-3"),
-])
+@pytest.mark.parametrize(
+    "nproc, change, launch",
+    [
+        (1, "deepspeed.zero_stage=2", "this launch is TP=1 DP=1 ZeRO-2"),
+        (2, "deepspeed.zero_stage=3", "this launch is TP=1 DP=2 ZeRO-3"),
+    ],
+)
 def test_a_deepspeed_checkpoint_in_another_layout_is_refused_before_any_compute(
-        ds_run, tmp_path, nproc, change, launch):
+    ds_run, tmp_path, nproc, change, launch
+):
     """DeepSpeed's checkpoints do not reshard (it raised mid-load for another DP size, and
     asserted for ZeRO-2 -> 3): the resume stops first, saying why and what would work."""
     import shutil
@@ -101,12 +106,17 @@ def test_a_deepspeed_checkpoint_in_another_layout_is_refused_before_any_compute(
     source, _ = ds_run("zero2-dp2")
     run_dir = tmp_path / "run"
     shutil.copytree(source, run_dir)
-    proc = subprocess.run(command(nproc, run_dir, [*OBJECTIVE, "engine=deepspeed", change,
-                                                   "train.steps=12"]),
-                          capture_output=True, text=True, env=env(), timeout=300)
+    proc = subprocess.run(
+        command(nproc, run_dir, [*OBJECTIVE, "engine=deepspeed", change, "train.steps=12"]),
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=300,
+    )
     assert proc.returncode != 0
     assert "is a DeepSpeed checkpoint of TP=1 DP=2 ZeRO-2" in proc.stderr and launch in (
-        proc.stderr)
+        proc.stderr
+    )
     if nproc == 1:  # (torchrun adds its own report of the failed ranks)
         assert "Traceback" not in proc.stderr
     assert json.loads((run_dir / "metrics.json").read_text())["steps"][-1]["step"] == 10

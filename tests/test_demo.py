@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from megaloop.data import synthetic
 from megaloop.demo import conclusions, run_demo
@@ -20,8 +21,10 @@ def test_demo_prints_the_table_for_both_readouts_over_seeds(tmp_path, capsys):
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved == {str(k): v for k, v in results.items()}
     assert (tmp_path / "demo.png").read_bytes()[:4] == b"\x89PNG"
-    seeds = [json.loads((tmp_path / f"seed{s}/norm/metrics.json").read_text())["config"]["train"]
-             ["seed"] for s in (5, 6)]
+    seeds = [
+        json.loads((tmp_path / f"seed{s}/norm/metrics.json").read_text())["config"]["train"]["seed"]
+        for s in (5, 6)
+    ]
     assert seeds == [5, 6]
 
 
@@ -31,12 +34,16 @@ def result(ce_k, rms_k):
 
 def test_findings_are_what_every_seed_shows_clearly():
     # scale: norm 10x raw in both seeds; CE: raw better by 1% in one seed, worse in the other
-    seeds = {0: {"norm": result(1.80, 10.0), "raw": result(1.78, 1.0)},
-             1: {"norm": result(1.80, 12.0), "raw": result(1.82, 1.2)}}
+    seeds = {
+        0: {"norm": result(1.80, 10.0), "raw": result(1.78, 1.0)},
+        1: {"norm": result(1.80, 12.0), "raw": result(1.82, 1.2)},
+    }
     holds, mixed = conclusions(seeds)
     assert "final-loop hidden RMS is larger with the norm readout than with raw" in holds
-    assert any(m.startswith("CE (all tokens) at loop K is lower with raw than with norm in 1 "
-                            "of 2 seeds") for m in mixed)
+    assert any(
+        m.startswith("CE (all tokens) at loop K is lower with raw than with norm in 1 of 2 seeds")
+        for m in mixed
+    )
     # the same direction in every seed but by less than MIN_EFFECT: not a finding either
     seeds[1]["raw"] = result(1.79, 1.2)
     holds, mixed = conclusions(seeds)
@@ -65,15 +72,33 @@ def test_answer_mask_marks_exactly_the_answer_digits():
     assert bytes(tokens[1:][mask[:-1]].astype(np.uint8)).decode() == "4"
 
 
+@pytest.mark.multiprocess
 def test_the_demo_command_trains_its_runs_in_two_worker_processes(tmp_path):
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "WANDB_MODE": "disabled"}
-    proc = subprocess.run([sys.executable, "-m", "megaloop", "demo", "--steps", "3", "--seeds",
-                           "1", "--seed", "2", "--out", str(tmp_path)], capture_output=True,
-                          text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megaloop",
+            "demo",
+            "--steps",
+            "3",
+            "--seeds",
+            "1",
+            "--seed",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "seed 2, raw readout: done" in proc.stdout and "Findings:" in proc.stdout
     for readout in ("norm", "raw"):  # each worker's output went to its run's log

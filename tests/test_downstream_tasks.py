@@ -11,108 +11,251 @@ from megaloop.evaluation import compare, downstream
 from megaloop.evaluation.exported import EvalError
 
 ARC = [  # hub rows of allenai/ai2_arc: 3-5 choices, some labelled "1".."4" instead of "A".."E"
-    {"id": "Mercury_7175875", "question": "An astronomer observes that a planet rotates faster "
-     "after a meteorite impact. Which is the most likely effect of this increase in rotation?",
-     "choices": {"text": ["Planetary density will decrease.", "Planetary years will become "
-                          "longer.", "Planetary days will become shorter.",
-                          "Planetary gravity will become stronger."],
-                 "label": ["A", "B", "C", "D"]}, "answerKey": "C"},
-    {"id": "NYSEDREGENTS_2015_4_8", "question": "Which object is the best conductor?",
-     "choices": {"text": ["a wooden spoon", "a copper wire", "a rubber band"],
-                 "label": ["1", "2", "3"]}, "answerKey": "2"},
-    {"id": "Mercury_SC_401169", "question": "Which form of energy is produced when a rubber "
-     "band vibrates?", "choices": {"text": ["chemical", "light", "electrical", "sound", "heat"],
-                                  "label": ["A", "B", "C", "D", "E"]}, "answerKey": "D"},
-    {"id": "MCAS_2000_4_6", "question": "Which tool should a student use to measure mass?",
-     "choices": {"text": ["a balance", "a ruler", "a thermometer", "a stopwatch"],
-                 "label": ["A", "B", "C", "D"]}, "answerKey": "A"},
+    {
+        "id": "Mercury_7175875",
+        "question": "An astronomer observes that a planet rotates faster "
+        "after a meteorite impact. Which is the most likely effect of this increase in rotation?",
+        "choices": {
+            "text": [
+                "Planetary density will decrease.",
+                "Planetary years will become longer.",
+                "Planetary days will become shorter.",
+                "Planetary gravity will become stronger.",
+            ],
+            "label": ["A", "B", "C", "D"],
+        },
+        "answerKey": "C",
+    },
+    {
+        "id": "NYSEDREGENTS_2015_4_8",
+        "question": "Which object is the best conductor?",
+        "choices": {
+            "text": ["a wooden spoon", "a copper wire", "a rubber band"],
+            "label": ["1", "2", "3"],
+        },
+        "answerKey": "2",
+    },
+    {
+        "id": "Mercury_SC_401169",
+        "question": "Which form of energy is produced when a rubber band vibrates?",
+        "choices": {
+            "text": ["chemical", "light", "electrical", "sound", "heat"],
+            "label": ["A", "B", "C", "D", "E"],
+        },
+        "answerKey": "D",
+    },
+    {
+        "id": "MCAS_2000_4_6",
+        "question": "Which tool should a student use to measure mass?",
+        "choices": {
+            "text": ["a balance", "a ruler", "a thermometer", "a stopwatch"],
+            "label": ["A", "B", "C", "D"],
+        },
+        "answerKey": "A",
+    },
 ]
 
 ROWS = {  # task -> (rows of its validation split, the gold index of each)
-    "boolq": [{"question": "do iran and afghanistan speak the same language",
-               "passage": "Persian, also known by its endonym Farsi, is one of the Western "
-               "Iranian languages. It is primarily spoken in Iran, Afghanistan and Tajikistan.",
-               "idx": 0, "label": 1},
-              {"question": "is a wolverine the same as a badger", "passage": "The wolverine is "
-               "the largest land-dwelling species of the family Mustelidae.", "idx": 1,
-               "label": 0},
-              {"question": "is there a sequel to the movie the golden compass", "passage":
-               "A sequel was planned but was cancelled after the film's disappointing "
-               "sales in North America.", "idx": 2, "label": 0}],
-    "winogrande": [{"sentence": "Sarah was a much better surgeon than Maria so _ always got "
-                    "the easier cases.", "option1": "Sarah", "option2": "Maria", "answer": "2"},
-                   {"sentence": "The trophy doesn't fit into the brown suitcase because the _ "
-                    "is too large.", "option1": "trophy", "option2": "suitcase",
-                    "answer": "1"},
-                   {"sentence": "Kyle doesn't wear leg warmers to bed, while Logan almost "
-                    "always does. _ is more likely to live in a colder climate.",
-                    "option1": "Kyle", "option2": "Logan", "answer": "2"}],
+    "boolq": [
+        {
+            "question": "do iran and afghanistan speak the same language",
+            "passage": "Persian, also known by its endonym Farsi, is one of the Western "
+            "Iranian languages. It is primarily spoken in Iran, Afghanistan and Tajikistan.",
+            "idx": 0,
+            "label": 1,
+        },
+        {
+            "question": "is a wolverine the same as a badger",
+            "passage": "The wolverine is "
+            "the largest land-dwelling species of the family Mustelidae.",
+            "idx": 1,
+            "label": 0,
+        },
+        {
+            "question": "is there a sequel to the movie the golden compass",
+            "passage": "A sequel was planned but was cancelled after the film's disappointing "
+            "sales in North America.",
+            "idx": 2,
+            "label": 0,
+        },
+    ],
+    "winogrande": [
+        {
+            "sentence": "Sarah was a much better surgeon than Maria so _ always got "
+            "the easier cases.",
+            "option1": "Sarah",
+            "option2": "Maria",
+            "answer": "2",
+        },
+        {
+            "sentence": "The trophy doesn't fit into the brown suitcase because the _ "
+            "is too large.",
+            "option1": "trophy",
+            "option2": "suitcase",
+            "answer": "1",
+        },
+        {
+            "sentence": "Kyle doesn't wear leg warmers to bed, while Logan almost "
+            "always does. _ is more likely to live in a colder climate.",
+            "option1": "Kyle",
+            "option2": "Logan",
+            "answer": "2",
+        },
+    ],
     "commonsense_qa": [
-        {"id": "075e483d21c29a511267ef62bedc0461", "question": "The sanctions against the "
-         "school were a punishing blow, and they seemed to what the efforts the school had "
-         "made to change?", "question_concept": "punishing",
-         "choices": {"label": ["A", "B", "C", "D", "E"],
-                     "text": ["ignore", "enforce", "authoritarian", "yell at", "avoid"]},
-         "answerKey": "A"},
-        {"id": "61fe6e879ff18686d7552425a36344c8", "question": "Sammy wanted to go to where "
-         "the people were. Where might he go?", "question_concept": "people",
-         "choices": {"label": ["A", "B", "C", "D", "E"],
-                     "text": ["race track", "populated areas", "the desert", "apartment",
-                              "roadblock"]}, "answerKey": "B"},
-        {"id": "4c1cb0e95b99f72d55c068ba0255c54d", "question": "To locate a choker not "
-         "located in a jewelry box or boutique where would you go?", "question_concept":
-         "choker", "choices": {"label": ["A", "B", "C", "D", "E"],
-                               "text": ["jewelry store", "neck", "jewlery box",
-                                        "jewelry box", "boutique"]}, "answerKey": "A"}],
-    "sciq": [{"question": "What type of organism is commonly used in preparation of foods "
-              "such as cheese and yogurt?", "distractor3": "viruses", "distractor1":
-              "protozoa", "distractor2": "gymnosperms", "correct_answer": "mesophilic "
-              "organisms", "support": "Mesophiles grow best in moderate temperature."},
-             {"question": "What phenomenon makes global winds blow northeast to southwest?",
-              "distractor3": "tropical effect", "distractor1": "muon effect", "distractor2":
-              "centrifugal effect", "correct_answer": "coriolis effect", "support": ""}],
-    "piqa": [{"goal": "How do I ready a guinea pig cage for it's new occupants?", "sol1":
-              "Provide the guinea pig with a cage full of a few inches of bedding made of "
-              "ripped paper strips.", "sol2": "Provide the guinea pig with a cage full of a few "
-              "inches of bedding made of ripped jeans material.", "label": 0},
-             {"goal": "dresser", "sol1": "replace drawer with bobby pin ",
-              "sol2": "finish, woodgrain with  bobby pin ", "label": 1}],
+        {
+            "id": "075e483d21c29a511267ef62bedc0461",
+            "question": "The sanctions against the "
+            "school were a punishing blow, and they seemed to what the efforts the school had "
+            "made to change?",
+            "question_concept": "punishing",
+            "choices": {
+                "label": ["A", "B", "C", "D", "E"],
+                "text": ["ignore", "enforce", "authoritarian", "yell at", "avoid"],
+            },
+            "answerKey": "A",
+        },
+        {
+            "id": "61fe6e879ff18686d7552425a36344c8",
+            "question": "Sammy wanted to go to where the people were. Where might he go?",
+            "question_concept": "people",
+            "choices": {
+                "label": ["A", "B", "C", "D", "E"],
+                "text": ["race track", "populated areas", "the desert", "apartment", "roadblock"],
+            },
+            "answerKey": "B",
+        },
+        {
+            "id": "4c1cb0e95b99f72d55c068ba0255c54d",
+            "question": "To locate a choker not "
+            "located in a jewelry box or boutique where would you go?",
+            "question_concept": "choker",
+            "choices": {
+                "label": ["A", "B", "C", "D", "E"],
+                "text": ["jewelry store", "neck", "jewlery box", "jewelry box", "boutique"],
+            },
+            "answerKey": "A",
+        },
+    ],
+    "sciq": [
+        {
+            "question": "What type of organism is commonly used in preparation of foods "
+            "such as cheese and yogurt?",
+            "distractor3": "viruses",
+            "distractor1": "protozoa",
+            "distractor2": "gymnosperms",
+            "correct_answer": "mesophilic organisms",
+            "support": "Mesophiles grow best in moderate temperature.",
+        },
+        {
+            "question": "What phenomenon makes global winds blow northeast to southwest?",
+            "distractor3": "tropical effect",
+            "distractor1": "muon effect",
+            "distractor2": "centrifugal effect",
+            "correct_answer": "coriolis effect",
+            "support": "",
+        },
+    ],
+    "piqa": [
+        {
+            "goal": "How do I ready a guinea pig cage for it's new occupants?",
+            "sol1": "Provide the guinea pig with a cage full of a few inches of bedding made of "
+            "ripped paper strips.",
+            "sol2": "Provide the guinea pig with a cage full of a few "
+            "inches of bedding made of ripped jeans material.",
+            "label": 0,
+        },
+        {
+            "goal": "dresser",
+            "sol1": "replace drawer with bobby pin ",
+            "sol2": "finish, woodgrain with  bobby pin ",
+            "label": 1,
+        },
+    ],
     "arc_easy": ARC,
     "arc_challenge": ARC[:3],
     "hellaswag": [
-        {"ind": 24, "activity_label": "Roof shingle removal", "ctx_a": "A man is sitting on a "
-         "roof.", "ctx_b": "he", "ctx": "A man is sitting on a roof. he",
-         "endings": ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
-                     "is holding a rubik's cube.", "starts pulling up roofing on a roof."],
-         "source_id": "activitynet~v_-JhWjGDPHMY", "split": "val", "split_type": "indomain",
-         "label": "3"},
-        {"ind": 92, "activity_label": "Clean and jerk", "ctx_a": "A lady walks to a barbell. "
-         "She bends down and grabs the pole.", "ctx_b": "the lady", "ctx": "A lady walks to a "
-         "barbell. She bends down and grabs the pole. the lady",
-         "endings": ["swings and lands in her arms.", "pulls the barbell forward.",
-                     "pulls a rope attached to the barbell.", "stands and lifts the weight "
-                     "over her head."], "source_id": "activitynet~v_-lJS58hyo1c",
-         "split": "val", "split_type": "zeroshot", "label": "3"},
-        {"ind": 106, "activity_label": "Canoeing", "ctx_a": "Two women in a child are shown "
-         "in a canoe while a man pulls the canoe while standing in the water, with other "
-         "individuals visible in the background.", "ctx_b": "the child and a different man",
-         "ctx": "", "endings": ["are then shown paddling down a river in a boat while a woman "
-                                "talks.", "are driving the canoe, they go down the river "
-                                "flowing side to side.", "sit in a canoe while the man paddles.",
-                                "walking go down the rapids, while the man in his helicopter "
-                                "almost falls and goes out of canoehood."],
-         "source_id": "activitynet~v_-xQvJmC2jhk", "split": "val", "split_type": "indomain",
-         "label": "2"}],
+        {
+            "ind": 24,
+            "activity_label": "Roof shingle removal",
+            "ctx_a": "A man is sitting on a roof.",
+            "ctx_b": "he",
+            "ctx": "A man is sitting on a roof. he",
+            "endings": [
+                "is using wrap to wrap a pair of skis.",
+                "is ripping level tiles off.",
+                "is holding a rubik's cube.",
+                "starts pulling up roofing on a roof.",
+            ],
+            "source_id": "activitynet~v_-JhWjGDPHMY",
+            "split": "val",
+            "split_type": "indomain",
+            "label": "3",
+        },
+        {
+            "ind": 92,
+            "activity_label": "Clean and jerk",
+            "ctx_a": "A lady walks to a barbell. She bends down and grabs the pole.",
+            "ctx_b": "the lady",
+            "ctx": "A lady walks to a barbell. She bends down and grabs the pole. the lady",
+            "endings": [
+                "swings and lands in her arms.",
+                "pulls the barbell forward.",
+                "pulls a rope attached to the barbell.",
+                "stands and lifts the weight over her head.",
+            ],
+            "source_id": "activitynet~v_-lJS58hyo1c",
+            "split": "val",
+            "split_type": "zeroshot",
+            "label": "3",
+        },
+        {
+            "ind": 106,
+            "activity_label": "Canoeing",
+            "ctx_a": "Two women in a child are shown "
+            "in a canoe while a man pulls the canoe while standing in the water, with other "
+            "individuals visible in the background.",
+            "ctx_b": "the child and a different man",
+            "ctx": "",
+            "endings": [
+                "are then shown paddling down a river in a boat while a woman talks.",
+                "are driving the canoe, they go down the river flowing side to side.",
+                "sit in a canoe while the man paddles.",
+                "walking go down the rapids, while the man in his helicopter "
+                "almost falls and goes out of canoehood.",
+            ],
+            "source_id": "activitynet~v_-xQvJmC2jhk",
+            "split": "val",
+            "split_type": "indomain",
+            "label": "2",
+        },
+    ],
     "openbookqa": [
-        {"id": "8-376", "question_stem": "Frilled sharks and angler fish live far beneath the "
-         "surface of the ocean, which is why they are known as", "choices": {"text": [
-             "Deep sea animals", "fish", "Long Sea Fish", "Far Sea Animals"],
-             "label": ["A", "B", "C", "D"]}, "answerKey": "A"},
-        {"id": "8-80", "question_stem": "Which of these would let the most heat travel "
-         "through?", "choices": {"text": ["a new pair of jeans.", "a steel spoon in a "
-                                          "cafeteria.", "a cotton candy at a store.",
-                                          "a calvin klein cotton hat."],
-                                 "label": ["A", "B", "C", "D"]}, "answerKey": "B"}],
+        {
+            "id": "8-376",
+            "question_stem": "Frilled sharks and angler fish live far beneath the "
+            "surface of the ocean, which is why they are known as",
+            "choices": {
+                "text": ["Deep sea animals", "fish", "Long Sea Fish", "Far Sea Animals"],
+                "label": ["A", "B", "C", "D"],
+            },
+            "answerKey": "A",
+        },
+        {
+            "id": "8-80",
+            "question_stem": "Which of these would let the most heat travel through?",
+            "choices": {
+                "text": [
+                    "a new pair of jeans.",
+                    "a steel spoon in a cafeteria.",
+                    "a cotton candy at a store.",
+                    "a calvin klein cotton hat.",
+                ],
+                "label": ["A", "B", "C", "D"],
+            },
+            "answerKey": "B",
+        },
+    ],
 }
 
 
@@ -138,8 +281,7 @@ def choice_texts(task: str, row: dict) -> list[str]:
     if task == "commonsense_qa":
         return list("ABCDE")
     if task == "sciq":
-        return [row["distractor1"], row["distractor2"], row["distractor3"],
-                row["correct_answer"]]
+        return [row["distractor1"], row["distractor2"], row["distractor3"], row["correct_answer"]]
     if task == "piqa":
         return [row["sol1"], row["sol2"]]
     if task == "hellaswag":
@@ -183,28 +325,47 @@ def check(out: Path, summary: dict, expected: dict[str, list[dict]], split: dict
             assert s["acc"] == float(np.argmax(lls) == gold_index)
             if "acc_norm" in s:
                 assert s["acc_norm"] == float(
-                    np.argmax(downstream.normalised(lls, texts)) == gold_index), task
+                    np.argmax(downstream.normalised(lls, texts)) == gold_index
+                ), task
         if "acc_norm,none" in lm_eval:
             assert mine["acc_norm"] == pytest.approx(lm_eval["acc_norm,none"], abs=1e-12), task
 
 
 def test_the_nine_tasks_on_their_validation_splits(export_dir, task_data, tmp_path):  # noqa: F811
     out = tmp_path / "val"
-    summary = downstream.run(export_dir, 2, downstream.STUDY_TASKS, out, data_dir=task_data,
-                             batch_size=16, split="validation")
+    summary = downstream.run(
+        export_dir,
+        2,
+        downstream.STUDY_TASKS,
+        out,
+        data_dir=task_data,
+        batch_size=16,
+        split="validation",
+    )
     assert summary["split"] == "validation" and set(summary["tasks"]) == set(ROWS)
     check(out, summary, ROWS, {t: "validation" for t in ROWS})
     reported = json.loads((out / "results.json").read_text())["results"]
     assert {t for t in ROWS if "acc_norm,none" in reported[t]} == {
-        "sciq", "piqa", "arc_easy", "arc_challenge", "hellaswag", "openbookqa"}
+        "sciq",
+        "piqa",
+        "arc_easy",
+        "arc_challenge",
+        "hellaswag",
+        "openbookqa",
+    }
 
 
 def test_split_default_keeps_lm_evals_choice(export_dir, task_data, tmp_path):  # noqa: F811
     out = tmp_path / "default"
-    summary = downstream.run(export_dir, 1, ("arc_easy", "boolq"), out, data_dir=task_data,
-                             split="default")
-    check(out, summary, {"arc_easy": ARC[:1], "boolq": ROWS["boolq"]},
-          {"arc_easy": "test", "boolq": "validation"})
+    summary = downstream.run(
+        export_dir, 1, ("arc_easy", "boolq"), out, data_dir=task_data, split="default"
+    )
+    check(
+        out,
+        summary,
+        {"arc_easy": ARC[:1], "boolq": ROWS["boolq"]},
+        {"arc_easy": "test", "boolq": "validation"},
+    )
     assert "| arc_easy | test | 1 |" in downstream.table(summary)
 
 
@@ -223,13 +384,23 @@ def test_the_hub_path_keeps_the_dataset_and_nulls_the_test_split(tmp_path):
 
 def test_a_task_without_a_validation_split_is_refused_before_loading(tmp_path):
     with pytest.raises(EvalError, match="lambada_openai has no validation split"):
-        downstream.run(tmp_path / "no-model", 1, ("boolq", "lambada_openai"), tmp_path / "r",
-                       split="validation")
+        downstream.run(
+            tmp_path / "no-model",
+            1,
+            ("boolq", "lambada_openai"),
+            tmp_path / "r",
+            split="validation",
+        )
 
 
 def logged(arguments, lls, target, doc=None) -> dict:
-    return {"doc_id": 0, "doc": doc or {}, "target": target, "arguments": arguments,
-            "filtered_resps": [[ll, False] for ll in lls]}
+    return {
+        "doc_id": 0,
+        "doc": doc or {},
+        "target": target,
+        "arguments": arguments,
+        "filtered_resps": [[ll, False] for ll in lls],
+    }
 
 
 def test_gold_index_and_choice_texts_of_each_sample_format():
@@ -239,8 +410,12 @@ def test_gold_index_and_choice_texts_of_each_sample_format():
     index = logged([[ctx, " no"], [ctx, " yes"]], [-1, -2], 1)
     assert downstream.choices(index)[1:] == (["no", "yes"], 1)
     # WinoGrande: the choice is in the context, the continuation shared, the gold the answer
-    wino = logged([["The trophy", " is too large."], ["The suitcase", " is too large."]],
-                  [-9.0, -8.0], "is too large.", {"answer": "1"})
+    wino = logged(
+        [["The trophy", " is too large."], ["The suitcase", " is too large."]],
+        [-9.0, -8.0],
+        "is too large.",
+        {"answer": "1"},
+    )
     assert downstream.choices(wino)[1:] == (["The trophy", "The suitcase"], 0)
     with pytest.raises(EvalError, match="disagrees with lm-eval"):
         downstream.choices({**wino, "acc": 1.0})

@@ -19,16 +19,33 @@ def write_tasks(root: Path) -> Path:
     (root / "arc_easy").mkdir(parents=True)
     with open(root / "arc_easy/test.jsonl", "w") as f:
         for i in range(7):
-            labels = ["A", "B", "C", "D", "E"][:3 + i % 3]
+            labels = ["A", "B", "C", "D", "E"][: 3 + i % 3]
             texts = [str(rng.randint(0, 99)) for _ in labels]
-            f.write(json.dumps({"id": f"q{i}", "question": f"What is {i} + {i}?",
-                                "choices": {"text": texts, "label": labels},
-                                "answerKey": labels[i % len(labels)]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "id": f"q{i}",
+                        "question": f"What is {i} + {i}?",
+                        "choices": {"text": texts, "label": labels},
+                        "answerKey": labels[i % len(labels)],
+                    }
+                )
+                + "\n"
+            )
     (root / "boolq").mkdir()
     with open(root / "boolq/validation.jsonl", "w") as f:
         for i in range(5):
-            f.write(json.dumps({"question": f"is {i} even", "passage": f"{i} is a number.",
-                                "idx": i, "label": i % 2}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "question": f"is {i} even",
+                        "passage": f"{i} is a number.",
+                        "idx": i,
+                        "label": i % 2,
+                    }
+                )
+                + "\n"
+            )
     return root
 
 
@@ -37,9 +54,26 @@ def test_lm_eval_runs_builtin_tasks_from_local_files(export_dir, tmp_path, capsy
 
     data = write_tasks(tmp_path / "data")
     out = tmp_path / "results"
-    assert main(["eval", "downstream", str(export_dir), "--loops", "2", "--tasks",
-                 "arc_easy,boolq", "--data-dir", str(data), "--split", "default", "--out",
-                 str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "downstream",
+                str(export_dir),
+                "--loops",
+                "2",
+                "--tasks",
+                "arc_easy,boolq",
+                "--data-dir",
+                str(data),
+                "--split",
+                "default",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "| **macro** |" in capsys.readouterr().out
     results = json.loads((out / "results.json").read_text())
     summary = json.loads((out / "summary.json").read_text())
@@ -49,35 +83,87 @@ def test_lm_eval_runs_builtin_tasks_from_local_files(export_dir, tmp_path, capsy
         samples = [json.loads(line) for line in open(out / f"samples_{task}.jsonl")]
         assert len(samples) == n == summary["tasks"][task]["n"]
         assert [len(s["filtered_resps"]) for s in samples] == (
-            [3 + i % 3 for i in range(7)] if task == "arc_easy" else [2] * 5)
+            [3 + i % 3 for i in range(7)] if task == "arc_easy" else [2] * 5
+        )
         # accuracy recomputed from the log-likelihoods equals lm-eval's, per sample and overall
         mine = downstream.accuracies(samples)
         assert mine["acc"] == pytest.approx(results["results"][task]["acc,none"], abs=1e-12)
         assert [s["acc"] for s in samples] == [
             float(np.argmax([float(r[0]) for r in s["filtered_resps"]]) == s["target"])
-            for s in samples]
+            for s in samples
+        ]
         if task == "arc_easy":
             assert mine["acc_norm"] == pytest.approx(results["results"][task]["acc_norm,none"])
     assert summary["macro_acc"] == pytest.approx(
-        np.mean([summary["tasks"][t]["acc"] for t in ("arc_easy", "boolq")]))
+        np.mean([summary["tasks"][t]["acc"] for t in ("arc_easy", "boolq")])
+    )
 
 
 def test_local_task_data_must_hold_the_evaluated_split(export_dir, tmp_path, capsys):
     from megaloop.cli import main
 
     data = write_tasks(tmp_path / "data")
-    assert main(["eval", "downstream", str(export_dir), "--loops", "1", "--tasks", "arc_easy",
-                 "--data-dir", str(data), "--out", str(tmp_path / "r")]) == 2
+    assert (
+        main(
+            [
+                "eval",
+                "downstream",
+                str(export_dir),
+                "--loops",
+                "1",
+                "--tasks",
+                "arc_easy",
+                "--data-dir",
+                str(data),
+                "--out",
+                str(tmp_path / "r"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("megaloop: error: --data-dir") and (
-        "arc_easy/validation.jsonl" in err[-1])  # --split validation by default
+        "arc_easy/validation.jsonl" in err[-1]
+    )  # --split validation by default
     (data / "arc_easy/test.jsonl").rename(data / "arc_easy/validation.jsonl")
-    assert main(["eval", "downstream", str(export_dir), "--loops", "1", "--tasks", "arc_easy",
-                 "--data-dir", str(data), "--split", "default", "--out", str(tmp_path / "r")]) == 2
+    assert (
+        main(
+            [
+                "eval",
+                "downstream",
+                str(export_dir),
+                "--loops",
+                "1",
+                "--tasks",
+                "arc_easy",
+                "--data-dir",
+                str(data),
+                "--split",
+                "default",
+                "--out",
+                str(tmp_path / "r"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("megaloop: error: --data-dir") and "arc_easy/test.jsonl" in err[-1]
-    assert main(["eval", "downstream", str(export_dir), "--loops", "1", "--tasks", "nope",
-                 "--out", str(tmp_path / "r")]) == 2
+    assert (
+        main(
+            [
+                "eval",
+                "downstream",
+                str(export_dir),
+                "--loops",
+                "1",
+                "--tasks",
+                "nope",
+                "--out",
+                str(tmp_path / "r"),
+            ]
+        )
+        == 2
+    )
     assert "unknown lm-eval task(s): nope" in capsys.readouterr().err
 
 
@@ -92,8 +178,12 @@ def test_paired_bootstrap_reproduces_the_normal_theory_ci():
 
 
 def sample(doc_id: int, lls, gold: int, continuations) -> dict:
-    return {"doc_id": doc_id, "target": gold, "filtered_resps": [[ll, False] for ll in lls],
-            "arguments": [["ctx", c] for c in continuations]}
+    return {
+        "doc_id": doc_id,
+        "target": gold,
+        "filtered_resps": [[ll, False] for ll in lls],
+        "arguments": [["ctx", c] for c in continuations],
+    }
 
 
 def test_compare_pairs_examples_and_reports_the_differences(tmp_path):
@@ -127,8 +217,16 @@ def test_compare_pairs_examples_and_reports_the_differences(tmp_path):
 def test_fixed_k_bench_gives_a_row_per_k(export_dir, tmp_path):
     text = tmp_path / "held_out.txt"
     text.write_text("".join(f"{i}+{2 * i}={3 * i}\n" for i in range(200)))
-    rows = fixed_k.run(export_dir, text, loops=(1, 2, 3), batch_size=2, seq_len=32, batches=3,
-                       warmup=1, out=tmp_path / "fk.json")
+    rows = fixed_k.run(
+        export_dir,
+        text,
+        loops=(1, 2, 3),
+        batch_size=2,
+        seq_len=32,
+        batches=3,
+        warmup=1,
+        out=tmp_path / "fk.json",
+    )
     assert [r["loops"] for r in rows] == [1, 2, 3]
     assert all(r["tokens_per_s"] > 0 and np.isfinite(r["ce"]) for r in rows)
     assert rows[0]["throughput_vs_k1"] == 1.0

@@ -10,31 +10,54 @@ import sys
 
 import pytest
 import torch
-from conftest import build
-from multiproc import train
 
+from conftest import build
 from megaloop.export import hf_model
 from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
 from megaloop.model import ModelConfig
+from multiproc import train
 
 
 def exported(model, cfg: ModelConfig, **overrides) -> MegaloopForCausalLM:
     """The export of `model` (a trainer LoopedLM), in memory, with config `overrides`."""
-    state = {k: v for k, v in model.state_dict().items()
-             if isinstance(v, torch.Tensor) and "_extra_state" not in k}
+    state = {
+        k: v
+        for k, v in model.state_dict().items()
+        if isinstance(v, torch.Tensor) and "_extra_state" not in k
+    }
     hf = hf_model(state, cfg)
     for key, value in overrides.items():
         setattr(hf.config, key, value)
     return hf
 
 
-def variant(readout, recurrence, gate, tie=True, gate_input="normed", damping="channel",
-            layer_norms="pre", loop_norm="separate") -> tuple:
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_query_groups=2,
-                      num_layers=2, num_loops=4, max_seq_len=32, readout=readout,
-                      recurrence=recurrence, exit_gate=gate, tie_embeddings=tie,
-                      exit_gate_input=gate_input, damping_shape=damping,
-                      layer_norms=layer_norms, loop_norm=loop_norm)
+def variant(
+    readout,
+    recurrence,
+    gate,
+    tie=True,
+    gate_input="normed",
+    damping="channel",
+    layer_norms="pre",
+    loop_norm="separate",
+) -> tuple:
+    cfg = ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_heads=4,
+        num_query_groups=2,
+        num_layers=2,
+        num_loops=4,
+        max_seq_len=32,
+        readout=readout,
+        recurrence=recurrence,
+        exit_gate=gate,
+        tie_embeddings=tie,
+        exit_gate_input=gate_input,
+        damping_shape=damping,
+        layer_norms=layer_norms,
+        loop_norm=loop_norm,
+    )
     model = build(cfg).eval()
     with torch.no_grad():  # norms, damping and gate away from their initial constants
         for name, p in model.named_parameters():
@@ -48,8 +71,14 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 # exit_weighted is the only objective that changes the model (it needs the exit gate)
-@pytest.mark.parametrize("readout, recurrence, gate", list(itertools.product(
-    ["norm", "raw", "final_norm"], ["none", "rmsnorm", "damping"], [False, True])))
+@pytest.mark.parametrize(
+    "readout, recurrence, gate",
+    list(
+        itertools.product(
+            ["norm", "raw", "final_norm"], ["none", "rmsnorm", "damping"], [False, True]
+        )
+    ),
+)
 def test_exported_logits_equal_the_trainer_models_at_any_k(readout, recurrence, gate):
     cfg, model = variant(readout, recurrence, gate, tie=gate)  # untied W_out with the gate
     hf = exported(model, cfg)
@@ -64,13 +93,15 @@ def test_exported_logits_equal_the_trainer_models_at_any_k(readout, recurrence, 
 
 
 @pytest.mark.parametrize("readout", ["norm", "raw", "final_norm"])
-@pytest.mark.parametrize("layer_norms, loop_norm", [("sandwich", "shared"), ("sandwich", "separate"),
-                                                    ("pre", "shared")])
+@pytest.mark.parametrize(
+    "layer_norms, loop_norm", [("sandwich", "shared"), ("sandwich", "separate"), ("pre", "shared")]
+)
 def test_ouro_wiring_exports_the_same_logits_and_gate(readout, layer_norms, loop_norm):
     """Sandwich norms and the shared loop norm (next loop, gate, normalising readout) in the
     export: every exit's logits and λ_k at any K, and the parameter count, equal the trainer's."""
-    cfg, model = variant(readout, "none", gate=True, tie=False, layer_norms=layer_norms,
-                         loop_norm=loop_norm)
+    cfg, model = variant(
+        readout, "none", gate=True, tie=False, layer_norms=layer_norms, loop_norm=loop_norm
+    )
     hf = exported(model, cfg)
     assert sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in model.parameters())
     tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(2))
@@ -90,12 +121,16 @@ def test_a_scalar_damping_factor_exports_too():
     with torch.no_grad():
         for k in (1, 4, 6):
             ref = model(tokens, num_loops=k).logits[-1].transpose(0, 1)
-            assert rel_err(exported(model, cfg)(tokens, num_loops=k, use_cache=False).logits,
-                           ref) <= 1e-5
+            assert (
+                rel_err(exported(model, cfg)(tokens, num_loops=k, use_cache=False).logits, ref)
+                <= 1e-5
+            )
 
 
-@pytest.mark.parametrize("readout, recurrence, clamp", [
-    ("norm", "none", False), ("raw", "damping", True), ("final_norm", "rmsnorm", False)])
+@pytest.mark.parametrize(
+    "readout, recurrence, clamp",
+    [("norm", "none", False), ("raw", "damping", True), ("final_norm", "rmsnorm", False)],
+)
 def test_greedy_generate_with_cache_equals_the_no_cache_argmax(readout, recurrence, clamp):
     cfg, model = variant(readout, recurrence, gate=False)
     hf = exported(model, cfg, clamp=clamp)
@@ -114,8 +149,10 @@ def test_left_padded_batches_equal_each_sequence_alone():
     cfg, model = variant("final_norm", "damping", gate=False)
     hf = exported(model, cfg, clamp=True)
     g = torch.Generator().manual_seed(5)
-    long, short = torch.randint(1, 64, (1, 9), generator=g), torch.randint(1, 64, (1, 5),
-                                                                          generator=g)
+    long, short = (
+        torch.randint(1, 64, (1, 9), generator=g),
+        torch.randint(1, 64, (1, 5), generator=g),
+    )
     batch = torch.cat([long, torch.cat([torch.zeros(1, 4, dtype=torch.long), short], 1)])
     mask = torch.ones_like(batch)
     mask[1, :4] = 0
@@ -123,8 +160,9 @@ def test_left_padded_batches_equal_each_sequence_alone():
         logits = hf(batch, attention_mask=mask, use_cache=False).logits
         assert rel_err(logits[1, 4:], hf(short, use_cache=False).logits[0]) <= 1e-5
         assert rel_err(logits[0], hf(long, use_cache=False).logits[0]) <= 1e-5
-        out = hf.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False,
-                          pad_token_id=0)
+        out = hf.generate(
+            batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0
+        )
         for row, prompt, pad in ((0, long, 0), (1, short, 4)):
             alone = hf.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
             assert out[row, pad:].tolist() == alone[0].tolist()
@@ -154,8 +192,8 @@ def test_early_exit_takes_each_tokens_exit_loop(gate_input):
 
 @pytest.mark.multiprocess
 def test_export_of_a_tp2_pp2_checkpoint_loads_offline_in_a_fresh_process(tmp_path):
-    from megaloop.cli import main
     from megaloop import experiment
+    from megaloop.cli import main
     from megaloop.model import build_model
 
     run = tmp_path / "run"
@@ -163,7 +201,8 @@ def test_export_of_a_tp2_pp2_checkpoint_loads_offline_in_a_fresh_process(tmp_pat
     out = tmp_path / "hf"
     assert main(["export", str(run), str(out)]) == 0
     assert json.loads((out / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == (
-        "modeling_megaloop.MegaloopForCausalLM")
+        "modeling_megaloop.MegaloopForCausalLM"
+    )
     # the trainer's model, from the same checkpoint in this process
     from megaloop.parallel import distributed
 
@@ -188,7 +227,8 @@ assert tok("12+34=46\\n7+8=", return_tensors="pt").input_ids.tolist() == tokens.
 out = {{}}
 for k in (1, 2, 4, 8):
     m = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, num_loops=k).eval()
-    assert m.config.num_loops == k and "megaloop" not in sys.modules and "megatron" not in sys.modules
+    assert m.config.num_loops == k
+    assert "megaloop" not in sys.modules and "megatron" not in sys.modules
     with torch.no_grad():
         out[k] = m(tokens, use_cache=False).logits
 gen = m.generate(tokens, max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -203,8 +243,14 @@ torch.save(out, {str(tmp_path / "logits.pt")!r})
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "m"))
     # a network namespace of its own where we may make one (root): no network at all
     isolate = ["unshare", "-n"] if shutil.which("unshare") and os.geteuid() == 0 else []
-    proc = subprocess.run([*isolate, sys.executable, "-c", script], capture_output=True,
-                          text=True, env=env, cwd=tmp_path, timeout=300)
+    proc = subprocess.run(
+        [*isolate, sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = torch.load(tmp_path / "logits.pt")
     for k in (1, 2, 4, 8):

@@ -28,8 +28,13 @@ TINY = str(ROOT / "configs/experiments/tiny.yaml")
 
 
 def fuzz(n: int):
-    return settings(max_examples=n, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=list(HealthCheck))
+    return settings(
+        max_examples=n,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
 
 
 def config_keys(cls=ExperimentConfig, prefix: str = "") -> dict:
@@ -68,21 +73,54 @@ def load_error(overrides, path=TINY) -> str | None:
 # -- overrides -------------------------------------------------------------------------------
 
 scalars = st.one_of(
-    st.integers(-2**70, 2**70), st.floats(allow_nan=True, allow_infinity=True), st.booleans(),
-    st.none(), st.text(max_size=8), st.sampled_from(["all", "bytes", "norm", "deepspeed", "1e-3"]))
-values = st.one_of(scalars, st.lists(scalars, max_size=3),
-                   st.dictionaries(st.text(max_size=4), scalars, max_size=2))
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=8),
+    st.sampled_from(["all", "bytes", "norm", "deepspeed", "1e-3"]),
+)
+values = st.one_of(
+    scalars,
+    st.lists(scalars, max_size=3),
+    st.dictionaries(st.text(max_size=4), scalars, max_size=2),
+)
 
 
 def render(value) -> str:
-    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix(
-        "\n...").removesuffix("...").strip()
+    return (
+        yaml.safe_dump(value, default_flow_style=True, width=10**6)
+        .strip()
+        .removesuffix("\n...")
+        .removesuffix("...")
+        .strip()
+    )
 
 
-raw_values = st.one_of(values.map(render), st.text(max_size=12),
-                       st.sampled_from(["[", "{", "]", "!!python/object:os.system", "*x", "&a",
-                                        "%TAG", ": :", "'", '"', "{a: [}", "\t", "1e999",
-                                        "-.inf", ".nan", "9" * 5000]))
+raw_values = st.one_of(
+    values.map(render),
+    st.text(max_size=12),
+    st.sampled_from(
+        [
+            "[",
+            "{",
+            "]",
+            "!!python/object:os.system",
+            "*x",
+            "&a",
+            "%TAG",
+            ": :",
+            "'",
+            '"',
+            "{a: [}",
+            "\t",
+            "1e999",
+            "-.inf",
+            ".nan",
+            "9" * 5000,
+        ]
+    ),
+)
 
 
 @fuzz(250)
@@ -100,9 +138,13 @@ def typo(key: str, data) -> str:
     op = data.draw(st.sampled_from(["insert", "delete", "swap", "replace", "case"]))
     j = data.draw(st.integers(0, max(len(word) - 1, 0)))
     c = data.draw(st.sampled_from("abcdefghijklmnopqrstuvwxyz_0"))
-    word = {"insert": word[:j] + c + word[j:], "delete": word[:j] + word[j + 1:],
-            "swap": word[:j] + word[j + 1:j + 2] + word[j:j + 1] + word[j + 2:],
-            "replace": word[:j] + c + word[j + 1:], "case": word.upper()}[op]
+    word = {
+        "insert": word[:j] + c + word[j:],
+        "delete": word[:j] + word[j + 1 :],
+        "swap": word[:j] + word[j + 1 : j + 2] + word[j : j + 1] + word[j + 2 :],
+        "replace": word[:j] + c + word[j + 1 :],
+        "case": word.upper(),
+    }[op]
     parts[i] = word
     return ".".join(parts)
 
@@ -134,8 +176,16 @@ def test_typos_in_keys_name_the_unknown_key(key, data):
     assert f"'{expected}'" in message, (bad, message)
 
 
-MALFORMED = ["train.steps", "=5", "model..hidden_size=4", ".model=1", "model.=1", "", "=",
-             "model.hidden_size:64"]
+MALFORMED = [
+    "train.steps",
+    "=5",
+    "model..hidden_size=4",
+    ".model=1",
+    "model.=1",
+    "",
+    "=",
+    "model.hidden_size:64",
+]
 
 
 @fuzz(60)
@@ -147,12 +197,21 @@ def test_malformed_overrides_name_the_override(text):
 
 # -- YAML files ------------------------------------------------------------------------------
 
-yaml_keys = st.one_of(st.sampled_from(SECTIONS + ["defaults", "modle", "train_steps"]),
-                      st.sampled_from(sorted({k.split(".")[-1] for k in KEYS})),
-                      st.text(max_size=5), st.integers(-3, 3), st.none(), st.booleans())
-trees = st.recursive(scalars, lambda children: st.one_of(
-    st.lists(children, max_size=3), st.dictionaries(yaml_keys, children, max_size=4)),
-    max_leaves=12)
+yaml_keys = st.one_of(
+    st.sampled_from(SECTIONS + ["defaults", "modle", "train_steps"]),
+    st.sampled_from(sorted({k.split(".")[-1] for k in KEYS})),
+    st.text(max_size=5),
+    st.integers(-3, 3),
+    st.none(),
+    st.booleans(),
+)
+trees = st.recursive(
+    scalars,
+    lambda children: st.one_of(
+        st.lists(children, max_size=3), st.dictionaries(yaml_keys, children, max_size=4)
+    ),
+    max_leaves=12,
+)
 
 
 def path_in(data, dotted: str) -> bool:
@@ -174,9 +233,12 @@ def names_a_written_key(message: str, data) -> bool:
     """The message names a key of the config tree, or one the file holds."""
     if not message.startswith("config key '"):
         return False
-    key = message[len("config key '"):].split("'", 1)[0]
-    return (path_in(data, key.split("[")[0]) or key in KEYS
-            or any(key.endswith(k) for k in written_keys(data)))
+    key = message[len("config key '") :].split("'", 1)[0]
+    return (
+        path_in(data, key.split("[")[0])
+        or key in KEYS
+        or any(key.endswith(k) for k in written_keys(data))
+    )
 
 
 @fuzz(150)
@@ -222,19 +284,38 @@ def test_bad_defaults_name_the_file(tmp_path):
 
 # -- contradictory layouts and engines -------------------------------------------------------
 
+
 @fuzz(200)
-@given(engine=st.sampled_from(["megatron", "deepspeed"]), tp=st.integers(0, 8),
-       pp=st.integers(0, 8), heads=st.sampled_from([1, 2, 3, 4, 8]), layers=st.integers(1, 8),
-       loops=st.integers(-1, 4), mbs=st.integers(0, 4), gbs=st.integers(1, 16),
-       evals=st.sampled_from([1, 2, 3, 4, 6, 8, "all"]), stage=st.integers(-1, 4),
-       kind=st.sampled_from(["per_loop", "exit_weighted"]))
-def test_contradictory_layouts_fail_at_load_naming_a_key(engine, tp, pp, heads, layers, loops,
-                                                         mbs, gbs, evals, stage, kind):
-    overrides = {"engine": engine, "parallel.tp": tp, "parallel.pp": pp,
-                 "model.num_heads": heads, "model.hidden_size": 96, "model.num_layers": layers,
-                 "model.num_loops": loops, "train.micro_batch_size": mbs,
-                 "train.global_batch_size": gbs, "train.eval_batches": evals,
-                 "deepspeed.zero_stage": stage, "objective.kind": kind}
+@given(
+    engine=st.sampled_from(["megatron", "deepspeed"]),
+    tp=st.integers(0, 8),
+    pp=st.integers(0, 8),
+    heads=st.sampled_from([1, 2, 3, 4, 8]),
+    layers=st.integers(1, 8),
+    loops=st.integers(-1, 4),
+    mbs=st.integers(0, 4),
+    gbs=st.integers(1, 16),
+    evals=st.sampled_from([1, 2, 3, 4, 6, 8, "all"]),
+    stage=st.integers(-1, 4),
+    kind=st.sampled_from(["per_loop", "exit_weighted"]),
+)
+def test_contradictory_layouts_fail_at_load_naming_a_key(
+    engine, tp, pp, heads, layers, loops, mbs, gbs, evals, stage, kind
+):
+    overrides = {
+        "engine": engine,
+        "parallel.tp": tp,
+        "parallel.pp": pp,
+        "model.num_heads": heads,
+        "model.hidden_size": 96,
+        "model.num_layers": layers,
+        "model.num_loops": loops,
+        "train.micro_batch_size": mbs,
+        "train.global_batch_size": gbs,
+        "train.eval_batches": evals,
+        "deepspeed.zero_stage": stage,
+        "objective.kind": kind,
+    }
     message = load_error([f"{k}={v}" for k, v in overrides.items()])
     if message is not None:
         assert any(names(message, k) for k in overrides), (overrides, message)
@@ -251,6 +332,7 @@ def test_contradictory_layouts_fail_at_load_naming_a_key(engine, tp, pp, heads, 
 
 # -- through the CLI -------------------------------------------------------------------------
 
+
 def cli(argv) -> tuple[int, str, str]:
     from megaloop.cli import main
 
@@ -260,14 +342,22 @@ def cli(argv) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-CLI_BAD = [(["model.hidden_size=["], "model.hidden_size"), (["optim.lr=.nan"], "optim.lr"),
-           (["train.steps=1e999"], "train.steps"), (["parallel.tp=3"], "parallel.tp"),
-           (["parallel.pp=3"], "parallel.pp"), (["model.hidden_size=" + "9" * 30], "hidden_size"),
-           (["modle.hidden_size=64"], "modle"), (["model.readout=nrom"], "model.readout"),
-           (["model.num_loops=0"], "model.num_loops"),
-           (["train.global_batch_size=7"], "train.global_batch_size"),
-           (["engine=deepspeed", "parallel.pp=2"], "parallel.pp"), (["model={1: 2}"], "model.1"),
-           (["train.steps"], "train.steps"), (["model=!!binary AAAA"], "model")]
+CLI_BAD = [
+    (["model.hidden_size=["], "model.hidden_size"),
+    (["optim.lr=.nan"], "optim.lr"),
+    (["train.steps=1e999"], "train.steps"),
+    (["parallel.tp=3"], "parallel.tp"),
+    (["parallel.pp=3"], "parallel.pp"),
+    (["model.hidden_size=" + "9" * 30], "hidden_size"),
+    (["modle.hidden_size=64"], "modle"),
+    (["model.readout=nrom"], "model.readout"),
+    (["model.num_loops=0"], "model.num_loops"),
+    (["train.global_batch_size=7"], "train.global_batch_size"),
+    (["engine=deepspeed", "parallel.pp=2"], "parallel.pp"),
+    (["model={1: 2}"], "model.1"),
+    (["train.steps"], "train.steps"),
+    (["model=!!binary AAAA"], "model"),
+]
 
 
 @fuzz(40)
@@ -284,14 +374,18 @@ def test_cli_one_error_line_naming_the_key(case, command):
 def test_cli_bad_config_files(tmp_path):
     (tmp_path / "bytes.yaml").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
     (tmp_path / "keys.yaml").write_text("1: 2\n")
-    for name, words in (("bytes.yaml", ["bytes.yaml", "not UTF-8"]), ("keys.yaml", ["'1'"]),
-                        ("absent.yaml", ["absent.yaml", "not found"])):
+    for name, words in (
+        ("bytes.yaml", ["bytes.yaml", "not UTF-8"]),
+        ("keys.yaml", ["'1'"]),
+        ("absent.yaml", ["absent.yaml", "not found"]),
+    ):
         code, out, err = cli(["params", str(tmp_path / name)])
         assert code == 2 and "Traceback" not in err and err.count("megaloop: error:") == 1
         assert all(w in err for w in words), err
 
 
 # -- data: text files ------------------------------------------------------------------------
+
 
 def build_text(path: Path, **options):
     from megaloop.data import DataConfig
@@ -300,8 +394,13 @@ def build_text(path: Path, **options):
 
 
 @fuzz(120)
-@given(st.one_of(st.binary(max_size=80), st.text(max_size=60).map(str.encode),
-                 st.binary(max_size=40).map(lambda b: b"long enough ascii text " * 3 + b)))
+@given(
+    st.one_of(
+        st.binary(max_size=80),
+        st.text(max_size=60).map(str.encode),
+        st.binary(max_size=40).map(lambda b: b"long enough ascii text " * 3 + b),
+    )
+)
 def test_text_files_of_random_bytes(tmp_path_factory, raw):
     path = tmp_path_factory.mktemp("text") / "train.txt"
     path.write_bytes(raw)
@@ -324,10 +423,11 @@ def test_text_files_of_random_bytes(tmp_path_factory, raw):
 def test_text_empty_and_non_utf8_validation_files(tmp_path):
     train = tmp_path / "train.txt"
     train.write_text("some training text, long enough. " * 4)
-    for name, raw, words in (("empty.txt", b"", ["has 0 tokens"]),
-                             ("latin1.txt", "caf\u00e9 ".encode("latin-1") * 9,
-                              ["not UTF-8", "byte 3 (line 1)"]),
-                             ("utf16.txt", "text".encode("utf-16"), ["not UTF-8", "byte 0"])):
+    for name, raw, words in (
+        ("empty.txt", b"", ["has 0 tokens"]),
+        ("latin1.txt", "caf\u00e9 ".encode("latin-1") * 9, ["not UTF-8", "byte 3 (line 1)"]),
+        ("utf16.txt", "text".encode("utf-16"), ["not UTF-8", "byte 0"]),
+    ):
         (tmp_path / name).write_bytes(raw)
         with pytest.raises(DataError) as err:
             build_text(train, valid_path=str(tmp_path / name))
@@ -337,6 +437,7 @@ def test_text_empty_and_non_utf8_validation_files(tmp_path):
 
 # -- data: tokenizer files -------------------------------------------------------------------
 
+
 def tokenizer_json() -> bytes:
     from megaloop.data.tokenizer import byte_level_tokenizer
 
@@ -344,8 +445,14 @@ def tokenizer_json() -> bytes:
 
 
 @fuzz(40)
-@given(st.one_of(st.binary(max_size=64), st.integers(0, 2000).map(lambda n: tokenizer_json()[:n]),
-                 st.just(b"{}"), st.just(b"[1, 2]")))
+@given(
+    st.one_of(
+        st.binary(max_size=64),
+        st.integers(0, 2000).map(lambda n: tokenizer_json()[:n]),
+        st.just(b"{}"),
+        st.just(b"[1, 2]"),
+    )
+)
 def test_tokenizer_files_random_or_truncated(tmp_path_factory, raw):
     from megaloop.data.tokenizer import load_tokenizer
 
@@ -357,6 +464,7 @@ def test_tokenizer_files_random_or_truncated(tmp_path_factory, raw):
 
 
 # -- data: megatron-core indexed datasets ----------------------------------------------------
+
 
 def write_indexed(prefix: Path, docs, dtype=np.uint16) -> None:
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
@@ -371,8 +479,11 @@ DOCS = [list(range(1, 40)), list(range(50, 90)), [7] * 25]
 
 
 @fuzz(150)
-@given(part=st.sampled_from(["idx", "bin"]),
-       damage=st.sampled_from(["truncate", "random", "empty", "flip", "extend"]), data=st.data())
+@given(
+    part=st.sampled_from(["idx", "bin"]),
+    damage=st.sampled_from(["truncate", "random", "empty", "flip", "extend"]),
+    data=st.data(),
+)
 def test_damaged_indexed_datasets_name_the_file(tmp_path_factory, part, damage, data):
     from megaloop.data.indexed import TokenStream
 
@@ -381,14 +492,14 @@ def test_damaged_indexed_datasets_name_the_file(tmp_path_factory, part, damage, 
     path = Path(f"{prefix}.{part}")
     raw = path.read_bytes()
     if damage == "truncate":
-        raw = raw[:data.draw(st.integers(0, len(raw) - 1))]
+        raw = raw[: data.draw(st.integers(0, len(raw) - 1))]
     elif damage == "random":
         raw = data.draw(st.binary(min_size=1, max_size=len(raw) + 8))
     elif damage == "empty":
         raw = b""
     elif damage == "flip":
         i = data.draw(st.integers(0, len(raw) - 1))
-        raw = raw[:i] + bytes([raw[i] ^ data.draw(st.integers(1, 255))]) + raw[i + 1:]
+        raw = raw[:i] + bytes([raw[i] ^ data.draw(st.integers(1, 255))]) + raw[i + 1 :]
     else:
         raw = raw + data.draw(st.binary(min_size=1, max_size=8))
     path.write_bytes(raw)
@@ -410,7 +521,7 @@ def test_indexed_tokens_outside_the_vocabulary_and_missing_files(tmp_path):
 
     write_indexed(tmp_path / "train", [*DOCS, [300, 1, 2]])
     with pytest.raises(DataError, match="token id 300, outside model.vocab_size=256") as err:
-        check_indexed(str(tmp_path / "train"), 256)   # as experiment.build_trainer does
+        check_indexed(str(tmp_path / "train"), 256)  # as experiment.build_trainer does
     assert str(tmp_path / "train.bin") in str(err.value)
     write_indexed(tmp_path / "empty", [])
     with pytest.raises(DataError, match="holds no documents"):
@@ -423,6 +534,7 @@ def test_indexed_tokens_outside_the_vocabulary_and_missing_files(tmp_path):
 
 
 # -- data: webdataset folders (manifest; the shards' own reader is megaloop/data/shards.py) --
+
 
 def test_webdataset_manifests(tmp_path):
     from megaloop.data import DataConfig
@@ -441,27 +553,48 @@ def test_webdataset_manifests(tmp_path):
         assert "manifest.json" in str(err.value) or f"data.path={folder}" in str(err.value)
 
     check(b"\x00\x01garbage", ["not a JSON manifest"])
-    check(b'{"seq_len": 8, "shards": {', ["not a JSON manifest"])   # truncated
+    check(b'{"seq_len": 8, "shards": {', ["not a JSON manifest"])  # truncated
     check([1, 2], ["JSON list"])
     check({"seq_len": "8", "shards": {}}, ["lacks `seq_len`"])
-    check({"seq_len": 8, "shards": {"00000-000000.tar": 4, "00001-000000.tar": 4}},
-          ["lists shard 00001-000000.tar"], seq_len=8)
-    check({"seq_len": 16, "shards": {"00000-000000.tar": 4}}, ["data.seq_len", "--seq-len 8"],
-          seq_len=8)
-    check({"seq_len": 8, "shards": {"00000-000000.tar": 4}}, ["data.valid_shards", "1 shard"],
-          seq_len=8)
+    check(
+        {"seq_len": 8, "shards": {"00000-000000.tar": 4, "00001-000000.tar": 4}},
+        ["lists shard 00001-000000.tar"],
+        seq_len=8,
+    )
+    check(
+        {"seq_len": 16, "shards": {"00000-000000.tar": 4}},
+        ["data.seq_len", "--seq-len 8"],
+        seq_len=8,
+    )
+    check(
+        {"seq_len": 8, "shards": {"00000-000000.tar": 4}},
+        ["data.valid_shards", "1 shard"],
+        seq_len=8,
+    )
 
 
 # -- data preparation (datatrove readers) ----------------------------------------------------
 
+
 def prep_args(corpus: str, **options):
     from types import SimpleNamespace
 
-    defaults = dict(executor="local", workers=1, partition=None, time="01:00:00",
-                    cpus_per_task=1, max_array_size=1001, job_name="test",
-                    eos_token="<|endoftext|>", max_doc_bytes=10 * 2**20,
-                    corpus_module=f"data_prep.{corpus}", seq_len=16, shard_size=4,
-                    lang_model=None, lang_threshold=0.65)
+    defaults = dict(
+        executor="local",
+        workers=1,
+        partition=None,
+        time="01:00:00",
+        cpus_per_task=1,
+        max_array_size=1001,
+        job_name="test",
+        eos_token="<|endoftext|>",
+        max_doc_bytes=10 * 2**20,
+        corpus_module=f"data_prep.{corpus}",
+        seq_len=16,
+        shard_size=4,
+        lang_model=None,
+        lang_threshold=0.65,
+    )
     return SimpleNamespace(**{**defaults, **options})
 
 
@@ -482,25 +615,31 @@ def bad_web_files(folder: Path) -> dict[str, str]:
     good = json.dumps({"text": "A record before the damage."}) + "\n"
     (folder / "random.jsonl").write_bytes(random.Random(0).randbytes(300))
     (folder / "truncated.jsonl").write_text(good * 3 + '{"text": "cut in the mid')
-    (folder / "latin1.jsonl").write_bytes(good.encode() + '{"text": "caf\u00e9"}\n'.encode("latin-1"))
+    (folder / "latin1.jsonl").write_bytes(
+        good.encode() + '{"text": "caf\u00e9"}\n'.encode("latin-1")
+    )
     (folder / "empty.jsonl").write_bytes(b"")
     (folder / "wrongtype.jsonl").write_text('{"text": 5}\n[1, 2]\n"just a string"\n')
     gz = gzip.compress((good * 50).encode())
-    (folder / "truncated.jsonl.gz").write_bytes(gz[:len(gz) // 2])
+    (folder / "truncated.jsonl.gz").write_bytes(gz[: len(gz) // 2])
     buffer = io.BytesIO()
     pq.write_table(pa.table({"text": ["a parquet record"] * 50}), buffer)
-    (folder / "truncated.parquet").write_bytes(buffer.getvalue()[:len(buffer.getvalue()) // 2])
+    (folder / "truncated.parquet").write_bytes(buffer.getvalue()[: len(buffer.getvalue()) // 2])
     (folder / "empty.parquet").write_bytes(b"")
-    return {"random.jsonl": "record(s), the first at line", "truncated.jsonl":
-            "skipped 1 invalid JSON record(s), the first at line 4",
-            "latin1.jsonl": "skipped 1 non-UTF-8 record(s), the first at line 2",
-            "wrongtype.jsonl": "skipped 2 invalid JSON record(s), the first at line 2",
-            "truncated.jsonl.gz": "unreadable (EOFError", "truncated.parquet": "unreadable",
-            "empty.parquet": "unreadable"}
+    return {
+        "random.jsonl": "record(s), the first at line",
+        "truncated.jsonl": "skipped 1 invalid JSON record(s), the first at line 4",
+        "latin1.jsonl": "skipped 1 non-UTF-8 record(s), the first at line 2",
+        "wrongtype.jsonl": "skipped 2 invalid JSON record(s), the first at line 2",
+        "truncated.jsonl.gz": "unreadable (EOFError",
+        "truncated.parquet": "unreadable",
+        "empty.parquet": "unreadable",
+    }
 
 
-def test_prep_web_broken_files_are_named_and_nothing_looks_complete(tmp_path, prep_tokenizer,
-                                                                     capfd):
+def test_prep_web_broken_files_are_named_and_nothing_looks_complete(
+    tmp_path, prep_tokenizer, capfd
+):
     import data_prep
     from data_prep.common import PrepError
 
@@ -509,8 +648,15 @@ def test_prep_web_broken_files_are_named_and_nothing_looks_complete(tmp_path, pr
     out.mkdir()
     (out / "manifest.json").write_text("{}")  # a finished earlier run's mark
     with pytest.raises(PrepError, match="nothing usable"):
-        data_prep.run(prep_args("fineweb", source=str(tmp_path / "source"),
-                                tokenizer=str(prep_tokenizer), out=str(out), seq_len=4096))
+        data_prep.run(
+            prep_args(
+                "fineweb",
+                source=str(tmp_path / "source"),
+                tokenizer=str(prep_tokenizer),
+                out=str(out),
+                seq_len=4096,
+            )
+        )
     printed = capfd.readouterr()
     lines = (printed.out + printed.err).splitlines()
     for name, words in expected.items():
@@ -533,8 +679,14 @@ def test_prep_bad_tokenizer_files_are_one_prep_error(tmp_path, prep_tokenizer):
         bad.write_bytes(raw)
         for corpus in ("wikitext103", "fineweb"):
             with pytest.raises(PrepError, match=f"--tokenizer {bad} is not a Hugging Face"):
-                data_prep.run(prep_args(corpus, source=str(sources[corpus]), tokenizer=str(bad),
-                                        out=str(tmp_path / "out")))
+                data_prep.run(
+                    prep_args(
+                        corpus,
+                        source=str(sources[corpus]),
+                        tokenizer=str(bad),
+                        out=str(tmp_path / "out"),
+                    )
+                )
 
 
 def test_prep_wikitext_random_bytes_is_one_error_and_no_manifest(tmp_path, prep_tokenizer):
@@ -547,12 +699,16 @@ def test_prep_wikitext_random_bytes_is_one_error_and_no_manifest(tmp_path, prep_
     (source / "wiki.valid.raw").write_bytes(b"")
     out = tmp_path / "out"
     with pytest.raises(PrepError, match="nothing usable"):
-        data_prep.run(prep_args("wikitext103", source=str(source),
-                                tokenizer=str(prep_tokenizer), out=str(out)))
+        data_prep.run(
+            prep_args(
+                "wikitext103", source=str(source), tokenizer=str(prep_tokenizer), out=str(out)
+            )
+        )
     assert not list(out.glob("*.manifest.json")) and not list(out.glob("train.*"))
 
 
 # -- lm-eval: a continuation longer than the model's context ---------------------------------
+
 
 def test_a_continuation_longer_than_the_context_names_the_task(export_dir):
     from lm_eval.api.instance import Instance
@@ -561,18 +717,25 @@ def test_a_continuation_longer_than_the_context_names_the_task(export_dir):
     from megaloop.evaluation.exported import EvalError, load_model, load_tokenizer
 
     model = load_model(export_dir, "cpu", "float32", num_loops=2)
-    lm = checked_lm(pretrained=model, tokenizer=load_tokenizer(export_dir), batch_size=2,
-                    device="cpu")
+    lm = checked_lm(
+        pretrained=model, tokenizer=load_tokenizer(export_dir), batch_size=2, device="cpu"
+    )
     assert lm.max_length == 256
 
     def request(task, doc, context, continuation):
         return Instance("loglikelihood", {}, (context, continuation), 0, (task, doc, 1))
 
-    fits = [request("piqa", 0, "Goal: open a jar.", " Twist the lid."),
-            request("piqa", 0, "x" * 1000, " A long context is cut from the left.")]
+    fits = [
+        request("piqa", 0, "Goal: open a jar.", " Twist the lid."),
+        request("piqa", 0, "x" * 1000, " A long context is cut from the left."),
+    ]
     assert len(lm.loglikelihood(fits)) == 2
-    long = [*fits, request("piqa", 7, "Goal: x", " " + "y" * 300),
-            request("piqa", 9, "Goal: x", " " + "y" * 280), request("sciq", 3, "", "z" * 400)]
+    long = [
+        *fits,
+        request("piqa", 7, "Goal: x", " " + "y" * 300),
+        request("piqa", 9, "Goal: x", " " + "y" * 280),
+        request("sciq", 3, "", "z" * 400),
+    ]
     with pytest.raises(EvalError) as err:
         lm.loglikelihood(long)
     message = str(err.value)
@@ -592,11 +755,18 @@ def test_damaged_webdataset_shards_name_the_shard(tmp_path, damage):
         with wds.TarWriter(str(tmp_path / "shards" / name)) as sink:
             for i in range(4):
                 sink.write({"__key__": f"{i:04d}", "tokens.npy": np.arange(9, dtype=np.uint16)})
-    (tmp_path / "manifest.json").write_text(json.dumps({"seq_len": 8,
-                                                        "shards": {"a.tar": 4, "b.tar": 4}}))
-    shard = tmp_path / "shards" / "b.tar"   # the held-out (validation) shard
-    shard.write_bytes({"empty": b"", "random": random.Random(0).randbytes(700),
-                       "truncated": shard.read_bytes()[:700], "zeros": bytes(1024)}[damage])
+    (tmp_path / "manifest.json").write_text(
+        json.dumps({"seq_len": 8, "shards": {"a.tar": 4, "b.tar": 4}})
+    )
+    shard = tmp_path / "shards" / "b.tar"  # the held-out (validation) shard
+    shard.write_bytes(
+        {
+            "empty": b"",
+            "random": random.Random(0).randbytes(700),
+            "truncated": shard.read_bytes()[:700],
+            "zeros": bytes(1024),
+        }[damage]
+    )
     with pytest.raises(DataError) as err:
         DataConfig(kind="webdataset", path=str(tmp_path), seq_len=8).build(0)
     assert str(shard) in str(err.value)

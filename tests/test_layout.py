@@ -13,45 +13,68 @@ from megaloop.model.specs import recompute_config, transformer_config
 from megaloop.parallel import layout
 
 TINY = "configs/experiments/tiny.yaml"
-SHAPE = ["model.hidden_size=64", "model.num_heads=4", "model.num_layers=2", "model.vocab_size=512",
-         "model.max_seq_len=64", "data.seq_len=64", "train.micro_batch_size=2"]
+SHAPE = [
+    "model.hidden_size=64",
+    "model.num_heads=4",
+    "model.num_layers=2",
+    "model.vocab_size=512",
+    "model.max_seq_len=64",
+    "data.seq_len=64",
+    "train.micro_batch_size=2",
+]
 TOLERANCE = 0.15
 
 
 def measured(cfg) -> int:
-    model = LoopedLM(cfg.model, transformer_config(cfg.model,
-                                                   **recompute_config(cfg.train.recompute)),
-                     recompute=cfg.train.recompute)
+    model = LoopedLM(
+        cfg.model,
+        transformer_config(cfg.model, **recompute_config(cfg.train.recompute)),
+        recompute=cfg.train.recompute,
+    )
     init_weights(model, 0)
     model.train()
-    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.data.seq_len),
-                           generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0,
+        cfg.model.vocab_size,
+        (cfg.train.micro_batch_size, cfg.data.seq_len),
+        generator=torch.Generator().manual_seed(0),
+    )
     return layout.saved_activation_bytes(model, tokens)
 
 
 @pytest.mark.parametrize("loops", [1, 2, 4])
 @pytest.mark.parametrize("recompute", ["none", "selective", "full", "loop"])
 def test_activation_figures_are_within_15_percent_of_the_measurement(loops, recompute):
-    cfg = experiment.load(TINY, [*SHAPE, f"model.num_loops={loops}",
-                                 f"train.recompute={recompute}"])
-    planned = layout.activation_bytes(cfg, tp=1, pp=1, dp=1,
-                                      micro_batch=cfg.train.micro_batch_size)["total"]
+    cfg = experiment.load(
+        TINY, [*SHAPE, f"model.num_loops={loops}", f"train.recompute={recompute}"]
+    )
+    planned = layout.activation_bytes(
+        cfg, tp=1, pp=1, dp=1, micro_batch=cfg.train.micro_batch_size
+    )["total"]
     assert planned == pytest.approx(measured(cfg), rel=TOLERANCE)
 
 
-@pytest.mark.parametrize("overrides", [
-    ["model.num_query_groups=2", "model.ffn_hidden_size=96"],
-    ["model.layer_norms=sandwich", "model.loop_norm=shared", "model.exit_gate=true",
-     "objective.kind=exit_mixture"],
-    ["model.readout=raw", "train.recompute=full"],
-    ["model.readout=final_norm", "model.num_layers=4"],
-    ["model.attention=megatron"],
-    ["model.attention=megatron", "train.recompute=selective"],
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model.num_query_groups=2", "model.ffn_hidden_size=96"],
+        [
+            "model.layer_norms=sandwich",
+            "model.loop_norm=shared",
+            "model.exit_gate=true",
+            "objective.kind=exit_mixture",
+        ],
+        ["model.readout=raw", "train.recompute=full"],
+        ["model.readout=final_norm", "model.num_layers=4"],
+        ["model.attention=megatron"],
+        ["model.attention=megatron", "train.recompute=selective"],
+    ],
+)
 def test_activation_figures_follow_the_architecture(overrides):
     cfg = experiment.load(TINY, [*SHAPE, "model.num_loops=2", *overrides])
-    planned = layout.activation_bytes(cfg, tp=1, pp=1, dp=1,
-                                      micro_batch=cfg.train.micro_batch_size)["total"]
+    planned = layout.activation_bytes(
+        cfg, tp=1, pp=1, dp=1, micro_batch=cfg.train.micro_batch_size
+    )["total"]
     assert planned == pytest.approx(measured(cfg), rel=TOLERANCE)
 
 
@@ -61,21 +84,37 @@ def real_counts(model_cfg) -> dict:
     return model.num_parameters()
 
 
-@pytest.mark.parametrize("path, overrides, total", [
-    ("configs/model/44m.yaml", [], 44_048_896),
-    ("configs/model/129m.yaml", [], 128_994_048),
-    # Ouro-1.4B exactly (the count of its published checkpoint) ...
-    ("configs/model/1p4b.yaml", [], 1_434_652_673),
-    # ... less the second norm of each sublayer (2 x 24 x d), the shared loop norm and the gate
-    ("configs/model/1p4b.yaml", ["model.layer_norms=pre", "model.loop_norm=separate",
-                                 "model.readout=raw", "model.exit_gate=false"],
-     1_434_652_673 - 2 * 24 * 2048 - 2048 - 2049),
-    ("configs/model/44m.yaml", ["model.recurrence=damping"], 44_048_896 + 512),
-    ("configs/model/44m.yaml", ["model.recurrence=damping", "model.damping_shape=scalar"],
-     44_048_896 + 1),
-    ("configs/model/44m.yaml", ["model.recurrence=rmsnorm", "model.tie_embeddings=false",
-                                "model.num_query_groups=2"], None),
-])
+@pytest.mark.parametrize(
+    "path, overrides, total",
+    [
+        ("configs/model/44m.yaml", [], 44_048_896),
+        ("configs/model/129m.yaml", [], 128_994_048),
+        # Ouro-1.4B exactly (the count of its published checkpoint) ...
+        ("configs/model/1p4b.yaml", [], 1_434_652_673),
+        # ... less the second norm of each sublayer (2 x 24 x d), the shared loop norm and the gate
+        (
+            "configs/model/1p4b.yaml",
+            [
+                "model.layer_norms=pre",
+                "model.loop_norm=separate",
+                "model.readout=raw",
+                "model.exit_gate=false",
+            ],
+            1_434_652_673 - 2 * 24 * 2048 - 2048 - 2049,
+        ),
+        ("configs/model/44m.yaml", ["model.recurrence=damping"], 44_048_896 + 512),
+        (
+            "configs/model/44m.yaml",
+            ["model.recurrence=damping", "model.damping_shape=scalar"],
+            44_048_896 + 1,
+        ),
+        (
+            "configs/model/44m.yaml",
+            ["model.recurrence=rmsnorm", "model.tie_embeddings=false", "model.num_query_groups=2"],
+            None,
+        ),
+    ],
+)
 def test_parameter_counts_are_the_real_models(path, overrides, total):
     model = experiment.load(path, overrides).model
     counts = layout.parameter_counts(model)
@@ -112,7 +151,9 @@ def test_plan_of_the_1p4b_run():
     assert full.fits(80) and full.activations < p.activations / 5 and full.max_micro_batch >= 4
     assert full.step_seconds > p.step_seconds
     # twice the GPUs: half the step time at the same MFU
-    assert plan_1p4b("train.eval_batches=256", gpus=256).step_seconds == pytest.approx(p.step_seconds / 2)
+    assert plan_1p4b("train.eval_batches=256", gpus=256).step_seconds == pytest.approx(
+        p.step_seconds / 2
+    )
     tp2 = plan_1p4b("parallel.tp=2")
     assert tp2.weights == pytest.approx(p.weights / 2, rel=0.01) and tp2.dp == 64
 
@@ -122,21 +163,61 @@ def test_search_ranks_only_layouts_that_fit_and_names_the_rest():
     plans, left_out = layout.search(cfg, 128, 80.0, 989.4, 0.4)
     assert plans and all(p.fits(80) for p in plans)
     assert [p.step_seconds for p in plans] == sorted(p.step_seconds for p in plans)
-    assert any("megatron, TP=1 PP=1 DP=128, micro-batch 1, recompute=none" in why
-               for why in left_out)
+    assert any(
+        "megatron, TP=1 PP=1 DP=128, micro-batch 1, recompute=none" in why for why in left_out
+    )
     assert all(p.pp == 1 for p in plans if p.engine == "deepspeed")
 
 
 def test_plan_cli(capsys):
     from megaloop.cli import main
 
-    assert main(["plan", "configs/experiments/fineweb/1p4b_42b_tokens.yaml", "--gpus", "128",
-                 "--gpu-mem", "80", "train.recompute=full"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "configs/experiments/fineweb/1p4b_42b_tokens.yaml",
+                "--gpus",
+                "128",
+                "--gpu-mem",
+                "80",
+                "train.recompute=full",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "parameters: 1,434,652,673" in out and "DP=128" in out and ": fits in 90%" in out
-    assert main(["plan", "configs/experiments/fineweb/1p4b_42b_tokens.yaml", "--gpus", "12",
-                 "--gpu-mem", "80", "parallel.tp=8"]) == 2
+    assert (
+        main(
+            [
+                "plan",
+                "configs/experiments/fineweb/1p4b_42b_tokens.yaml",
+                "--gpus",
+                "12",
+                "--gpu-mem",
+                "80",
+                "parallel.tp=8",
+            ]
+        )
+        == 2
+    )
     assert "world size 12 must be a multiple of tp*pp=8" in capsys.readouterr().err
-    assert main(["plan", TINY, "--gpus", "2", "--gpu-mem", "1", "--search",
-                 "train.micro_batch_size=2", "train.global_batch_size=4", "train.eval_batches=4"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                TINY,
+                "--gpus",
+                "2",
+                "--gpu-mem",
+                "1",
+                "--search",
+                "train.micro_batch_size=2",
+                "train.global_batch_size=4",
+                "train.eval_batches=4",
+            ]
+        )
+        == 0
+    )
     assert "| 1 | " in capsys.readouterr().out

@@ -9,11 +9,20 @@ import torch
 from megaloop.evaluation import depth, diagnostics, halting, harness, report
 from megaloop.evaluation.exported import EvalError
 
-TINY = ["data.seq_len=32", "train.steps=40",
-        "train.micro_batch_size=16", "train.global_batch_size=16", "train.log_every=10",
-        "train.eval_batches=2", "wandb.mode=disabled"]
-VARIANTS = {"norm": ["model.readout=norm"], "raw": ["model.readout=raw"],
-            "final_norm": ["model.readout=final_norm"]}
+TINY = [
+    "data.seq_len=32",
+    "train.steps=40",
+    "train.micro_batch_size=16",
+    "train.global_batch_size=16",
+    "train.log_every=10",
+    "train.eval_batches=2",
+    "wandb.mode=disabled",
+]
+VARIANTS = {
+    "norm": ["model.readout=norm"],
+    "raw": ["model.readout=raw"],
+    "final_norm": ["model.readout=final_norm"],
+}
 SEQ = 32
 
 
@@ -26,8 +35,9 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("measure")
     for name, overrides in VARIANTS.items():
         for seed in (0, 1):
-            train_here(root / "runs" / name / f"seed{seed}", [*TINY, *overrides,
-                                                             f"train.seed={seed}"])
+            train_here(
+                root / "runs" / name / f"seed{seed}", [*TINY, *overrides, f"train.seed={seed}"]
+            )
     rng = np.random.default_rng(7)
     text = "".join(f"{a:04d}+{b:04d}={a + b:05d}\n" for a, b in rng.integers(0, 10**4, (900, 2)))
     (root / "held_out.txt").write_text(text)
@@ -37,9 +47,14 @@ def runs(tmp_path_factory):
 def test_radial_fraction_and_clamp_separate_the_readouts(runs):
     results = {}
     for name in VARIANTS:
-        results[name] = diagnostics.run(runs / "runs" / name / "seed0", runs / "held_out.txt",
-                                        tokens=512, seq_len=SEQ, rollout=6,
-                                        out=runs / "results" / name / "seed0")
+        results[name] = diagnostics.run(
+            runs / "runs" / name / "seed0",
+            runs / "held_out.txt",
+            tokens=512,
+            seq_len=SEQ,
+            rollout=6,
+            out=runs / "results" / name / "seed0",
+        )
     norm, raw, final = (results[n]["radial"]["r"] for n in ("norm", "raw", "final_norm"))
     assert max(norm) < 1e-6 and min(raw) > 1e-4, (norm, raw)
     assert min(final[:-1]) > 1e-4 and final[-1] < 1e-6, final  # raw-like, then K_train normed
@@ -54,7 +69,7 @@ def test_radial_fraction_and_clamp_separate_the_readouts(runs):
         stats = r["scale"][-1]["rms"]
         assert stats["p50"] <= stats["p99"] <= stats["p99.9"] <= stats["max"]
         d = r["settings"]["hidden_size"]
-        assert r["scale"][-1]["l2"]["mean"] == pytest.approx(stats["mean"] * d ** 0.5)
+        assert r["scale"][-1]["l2"]["mean"] == pytest.approx(stats["mean"] * d**0.5)
     saved = json.loads((runs / "results/norm/seed0/diagnose.json").read_text())
     assert saved["command"] == "diagnose" and saved["settings"]["tokens"] == 512
     assert saved["model"]["run_config"]["model"]["readout"] == "norm"
@@ -67,8 +82,9 @@ def test_the_clamp_holds_every_tokens_rms_at_loop_1(runs):
     with torch.no_grad():
         states = [h for _, h in harness.trajectory(opened.model, batch, 6, clamp=True)]
     for h in states[1:]:
-        torch.testing.assert_close(diagnostics.rms(h), diagnostics.rms(states[0]), rtol=1e-5,
-                                   atol=0)
+        torch.testing.assert_close(
+            diagnostics.rms(h), diagnostics.rms(states[0]), rtol=1e-5, atol=0
+        )
 
 
 def test_depth_at_k_equals_the_exported_model_at_num_loops_k(runs, tmp_path):
@@ -77,18 +93,27 @@ def test_depth_at_k_equals_the_exported_model_at_num_loops_k(runs, tmp_path):
     from megaloop.export import export
 
     run = runs / "runs/final_norm/seed0"
-    result = depth.run(run, runs / "held_out.txt", [1, 2, 3, 4, 6], sequences=12, seq_len=SEQ,
-                       batch_size=5, out=tmp_path / "depth")
+    result = depth.run(
+        run,
+        runs / "held_out.txt",
+        [1, 2, 3, 4, 6],
+        sequences=12,
+        seq_len=SEQ,
+        batch_size=5,
+        out=tmp_path / "depth",
+    )
     folder = export(run, tmp_path / "hf")
     again = depth.run(folder, runs / "held_out.txt", [1, 2, 3, 4, 6], sequences=12, seq_len=SEQ)
     for row, same in zip(result["rows"], again["rows"]):  # the run and its export
         assert same["ce"] == pytest.approx(row["ce"], rel=1e-6)
-    tokens = harness.read_tokens(runs / "held_out.txt", lambda t: np.frombuffer(
-        t.encode(), np.uint8).astype(np.int64))
+    tokens = harness.read_tokens(
+        runs / "held_out.txt", lambda t: np.frombuffer(t.encode(), np.uint8).astype(np.int64)
+    )
     windows = harness.windows(tokens, SEQ, 12)
     for row in result["rows"]:
-        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
-                                                     num_loops=row["loops"]).eval()
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, trust_remote_code=True, num_loops=row["loops"]
+        ).eval()
         with torch.no_grad():
             logits = model(windows[:, :-1], use_cache=False).logits
         ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten())
@@ -109,9 +134,9 @@ def test_calibration_picks_the_smallest_threshold_within_rho():
         rho = 1 + rng.uniform(0, 0.2)
         fixed = ce[:, -1].sum()
 
-        def ratio(t):
-            exits = halting.exit_loops(scores, t)
-            return np.exp((ce[np.arange(units), exits - 1].sum() - fixed) / tokens)
+        def ratio(t):  # this trial's values: called within the iteration
+            exits = halting.exit_loops(scores, t)  # noqa: B023
+            return np.exp((ce[np.arange(units), exits - 1].sum() - fixed) / tokens)  # noqa: B023
 
         ok = [t for t in sorted(set(scores.ravel())) if ratio(t) <= rho]
         got = halting.calibrate(scores, ce, tokens, rho)
@@ -129,8 +154,17 @@ def test_calibration_picks_the_smallest_threshold_within_rho():
 
 def test_halting_meets_rho_and_dynamic_batching_counts_its_steps(runs, tmp_path):
     run = runs / "runs/raw/seed1"
-    result = halting.run(run, runs / "held_out.txt", k_max=4, rho=1.02, calib=24, bench=16,
-                         batch_size=5, seq_len=SEQ, out=tmp_path)
+    result = halting.run(
+        run,
+        runs / "held_out.txt",
+        k_max=4,
+        rho=1.02,
+        calib=24,
+        bench=16,
+        batch_size=5,
+        seq_len=SEQ,
+        out=tmp_path,
+    )
     cal = result["calibration"]
     # recompute the calibrated dynamic PPL independently: each sequence at its exit depth
     opened = harness.open_model(run)
@@ -146,8 +180,14 @@ def test_halting_meets_rho_and_dynamic_batching_counts_its_steps(runs, tmp_path)
                 margins.append((top[..., 0] - top[..., 1]).mean().item())
                 ce.append(torch.nn.functional.cross_entropy(logits[0], y[0], reduction="sum"))
             t = cal["threshold"]  # one sequence's margin exactly: allow for batch-size rounding
-            k = next((i + 1 for i, m in enumerate(margins[:-1])
-                      if t is not None and m >= t - 1e-6 * abs(t)), 4)
+            k = next(
+                (
+                    i + 1
+                    for i, m in enumerate(margins[:-1])
+                    if t is not None and m >= t - 1e-6 * abs(t)
+                ),
+                4,
+            )
             exits.append(k)
             total, fixed = total + ce[k - 1].item(), fixed + ce[-1].item()
     assert np.exp((total - fixed) / windows[:, 1:].numel()) <= 1.02 + 1e-9
@@ -159,12 +199,15 @@ def test_halting_meets_rho_and_dynamic_batching_counts_its_steps(runs, tmp_path)
     # dynamic batching: count the rows that really enter the stack, loop by loop
     slice_ = harness.windows(harness.read_tokens(runs / "held_out.txt", opened.encode), SEQ, 16)
     with torch.no_grad():
-        first = [halting.sequence_margin(opened.model.readout(h, 1)) for k, h in
-                 harness.trajectory(opened.model, slice_[:, :-1], 1)][0]
+        first = [
+            halting.sequence_margin(opened.model.readout(h, 1))
+            for k, h in harness.trajectory(opened.model, slice_[:, :-1], 1)
+        ][0]
     tau = float(first.median())
     counted = []
     hook = opened.model.layers[0].register_forward_pre_hook(
-        lambda _, args: counted.append(args[0].shape[0] * args[0].shape[1]))
+        lambda _, args: counted.append(args[0].shape[0] * args[0].shape[1])
+    )
     with torch.no_grad():
         _, steps, seq_exit, _ = halting.dynamic_depth(opened.model, slice_, 4, "margin", tau)
     hook.remove()
@@ -174,25 +217,49 @@ def test_halting_meets_rho_and_dynamic_batching_counts_its_steps(runs, tmp_path)
 
 
 def test_gate_rule_calibrates_q_like_the_exported_early_exit(runs, tmp_path):
+    from megaloop.export import export
     from multiproc import train_here
 
-    from megaloop.export import export
-
     run = tmp_path / "gate"
-    train_here(run, [*TINY, "objective.kind=exit_weighted", "model.exit_gate=true",
-                     "objective.entropy_beta=0.05", "train.steps=20"])
-    result = halting.run(run, runs / "held_out.txt", k_max=4, rho=1.05, calib=8, bench=8,
-                         batch_size=4, seq_len=SEQ, rule="gate", out=tmp_path / "h")
+    train_here(
+        run,
+        [
+            *TINY,
+            "objective.kind=exit_weighted",
+            "model.exit_gate=true",
+            "objective.entropy_beta=0.05",
+            "train.steps=20",
+        ],
+    )
+    result = halting.run(
+        run,
+        runs / "held_out.txt",
+        k_max=4,
+        rho=1.05,
+        calib=8,
+        bench=8,
+        batch_size=4,
+        seq_len=SEQ,
+        rule="gate",
+        out=tmp_path / "h",
+    )
     q = result["calibration"]["threshold"]
     from transformers import AutoModelForCausalLM
 
     folder = export(run, tmp_path / "hf")
     model = AutoModelForCausalLM.from_pretrained(
-        folder, trust_remote_code=True, early_exit="gate",
-        exit_threshold=q if q is not None else 1.5).eval()
-    windows = harness.windows(harness.read_tokens(
-        runs / "held_out.txt", lambda t: np.frombuffer(t.encode(), np.uint8).astype(np.int64)),
-        SEQ, 8)
+        folder,
+        trust_remote_code=True,
+        early_exit="gate",
+        exit_threshold=q if q is not None else 1.5,
+    ).eval()
+    windows = harness.windows(
+        harness.read_tokens(
+            runs / "held_out.txt", lambda t: np.frombuffer(t.encode(), np.uint8).astype(np.int64)
+        ),
+        SEQ,
+        8,
+    )
     with torch.no_grad():
         logits = model(windows[:, :-1], use_cache=False).logits
     ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten())
@@ -206,15 +273,24 @@ def test_report_renders_every_table_and_figure(runs, tmp_path):
         for seed in (0, 1):
             run, out = runs / "runs" / name / f"seed{seed}", runs / "results" / name / f"seed{seed}"
             depth.run(run, runs / "held_out.txt", [1, 2, 3, 4], sequences=8, seq_len=SEQ, out=out)
-            halting.run(run, runs / "held_out.txt", calib=8, bench=8, batch_size=4,
-                        seq_len=SEQ, out=out)
+            halting.run(
+                run, runs / "held_out.txt", calib=8, bench=8, batch_size=4, seq_len=SEQ, out=out
+            )
             if not (out / "diagnose.json").is_file():
-                diagnostics.run(run, runs / "held_out.txt", tokens=256, seq_len=SEQ, rollout=6,
-                                out=out)
+                diagnostics.run(
+                    run, runs / "held_out.txt", tokens=256, seq_len=SEQ, rollout=6, out=out
+                )
     path = report.build([runs / "runs", runs / "results"], tmp_path / "report")
     text = path.read_text()
-    for title in ("(Table 2)", "(Table 5)", "(Appendix H)", "(Table 3)", "(Table 4)",
-                  "(Appendix D", "(Figure 3)"):
+    for title in (
+        "(Table 2)",
+        "(Table 5)",
+        "(Appendix H)",
+        "(Table 3)",
+        "(Table 4)",
+        "(Appendix D",
+        "(Figure 3)",
+    ):
         assert title in text
     for name in VARIANTS:  # one row per variant, seeds pooled
         assert f"| {name} | 2 | 40 |" in text  # named by their runs' folder
@@ -236,12 +312,17 @@ def test_bad_input_gets_one_clear_error_before_any_compute(runs, tmp_path, capsy
 
     data, run = str(runs / "held_out.txt"), str(runs / "runs/norm/seed0")
     cases = [
-        (["depth", "nowhere", "--data", str(tmp_path / "missing.txt")], "missing.txt: no such file"),
+        (
+            ["depth", "nowhere", "--data", str(tmp_path / "missing.txt")],
+            "missing.txt: no such file",
+        ),
         (["halt", "nowhere", "--data", data, "--rho", "0.99"], "--rho 0.99"),
         (["halt", run, "--data", data, "--rule", "gate"], "has no exit gate"),
         (["depth", "nowhere", "--data", data, "--sequences", "0"], "empty slice"),
-        (["depth", run, "--data", data, "--sequences", "5000", "--seq-len", str(SEQ)],
-         "windows of 32 + 1 tokens; 5000 are needed"),
+        (
+            ["depth", run, "--data", data, "--sequences", "5000", "--seq-len", str(SEQ)],
+            "windows of 32 + 1 tokens; 5000 are needed",
+        ),
         (["diagnose", "nowhere", "--data", data], "MODEL nowhere: no such folder"),
     ]
     for argv, message in cases:
@@ -273,14 +354,21 @@ def test_every_kind_of_data_gives_the_same_token_stream(tmp_path):
         with wds.TarWriter(str(tmp_path / f"prep/shards/00000-{shard:05d}.tar")) as sink:
             for i, row in enumerate(rows.reshape(-1, 100)):
                 sink.write({"__key__": f"{i:05d}", "tokens.npy": row})
-    for data, expected in (("a.txt", stream), ("a.npy", stream), ("valid", stream),
-                           ("prep/shards/00000-00000.tar", stream[:500]),
-                           ("prep", stream[500:])):
+    for data, expected in (
+        ("a.txt", stream),
+        ("a.npy", stream),
+        ("valid", stream),
+        ("prep/shards/00000-00000.tar", stream[:500]),
+        ("prep", stream[500:]),
+    ):
         got = harness.read_tokens(tmp_path / data, encode)
         assert np.array_equal(got, expected), data
     windows = harness.windows(stream, 10, 3, start=2)
-    assert windows.tolist() == [stream[20:31].tolist(), stream[30:41].tolist(),
-                                stream[40:51].tolist()]
+    assert windows.tolist() == [
+        stream[20:31].tolist(),
+        stream[30:41].tolist(),
+        stream[40:51].tolist(),
+    ]
 
 
 def test_variants_are_named_by_their_folder_or_else_by_what_differs():
@@ -290,7 +378,13 @@ def test_variants_are_named_by_their_folder_or_else_by_what_differs():
 
     apart = report.group([run("r/a/seed0", "norm", 1.0), run("r/b/seed0", "raw", 1.0)], [])
     assert [v.label for v in apart] == ["a", "b"]
-    shared = report.group([run("one/s/seed0", "norm", 1.0), run("two/s/seed0", "raw", 2.0),
-                           run("two/s/seed1", "raw", 2.0)], [])
+    shared = report.group(
+        [
+            run("one/s/seed0", "norm", 1.0),
+            run("two/s/seed0", "raw", 2.0),
+            run("two/s/seed1", "raw", 2.0),
+        ],
+        [],
+    )
     assert [v.label for v in shared] == ["readout=norm, lr=1.0", "readout=raw, lr=2.0"]
     assert [len(v.runs) for v in shared] == [1, 2]

@@ -40,11 +40,14 @@ def test_clamp_holds_every_loop_at_the_loop1_rms(tiny_cfg):
     assert (rms(free.hidden[-1]) / rms(free.hidden[0])).mean() > 1.5
 
 
-@pytest.mark.parametrize("mode, shape", [("none", "channel"), ("rmsnorm", "channel"),
-                                         ("damping", "channel"), ("damping", "scalar")])
+@pytest.mark.parametrize(
+    "mode, shape",
+    [("none", "channel"), ("rmsnorm", "channel"), ("damping", "channel"), ("damping", "scalar")],
+)
 def test_recurrence_modes_feed_back_what_they_say(tiny_cfg, mode, shape):
-    model = build(dataclasses.replace(tiny_cfg, recurrence=mode, damping_init=0.5,
-                                      damping_shape=shape))
+    model = build(
+        dataclasses.replace(tiny_cfg, recurrence=mode, damping_init=0.5, damping_shape=shape)
+    )
     h = 5.0 * torch.randn(16, 2, tiny_cfg.hidden_size)
     fed = model.recurrence(h)
     if mode == "none":
@@ -88,8 +91,7 @@ def test_exit_gate_reads_the_scale_free_direction_unless_raw(tiny_cfg, reads):
 def test_ouros_shared_loop_norm_feeds_the_next_loop_the_gate_and_the_readout(tiny_cfg):
     """loop_norm=shared: one norm N after every loop; loop k+1 runs on N(H_k), λ_k and the
     normalised exit read N(H_k); sandwich layers hold four norms each."""
-    cfg = dataclasses.replace(tiny_cfg, loop_norm="shared", layer_norms="sandwich",
-                              exit_gate=True)
+    cfg = dataclasses.replace(tiny_cfg, loop_norm="shared", layer_norms="sandwich", exit_gate=True)
     model = build(cfg)
     with torch.no_grad():
         model.loop_norm.weight.uniform_(0.5, 1.5)
@@ -98,20 +100,22 @@ def test_ouros_shared_loop_norm_feeds_the_next_loop_the_gate_and_the_readout(tin
     with torch.no_grad():
         out = model(x, num_loops=2)
         normed = model.loop_norm(out.hidden[0])
-        torch.testing.assert_close(model.stack(normed, model.rotary_pos_emb(x.shape[1])),
-                                   out.hidden[1])
+        torch.testing.assert_close(
+            model.stack(normed, model.rotary_pos_emb(x.shape[1])), out.hidden[1]
+        )
         gate = torch.sigmoid(model.exit_gate.proj(normed)).squeeze(-1).t()
         torch.testing.assert_close(out.gates[0], gate)
         w_out = model.shared_embedding_or_output_weight()  # tied in tiny_cfg
         torch.testing.assert_close(out.logits[0], model.readout.output_layer(normed, w_out)[0])
     assert model.readout.norm is None and model.recurrence.mode == "none"
-    norms = [n for n, _ in model.named_parameters() if n.startswith("layers.0.")
-             and "norm" in n]
+    norms = [n for n, _ in model.named_parameters() if n.startswith("layers.0.") and "norm" in n]
     assert len(norms) == 4, norms
 
 
-@pytest.mark.parametrize("change, key", [({"recurrence": "rmsnorm"}, "recurrence"),
-                                         ({"exit_gate_input": "raw"}, "exit_gate_input")])
+@pytest.mark.parametrize(
+    "change, key",
+    [({"recurrence": "rmsnorm"}, "recurrence"), ({"exit_gate_input": "raw"}, "exit_gate_input")],
+)
 def test_shared_loop_norm_refuses_a_second_inter_loop_norm_or_a_raw_gate(tiny_cfg, change, key):
     from megaloop.config import ConfigError
 
@@ -136,10 +140,14 @@ def gpt_reference(cfg, looped):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    gpt = GPTModel(looped.config, get_gpt_layer_local_spec(normalization="RMSNorm"),
-                   vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_seq_len,
-                   position_embedding_type="rope",
-                   share_embeddings_and_output_weights=cfg.tie_embeddings)
+    gpt = GPTModel(
+        looped.config,
+        get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_seq_len,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=cfg.tie_embeddings,
+    )
     state = {}
     for k, v in looped.state_dict().items():
         if "_extra_state" in k:

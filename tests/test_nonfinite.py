@@ -45,7 +45,8 @@ def test_skip_leaves_the_weights_as_they_were(tmp_path, monkeypatch, one_thread,
         assert [math.isfinite(c) for c in record["ce"]] == [True, True, False, False]
     else:
         assert all(math.isfinite(c) for c in record["ce"]) and not math.isfinite(
-            record["grad_norm"])
+            record["grad_norm"]
+        )
     assert all(torch.equal(a, b) for a, b in zip(before, weights(t)))
     record = t.train_step()
     assert "skipped" not in record and math.isfinite(record["loss"])
@@ -81,14 +82,21 @@ def test_deepspeed_refuses_skip():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("nproc, overrides", [
-    (4, ["parallel.tp=2", "parallel.pp=2"]),
-    (2, ["engine=deepspeed", "deepspeed.zero_stage=2"]),
-])
+@pytest.mark.parametrize(
+    "nproc, overrides",
+    [
+        (4, ["parallel.tp=2", "parallel.pp=2"]),
+        (2, ["engine=deepspeed", "deepspeed.zero_stage=2"]),
+    ],
+)
 def test_every_rank_stops_at_the_same_step(tmp_path, nproc, overrides):
-    proc = subprocess.run(command(nproc, tmp_path, [*overrides, "train.save_every=0"]),
-                          capture_output=True, text=True, timeout=300,
-                          env={**env(), "MEGALOOP_TEST_NONFINITE_AT": "3:4"})
+    proc = subprocess.run(
+        command(nproc, tmp_path, [*overrides, "train.save_every=0"]),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env(), "MEGALOOP_TEST_NONFINITE_AT": "3:4"},
+    )
     assert proc.returncode != 0
     assert "stopped at step 3: non-finite loop 4's loss" in proc.stderr
     assert checkpoint.find_latest(tmp_path / "checkpoints").name == "step_0000003"

@@ -15,8 +15,11 @@ GATES = [[[0.5, 0.2]], [[0.4, 0.9]], [[0.7, 0.1]]]
 
 def output(hidden_scale=(1.0, 2.0, 3.0), gates=False):
     hidden = [torch.full((2, 1, 4), s) for s in hidden_scale]  # [s, b, d], every entry = s
-    return LoopOutput(hidden=hidden, token_ce=[torch.tensor(c) for c in CE],
-                      gates=[torch.tensor(g) for g in GATES] if gates else [])
+    return LoopOutput(
+        hidden=hidden,
+        token_ce=[torch.tensor(c) for c in CE],
+        gates=[torch.tensor(g) for g in GATES] if gates else [],
+    )
 
 
 def test_terminal():
@@ -40,8 +43,9 @@ def test_norm_penalty_adds_mean_square_over_loops():
 
 def test_exit_weighted_matches_hand_computation():
     beta = 0.3
-    loss, terms = compute(ObjectiveConfig(kind="exit_weighted", entropy_beta=beta),
-                          output(gates=True))
+    loss, terms = compute(
+        ObjectiveConfig(kind="exit_weighted", entropy_beta=beta), output(gates=True)
+    )
     expected, entropies = 0.0, 0.0
     for t in range(2):
         lam = [GATES[k][0][t] for k in range(3)]
@@ -77,12 +81,14 @@ def test_gated_objectives_without_gate_are_refused(kind):
 
 def test_exit_mixture_is_the_ce_of_the_exit_weighted_mixture_of_logits():
     """Ouro's label path: CE(Σ_k p_k·logits_k), by hand over a 3-token vocabulary."""
-    logits = [[[[1.0, 0.0, -1.0]], [[0.0, 2.0, 0.5]]],  # loop 1: [s=2, b=1, V=3]
-              [[[0.5, 0.5, 0.0]], [[3.0, -1.0, 0.0]]],
-              [[[-2.0, 1.0, 1.0]], [[0.0, 0.0, 4.0]]]]
+    logits = [
+        [[[1.0, 0.0, -1.0]], [[0.0, 2.0, 0.5]]],  # loop 1: [s=2, b=1, V=3]
+        [[[0.5, 0.5, 0.0]], [[3.0, -1.0, 0.0]]],
+        [[[-2.0, 1.0, 1.0]], [[0.0, 0.0, 4.0]]],
+    ]
     labels = [[0, 2]]
     out = output(gates=True)
-    out.logits, out.labels = [torch.tensor(l) for l in logits], torch.tensor(labels)
+    out.logits, out.labels = [torch.tensor(z) for z in logits], torch.tensor(labels)
     loss, terms = compute(ObjectiveConfig(kind="exit_mixture"), out)
     expected = 0.0
     for t in range(2):

@@ -15,18 +15,45 @@ from safetensors.torch import load_file, save_file
 from multiproc import BASE, TINY, env, free_port, metrics
 
 # Ouro's architecture at a reduced width; the tiny experiment's byte vocabulary and 4 layers
-SHAPE = {"vocab_size": 256, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "num_hidden_layers": 4, "intermediate_size": 48, "total_ut_steps": 4}
-CONFIG = {"model_type": "ouro", "architectures": ["OuroForCausalLM"], "hidden_act": "silu",
-          "max_position_embeddings": 64, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-          "tie_word_embeddings": False, "use_sliding_window": False,
-          "layer_types": ["full_attention"] * 4, "early_exit_threshold": 1.0, **SHAPE}
+SHAPE = {
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 4,
+    "intermediate_size": 48,
+    "total_ut_steps": 4,
+}
+CONFIG = {
+    "model_type": "ouro",
+    "architectures": ["OuroForCausalLM"],
+    "hidden_act": "silu",
+    "max_position_embeddings": 64,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+    "layer_types": ["full_attention"] * 4,
+    "early_exit_threshold": 1.0,
+    **SHAPE,
+}
 # the same model as megaloop overrides of configs/experiments/tiny.yaml
-OVERRIDES = ["model.vocab_size=256", "model.hidden_size=32", "model.num_heads=4",
-             "model.num_query_groups=2", "model.num_layers=4", "model.ffn_hidden_size=48",
-             "model.num_loops=4", "model.rope_base=1000000.0", "model.norm_eps=1e-6",
-             "model.tie_embeddings=false", "model.layer_norms=sandwich", "model.loop_norm=shared",
-             "model.exit_gate=true", "objective.kind=exit_mixture"]
+OVERRIDES = [
+    "model.vocab_size=256",
+    "model.hidden_size=32",
+    "model.num_heads=4",
+    "model.num_query_groups=2",
+    "model.num_layers=4",
+    "model.ffn_hidden_size=48",
+    "model.num_loops=4",
+    "model.rope_base=1000000.0",
+    "model.norm_eps=1e-6",
+    "model.tie_embeddings=false",
+    "model.layer_norms=sandwich",
+    "model.loop_norm=shared",
+    "model.exit_gate=true",
+    "objective.kind=exit_mixture",
+]
 
 
 def ouro_weights(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -41,19 +68,30 @@ def ouro_weights(seed: int = 0) -> dict[str, torch.Tensor]:
     def norm():
         return 1.0 + randn(d, std=0.1)
 
-    w = {"model.embed_tokens.weight": randn(V, d, std=1.0), "model.norm.weight": norm(),
-         "model.early_exit_gate.weight": randn(1, d), "model.early_exit_gate.bias": randn(1),
-         "lm_head.weight": randn(V, d)}
+    w = {
+        "model.embed_tokens.weight": randn(V, d, std=1.0),
+        "model.norm.weight": norm(),
+        "model.early_exit_gate.weight": randn(1, d),
+        "model.early_exit_gate.bias": randn(1),
+        "lm_head.weight": randn(V, d),
+    }
     for i in range(SHAPE["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        w.update({p + "input_layernorm.weight": norm(), p + "input_layernorm_2.weight": norm(),
-                  p + "post_attention_layernorm.weight": norm(),
-                  p + "post_attention_layernorm_2.weight": norm(),
-                  p + "self_attn.q_proj.weight": randn(d, d), p + "self_attn.k_proj.weight":
-                  randn(kv, d), p + "self_attn.v_proj.weight": randn(kv, d),
-                  p + "self_attn.o_proj.weight": randn(d, d), p + "mlp.gate_proj.weight":
-                  randn(f, d), p + "mlp.up_proj.weight": randn(f, d),
-                  p + "mlp.down_proj.weight": randn(d, f)})
+        w.update(
+            {
+                p + "input_layernorm.weight": norm(),
+                p + "input_layernorm_2.weight": norm(),
+                p + "post_attention_layernorm.weight": norm(),
+                p + "post_attention_layernorm_2.weight": norm(),
+                p + "self_attn.q_proj.weight": randn(d, d),
+                p + "self_attn.k_proj.weight": randn(kv, d),
+                p + "self_attn.v_proj.weight": randn(kv, d),
+                p + "self_attn.o_proj.weight": randn(d, d),
+                p + "mlp.gate_proj.weight": randn(f, d),
+                p + "mlp.up_proj.weight": randn(f, d),
+                p + "mlp.down_proj.weight": randn(d, f),
+            }
+        )
     return w
 
 
@@ -63,8 +101,10 @@ def write_ouro(folder, config=CONFIG, weights=None):
     weights = ouro_weights() if weights is None else weights
     folder.mkdir(parents=True)
     names = sorted(weights)
-    shards = {"model-00001-of-00002.safetensors": names[::2],
-              "model-00002-of-00002.safetensors": names[1::2]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
     for file, keys in shards.items():
         save_file({k: weights[k] for k in keys}, folder / file)
     index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
@@ -73,7 +113,8 @@ def write_ouro(folder, config=CONFIG, weights=None):
     from tokenizers import Tokenizer, models
 
     Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0")).save(
-        str(folder / "tokenizer.json"))
+        str(folder / "tokenizer.json")
+    )
     return folder
 
 
@@ -91,11 +132,12 @@ def reference(w: dict, tokens: torch.Tensor, loops: int) -> tuple[list, list]:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
     angles = torch.arange(s, dtype=torch.float64)[:, None] / theta ** (
-        torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+        torch.arange(0, hd, 2, dtype=torch.float64) / hd
+    )
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
 
     def rope(x):  # [b, h, s, hd]
-        half = torch.cat([-x[..., hd // 2:], x[..., :hd // 2]], -1)
+        half = torch.cat([-x[..., hd // 2 :], x[..., : hd // 2]], -1)
         return x * cos + half * sin
 
     def attention(x, p):
@@ -117,19 +159,28 @@ def reference(w: dict, tokens: torch.Tensor, loops: int) -> tuple[list, list]:
             a = attention(rmsnorm(h, w[p + "input_layernorm.weight"]), p + "self_attn.")
             h = h + rmsnorm(a, w[p + "input_layernorm_2.weight"])
             x = rmsnorm(h, w[p + "post_attention_layernorm.weight"])
-            m = (F.silu(x @ w[p + "mlp.gate_proj.weight"].T) * (x @ w[p + "mlp.up_proj.weight"].T)
-                 ) @ w[p + "mlp.down_proj.weight"].T
+            m = (
+                F.silu(x @ w[p + "mlp.gate_proj.weight"].T) * (x @ w[p + "mlp.up_proj.weight"].T)
+            ) @ w[p + "mlp.down_proj.weight"].T
             h = h + rmsnorm(m, w[p + "post_attention_layernorm_2.weight"])
         h = rmsnorm(h, w["model.norm.weight"])
         logits.append(h @ w["lm_head.weight"].T)
-        gates.append(torch.sigmoid(h @ w["model.early_exit_gate.weight"].T
-                                   + w["model.early_exit_gate.bias"])[..., 0])
+        gates.append(
+            torch.sigmoid(
+                h @ w["model.early_exit_gate.weight"].T + w["model.early_exit_gate.bias"]
+            )[..., 0]
+        )
     return logits, gates
 
 
 def megaloop(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megaloop", *map(str, args)],
-                          capture_output=True, text=True, env=env(), timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "megaloop", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=600,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -174,20 +225,24 @@ def test_table6_diagnostics_of_an_imported_model(imported, tmp_path):
     stream = np.random.default_rng(5).integers(0, 256, 4 * 16 + 1)
     np.save(tmp_path / "tokens.npy", stream)
     distributed.init(seed=0)
-    result = diagnostics.run(ckpt, tmp_path / "tokens.npy", tokens=64, seq_len=16, rollout=5,
-                             batch_size=2)
+    result = diagnostics.run(
+        ckpt, tmp_path / "tokens.npy", tokens=64, seq_len=16, rollout=5, batch_size=2
+    )
     windows = torch.from_numpy(stream[np.arange(4)[:, None] * 16 + np.arange(17)[None]])
-    logits, gates = reference({k: v.double() for k, v in ouro_weights().items()},
-                              windows[:, :-1], loops=4)
+    logits, gates = reference(
+        {k: v.double() for k, v in ouro_weights().items()}, windows[:, :-1], loops=4
+    )
     survive, mixed = torch.ones_like(gates[0]), 0
     for k in range(4):
         p = survive if k == 3 else gates[k] * survive
         mixed, survive = mixed + p[..., None] * logits[k], survive * (1 - gates[k])
     logp = mixed.log_softmax(-1)
     top2 = mixed.topk(2, dim=-1).values
-    want = {"ce": -logp.gather(-1, windows[:, 1:, None]).mean().item(),
-            "entropy": -(logp.exp() * logp).sum(-1).mean().item(),
-            "top_logit_margin": (top2[..., 0] - top2[..., 1]).mean().item()}
+    want = {
+        "ce": -logp.gather(-1, windows[:, 1:, None]).mean().item(),
+        "entropy": -(logp.exp() * logp).sum(-1).mean().item(),
+        "top_logit_margin": (top2[..., 0] - top2[..., 1]).mean().item(),
+    }
     for key, value in want.items():
         assert result["label_path"][key] == pytest.approx(value, rel=1e-5), key
     assert len(result["radial"]["r"]) == 4 and result["radial"]["r"][-1] < 1e-6  # normalised
@@ -211,12 +266,15 @@ def test_export_in_ouros_format_round_trips_bit_for_bit(imported, tmp_path):
     assert (tmp_path / "ouro/tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
 
 
-@pytest.mark.parametrize("change, key", [
-    ({"use_sliding_window": True}, "use_sliding_window"),
-    ({"layer_types": ["sliding_attention"] * 4}, "layer_types"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"tie_word_embeddings": True}, "tie_word_embeddings"),  # yet lm_head.weight is present
-])
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ({"use_sliding_window": True}, "use_sliding_window"),
+        ({"layer_types": ["sliding_attention"] * 4}, "layer_types"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"tie_word_embeddings": True}, "tie_word_embeddings"),  # yet lm_head.weight is present
+    ],
+)
 def test_import_refuses_what_the_architecture_cannot_represent(tmp_path, change, key):
     src = write_ouro(tmp_path / "src", {**CONFIG, **change})
     proc = megaloop("import", "ouro", src, tmp_path / "out")
@@ -227,8 +285,9 @@ def test_import_refuses_what_the_architecture_cannot_represent(tmp_path, change,
 def test_import_names_a_missing_weight(tmp_path):
     weights = ouro_weights()
     del weights["model.layers.1.input_layernorm_2.weight"]
-    proc = megaloop("import", "ouro", write_ouro(tmp_path / "src", weights=weights),
-                    tmp_path / "out")
+    proc = megaloop(
+        "import", "ouro", write_ouro(tmp_path / "src", weights=weights), tmp_path / "out"
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "'model.layers.1.input_layernorm_2.weight' is missing" in proc.stderr
     assert not (tmp_path / "out").exists()
@@ -245,10 +304,25 @@ def test_export_in_ouros_format_refuses_another_architecture(reference_run, tmp_
 def test_train_20_steps_from_an_import_at_tp2xpp2(imported, tmp_path):
     _, ckpt = imported
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4",
-           f"--master-port={free_port()}", "-m", "megaloop", "train", TINY, *BASE, *OVERRIDES,
-           "parallel.tp=2", "parallel.pp=2", "train.steps=20", "train.save_every=0",
-           f"train.init_from={ckpt}", f"train.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=4",
+        f"--master-port={free_port()}",
+        "-m",
+        "megaloop",
+        "train",
+        TINY,
+        *BASE,
+        *OVERRIDES,
+        "parallel.tp=2",
+        "parallel.pp=2",
+        "train.steps=20",
+        "train.save_every=0",
+        f"train.init_from={ckpt}",
+        f"train.dir={run_dir}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     losses = [r["loss"] for r in metrics(run_dir)["steps"]]
@@ -256,8 +330,13 @@ def test_train_20_steps_from_an_import_at_tp2xpp2(imported, tmp_path):
     assert sum(losses[-5:]) / 5 < 0.95 * sum(losses[:5]) / 5, losses  # 6.13 -> 5.50 here
     # the run started from the import: the same run from the seed's initialisation does not
     fresh = tmp_path / "fresh"
-    subprocess.run([*cmd[:-2], "train.steps=1", f"train.dir={fresh}"], capture_output=True,
-                   env=env(), timeout=600, check=True)
+    subprocess.run(
+        [*cmd[:-2], "train.steps=1", f"train.dir={fresh}"],
+        capture_output=True,
+        env=env(),
+        timeout=600,
+        check=True,
+    )
     assert abs(metrics(fresh)["steps"][0]["loss"] - losses[0]) > 0.1
 
 
@@ -266,7 +345,15 @@ def test_init_from_another_model_is_refused_before_compute(imported, tmp_path):
     from megaloop.config import ConfigError
 
     _, ckpt = imported
-    cfg = experiment.load(TINY, [*BASE, *OVERRIDES, "model.ffn_hidden_size=64",
-                                 f"train.init_from={ckpt}", f"train.dir={tmp_path}"])
+    cfg = experiment.load(
+        TINY,
+        [
+            *BASE,
+            *OVERRIDES,
+            "model.ffn_hidden_size=64",
+            f"train.init_from={ckpt}",
+            f"train.dir={tmp_path}",
+        ],
+    )
     with pytest.raises(ConfigError, match="ffn_hidden_size: 48 -> 64"):
         experiment.check_init_from(cfg)

@@ -12,8 +12,19 @@ import pytest
 
 from megaloop import experiment
 from megaloop.parallel.layout import params_per_rank, state_bytes
-from multiproc import (BASE, OBJECTIVES, TINY, assert_same_curve, command, env,
-                       kill_9_then_resume, metrics, train, train_here, wait_for_step)
+from multiproc import (
+    BASE,
+    OBJECTIVES,
+    TINY,
+    assert_same_curve,
+    command,
+    env,
+    kill_9_then_resume,
+    metrics,
+    train,
+    train_here,
+    wait_for_step,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -45,9 +56,15 @@ def run(reference_run, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("objective, layout", [
-    (objective, layout) for objective in OBJECTIVES for layout in LAYOUTS
-    if objective != "exit_mixture" or layout in ("tp2", "pp2", "tp2xpp2")])
+@pytest.mark.parametrize(
+    "objective, layout",
+    [
+        (objective, layout)
+        for objective in OBJECTIVES
+        for layout in LAYOUTS
+        if objective != "exit_mixture" or layout in ("tp2", "pp2", "tp2xpp2")
+    ],
+)
 def test_layout_equals_one_process(run, objective, layout, memory_report):
     _, reference = run(objective)
     _, parallel = run(objective, layout)
@@ -104,8 +121,9 @@ def test_reshard_one_process_checkpoint_into_pp2(run, tmp_path):
 
 def test_kill_9_then_resume_continues_exactly(run, tmp_path):
     _, reference = run("per_loop+penalty", "pp2")
-    kill_9_then_resume(tmp_path / "run", [*OBJECTIVES["per_loop+penalty"], "parallel.pp=2"],
-                       reference)
+    kill_9_then_resume(
+        tmp_path / "run", [*OBJECTIVES["per_loop+penalty"], "parallel.pp=2"], reference
+    )
 
 
 def test_corrupt_or_partial_checkpoints_are_reported_and_skipped(run, tmp_path, capsys):
@@ -114,11 +132,11 @@ def test_corrupt_or_partial_checkpoints_are_reported_and_skipped(run, tmp_path, 
     shutil.copytree(source, run_dir)
     ckpts = run_dir / "checkpoints"
     shard = next((ckpts / "step_0000010").glob("*.distcp"))
-    shard.write_bytes(shard.read_bytes()[:-100])                        # truncated
+    shard.write_bytes(shard.read_bytes()[:-100])  # truncated
     partial = ckpts / "step_0000009"
     shutil.copytree(ckpts / "step_0000005", partial)
-    (partial / "manifest.json").unlink()                                 # never finished
-    (ckpts / ".tmp_step_0000011").mkdir()                                # an interrupted save
+    (partial / "manifest.json").unlink()  # never finished
+    (ckpts / ".tmp_step_0000011").mkdir()  # an interrupted save
     train_here(run_dir, OBJECTIVES["per_loop+penalty"])
     out = capsys.readouterr().out
     assert f"skipping checkpoint {ckpts}/step_0000010: {shard.name} has" in out
@@ -132,9 +150,13 @@ def test_sigterm_saves_exits_75_and_resumes(run, tmp_path):
     run_dir = tmp_path / "run"
     overrides = [*OBJECTIVES["per_loop+penalty"], "train.save_every=0"]
     # the run waits at step 3 for the signal (the hold-at-step hook): no race with its speed
-    proc = subprocess.Popen(command(1, run_dir, overrides), text=True,
-                            env={**env(), "MEGALOOP_TEST_HOLD_AT_STEP": "3"},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        command(1, run_dir, overrides),
+        text=True,
+        env={**env(), "MEGALOOP_TEST_HOLD_AT_STEP": "3"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     wait_for_step(run_dir, 3, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=240)

@@ -12,11 +12,19 @@ def test_embedding_counts_tied_once_and_untied_twice():
 
 
 def test_params_cli_prints_the_counts(capsys):
-    from megaloop.cli import cmd_params, build_parser
+    from megaloop.cli import build_parser, cmd_params
 
-    args = build_parser().parse_args(["params", "configs/model/129m.yaml", "parallel.tp=2",
-                                      "train.global_batch_size=32", "train.eval_batches=4",
-                                      "--world", "8"])
+    args = build_parser().parse_args(
+        [
+            "params",
+            "configs/model/129m.yaml",
+            "parallel.tp=2",
+            "train.global_batch_size=32",
+            "train.eval_batches=4",
+            "--world",
+            "8",
+        ]
+    )
     assert cmd_params(args) == 0
     out = capsys.readouterr().out
     assert "128,994,048" in out and "15,728,640" in out

@@ -11,8 +11,7 @@ import time
 
 import pytest
 
-from multiproc import (BASE, TINY, assert_same_curve, env, free_port, metrics, train,
-                       wait_for_step)
+from multiproc import BASE, TINY, assert_same_curve, env, free_port, metrics, train, wait_for_step
 
 pytestmark = pytest.mark.multiprocess
 
@@ -25,15 +24,36 @@ def srun_tasks(run_dir, extra_env: dict) -> list[subprocess.Popen]:
     port = free_port()
     procs = []
     for rank in range(4):
-        task = {**env(), **extra_env, "SLURM_STEP_ID": "0", "SLURM_PROCID": str(rank),
-                "SLURM_NTASKS": "4", "SLURM_LOCALID": str(rank), "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port)}
+        task = {
+            **env(),
+            **extra_env,
+            "SLURM_STEP_ID": "0",
+            "SLURM_PROCID": str(rank),
+            "SLURM_NTASKS": "4",
+            "SLURM_LOCALID": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
             task.pop(key, None)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "megaloop", "train", TINY, *BASE, *LAYOUT,
-             f"train.dir={run_dir}"], env=task, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "megaloop",
+                    "train",
+                    TINY,
+                    *BASE,
+                    *LAYOUT,
+                    f"train.dir={run_dir}",
+                ],
+                env=task,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     return procs
 
 
@@ -65,5 +85,6 @@ def test_a_dead_rank_stops_the_others_and_the_relaunch_resumes(tmp_path):
     assert all(p.returncode == 0 for p in relaunch), outs[0][1][-3000:]
     assert f"resumed from {run_dir}/checkpoints/step_0000004" in outs[0][0]
     assert_same_curve(metrics(run_dir), metrics(reference), 1e-12, steps=range(5, 11))
-    assert all(isinstance(s["loss"], float) and s["loss"] == s["loss"]
-               for s in metrics(run_dir)["steps"])
+    assert all(
+        isinstance(s["loss"], float) and s["loss"] == s["loss"] for s in metrics(run_dir)["steps"]
+    )

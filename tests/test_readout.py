@@ -23,8 +23,9 @@ def test_norm_readout_is_scale_invariant_and_raw_is_not(tiny_cfg, c):
         # RMSNorm(cH) = cH / sqrt(c^2 ms + eps): relative error <= eps / (c^2 ms) = 1.1e-4 at c=0.1.
         torch.testing.assert_close(scaled, base, rtol=2e-4, atol=2e-4 * base.abs().max().item())
         raw_base, raw_scaled = exit_logits(raw, h), exit_logits(raw, c * h)
-        torch.testing.assert_close(raw_scaled, c * raw_base, rtol=1e-5,
-                                   atol=1e-5 * c * raw_base.abs().max().item())
+        torch.testing.assert_close(
+            raw_scaled, c * raw_base, rtol=1e-5, atol=1e-5 * c * raw_base.abs().max().item()
+        )
         assert (raw_scaled - raw_base).abs().max() > 0.05 * raw_base.abs().max()
 
 
@@ -33,8 +34,7 @@ def test_final_norm_reads_raw_before_the_last_loop(tiny_cfg):
     h = torch.randn(8, 2, tiny_cfg.hidden_size)
     with torch.no_grad():
         torch.testing.assert_close(model.logits(2 * h, 1), 2 * model.logits(h, 1))
-        torch.testing.assert_close(model.logits(2 * h, 4), model.logits(h, 4),
-                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(model.logits(2 * h, 4), model.logits(h, 4), rtol=1e-4, atol=1e-4)
 
 
 def test_final_norm_exits_follow_the_trained_depth_not_the_requested_one(tiny_cfg):
@@ -43,7 +43,9 @@ def test_final_norm_exits_follow_the_trained_depth_not_the_requested_one(tiny_cf
     model = build(dataclasses.replace(tiny_cfg, readout="final_norm")).eval()
     raw = build(dataclasses.replace(tiny_cfg, readout="raw")).eval()
     raw.load_state_dict(model.state_dict(), strict=False)
-    tokens = torch.randint(0, tiny_cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, tiny_cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         long = model(tokens, num_loops=8)
         for k in (1, 2, 3):

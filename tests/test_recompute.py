@@ -28,8 +28,15 @@ def one_process(tmp_path_factory):
     runs = {}
     for option in ["none", *OPTIONS]:
         run_dir = tmp_path_factory.mktemp(f"recompute-{option}")
-        train_here(run_dir, ["objective.kind=exit_weighted", "model.exit_gate=true",
-                             f"train.recompute={option}", "train.save_every=0"])
+        train_here(
+            run_dir,
+            [
+                "objective.kind=exit_weighted",
+                "model.exit_gate=true",
+                f"train.recompute={option}",
+                "train.save_every=0",
+            ],
+        )
         runs[option] = metrics(run_dir)
     return runs
 
@@ -41,8 +48,14 @@ def test_recompute_equals_no_recompute_on_one_process(one_process, option):
 
 @pytest.mark.multiprocess
 def test_recompute_equals_no_recompute_under_tp2xpp2(tmp_path):
-    layout = ["parallel.tp=2", "parallel.pp=2", "objective.kind=exit_weighted",
-              "model.exit_gate=true", "train.save_every=0", "train.steps=4"]
+    layout = [
+        "parallel.tp=2",
+        "parallel.pp=2",
+        "objective.kind=exit_weighted",
+        "model.exit_gate=true",
+        "train.save_every=0",
+        "train.steps=4",
+    ]
     reference = None
     for option in ["none", *OPTIONS]:
         train(4, tmp_path / option, [*layout, f"train.recompute={option}"])

@@ -8,11 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from test_data import wikitext
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.multiprocess  # two training processes at a time
 def test_smoke_run_of_repro_mini_writes_the_report(tmp_path):
     rng = random.Random(3)
     source = tmp_path / "source"
@@ -20,18 +22,33 @@ def test_smoke_run_of_repro_mini_writes_the_report(tmp_path):
     (source / "wiki.test.raw").write_text(wikitext(rng, [f"Train {i}" for i in range(40)]))
     (source / "wiki.valid.raw").write_text(wikitext(rng, [f"Valid {i}" for i in range(20)]))
     out = tmp_path / "report"
-    env = {**os.environ, "SMOKE": "1", "REPRO_SOURCE": str(source),
-           "REPRO_WORK": str(tmp_path / "work"), "PYTHON": sys.executable,
-           "WANDB_MODE": "disabled"}
-    proc = subprocess.run([str(ROOT / "bench/repro_mini"), str(out)], capture_output=True,
-                          text=True, env=env, timeout=900)
+    env = {
+        **os.environ,
+        "SMOKE": "1",
+        "REPRO_SOURCE": str(source),
+        "REPRO_WORK": str(tmp_path / "work"),
+        "PYTHON": sys.executable,
+        "WANDB_MODE": "disabled",
+    }
+    proc = subprocess.run(
+        [str(ROOT / "bench/repro_mini"), str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = (out / "report.md").read_text()
     for variant in ("per_loop_norm", "per_loop_raw"):  # two seeds each, pooled
         assert f"| {variant} | 2 |" in text
     assert "No `megaloop" not in text
-    assert {p.name for p in out.glob("*.png")} == {"ppl_vs_k.png", "frontier.png", "rollout.png",
-                                                   "scale_sweep.png", "norm_distribution.png"}
+    assert {p.name for p in out.glob("*.png")} == {
+        "ppl_vs_k.png",
+        "frontier.png",
+        "rollout.png",
+        "scale_sweep.png",
+        "norm_distribution.png",
+    }
     info = json.loads((out / "repro_mini.json").read_text())
     assert info["smoke"] and info["variants"] == ["per_loop_norm", "per_loop_raw"]
     # the texts were linked, never copied

@@ -15,23 +15,36 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from multiproc import BASE, ROOT, TINY
 
 from megaloop import slurm
 from megaloop.parallel.launch import LaunchError, task_env
+from multiproc import BASE, ROOT, TINY
 from multiproc import metrics as read_metrics
 
 
 def megaloop(*args, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megaloop", *args], capture_output=True,
-                          text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "megaloop", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
 
 
 # -- without a cluster --------------------------------------------------------------------------
 
+
 def srun_env(**kw) -> dict:
-    return {"SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
-            "SLURM_NTASKS": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", **kw}
+    return {
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": "3",
+        "SLURM_LOCALID": "1",
+        "SLURM_NTASKS": "4",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+        **kw,
+    }
 
 
 def test_ranks_come_from_the_slurm_task_environment():
@@ -46,12 +59,15 @@ def test_ranks_come_from_the_slurm_task_environment():
     assert "RANK" not in batch_shell
 
 
-@pytest.mark.parametrize("env, message", [
-    (srun_env(MASTER_ADDR=""), "MASTER_ADDR not set for a 4-task srun step"),
-    ({k: v for k, v in srun_env().items() if k != "MASTER_PORT"}, "MASTER_PORT not set"),
-    (srun_env(SLURM_PROCID="4"), "SLURM_PROCID=4 is not below SLURM_NTASKS=4"),
-    ({k: v for k, v in srun_env().items() if k != "SLURM_NTASKS"}, "'SLURM_NTASKS'"),
-])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (srun_env(MASTER_ADDR=""), "MASTER_ADDR not set for a 4-task srun step"),
+        ({k: v for k, v in srun_env().items() if k != "MASTER_PORT"}, "MASTER_PORT not set"),
+        (srun_env(SLURM_PROCID="4"), "SLURM_PROCID=4 is not below SLURM_NTASKS=4"),
+        ({k: v for k, v in srun_env().items() if k != "SLURM_NTASKS"}, "'SLURM_NTASKS'"),
+    ],
+)
 def test_inconsistent_slurm_environments_are_named(env, message):
     with pytest.raises(LaunchError, match=message):
         task_env(env)
@@ -62,12 +78,17 @@ def test_a_rank_without_master_address_fails_in_one_line():
     env.update(srun_env(MASTER_ADDR="", SLURM_PROCID="0", SLURM_NTASKS="2"))
     proc = megaloop("train", TINY, *BASE, env=env)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith(
-        "megaloop: error: MASTER_ADDR not set for a 2-task srun step")
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith("megaloop: error: MASTER_ADDR not set for a 2-task srun step")
+    )
 
 
-@pytest.mark.parametrize("time_limit, seconds", [
-    ("30", 1800), ("5:30", 330), ("2:00:00", 7200), ("1-12", 129600), ("2-00:00:00", 172800)])
+@pytest.mark.parametrize(
+    "time_limit, seconds",
+    [("30", 1800), ("5:30", 330), ("2:00:00", 7200), ("1-12", 129600), ("2-00:00:00", 172800)],
+)
 def test_slurm_time_formats(time_limit, seconds):
     assert slurm.time_limit_seconds(time_limit) == seconds
 
@@ -76,9 +97,18 @@ def submit_1p4b(capsys, *args) -> SimpleNamespace:
     """`megaloop slurm submit` of the 1.4B config on 16 nodes x 8 GPUs, in this process."""
     from megaloop.cli import main
 
-    rc = main(["slurm", "submit", str(ROOT / "configs/experiments/fineweb/1p4b_42b_tokens.yaml"),
-               "--nodes", "16",
-               "--gpus-per-node", "8", *args])
+    rc = main(
+        [
+            "slurm",
+            "submit",
+            str(ROOT / "configs/experiments/fineweb/1p4b_42b_tokens.yaml"),
+            "--nodes",
+            "16",
+            "--gpus-per-node",
+            "8",
+            *args,
+        ]
+    )
     out = capsys.readouterr()
     return SimpleNamespace(returncode=rc, stdout=out.out, stderr=out.err)
 
@@ -87,9 +117,16 @@ def test_dry_run_of_the_1p4b_run_on_16_nodes_of_8_gpus(capsys):
     proc = submit_1p4b(capsys, "--partition", "gpu", "--dry-run")
     assert proc.returncode == 0, proc.stderr
     script = proc.stdout
-    for line in ("#SBATCH --nodes=16", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
-                 "#SBATCH --partition=gpu", "#SBATCH --requeue", "#SBATCH --signal=B:USR1@300",
-                 "parallel.tp=2 parallel.pp=1", 'scontrol requeue "$SLURM_JOB_ID"'):
+    for line in (
+        "#SBATCH --nodes=16",
+        "#SBATCH --ntasks-per-node=8",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --requeue",
+        "#SBATCH --signal=B:USR1@300",
+        "parallel.tp=2 parallel.pp=1",
+        'scontrol requeue "$SLURM_JOB_ID"',
+    ):
         assert line in script
     assert "{{" not in script
     # K=4 loops of 24 layers at 4,096 tokens: ~66 GiB of activations per sequence (`megaloop
@@ -102,16 +139,20 @@ def test_dry_run_of_the_1p4b_run_on_16_nodes_of_8_gpus(capsys):
     assert "layout: TP=2 PP=1 DP=64" in small.stderr
     explicit = submit_1p4b(capsys, "--dry-run", "parallel.tp=2", "parallel.pp=2")
     assert "layout: TP=2 PP=2 DP=32" in explicit.stderr and "given on the command line" in (
-        explicit.stderr)
+        explicit.stderr
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--time", "1", "--warning-seconds", "60"], "--warning-seconds 60 must lie in [1, 60)"),
-    (["--time", "soon"], "--time 'soon'"),
-    (["--gpu-memory-gib", "4"], "no layout fits 4 GiB per GPU"),
-    (["--tasks-per-node", "4"], "--tasks-per-node 4 with --gpus-per-node 8"),
-    (["--cpus-per-task", "0"], "--cpus-per-task must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--time", "1", "--warning-seconds", "60"], "--warning-seconds 60 must lie in [1, 60)"),
+        (["--time", "soon"], "--time 'soon'"),
+        (["--gpu-memory-gib", "4"], "no layout fits 4 GiB per GPU"),
+        (["--tasks-per-node", "4"], "--tasks-per-node 4 with --gpus-per-node 8"),
+        (["--cpus-per-task", "0"], "--cpus-per-task must be >= 1"),
+    ],
+)
 def test_bad_job_requests_fail_before_submitting(capsys, args, message):
     proc = submit_1p4b(capsys, *args)
     assert proc.returncode == 2
@@ -132,11 +173,16 @@ def cluster(tmp_path_factory):
             pytest.fail(f"{', '.join(missing)} not installed (make test installs Slurm)")
         pytest.skip(f"Slurm not installed ({', '.join(missing)}); `make test` installs it")
     state = tmp_path_factory.mktemp("slurm")
-    up = subprocess.run([ROOT / "slurm/local/up.sh", state], capture_output=True, text=True,
-                        timeout=60)
+    up = subprocess.run(
+        [ROOT / "slurm/local/up.sh", state], capture_output=True, text=True, timeout=60
+    )
     assert up.returncode == 0, up.stderr
-    env = {**os.environ, "SLURM_CONF": str(state / "slurm.conf"), "OMP_NUM_THREADS": "1",
-           "WANDB_MODE": "disabled"}
+    env = {
+        **os.environ,
+        "SLURM_CONF": str(state / "slurm.conf"),
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "disabled",
+    }
     try:
         yield env
     finally:
@@ -144,8 +190,9 @@ def cluster(tmp_path_factory):
 
 
 def job_state(env, job_id: str) -> dict:
-    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True,
-                         text=True, env=env).stdout
+    out = subprocess.run(
+        ["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, env=env
+    ).stdout
     return dict(f.split("=", 1) for f in out.split() if "=" in f)
 
 
@@ -153,8 +200,16 @@ def wait_job(env, job_id: str, timeout: float) -> dict:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         state = job_state(env, job_id)
-        if state.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
-                                     "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"):
+        if state.get("JobState") in (
+            "COMPLETED",
+            "FAILED",
+            "CANCELLED",
+            "TIMEOUT",
+            "NODE_FAIL",
+            "OUT_OF_MEMORY",
+            "BOOT_FAIL",
+            "DEADLINE",
+        ):
             return state
         time.sleep(1)
     pytest.fail(f"job {job_id} still {job_state(env, job_id).get('JobState')} after {timeout} s")
@@ -163,8 +218,9 @@ def wait_job(env, job_id: str, timeout: float) -> dict:
 def wait_queue_empty(env, timeout: float, name: str) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        if not subprocess.run(["squeue", "-h", "--name", name], capture_output=True, text=True,
-                              env=env).stdout.strip():
+        if not subprocess.run(
+            ["squeue", "-h", "--name", name], capture_output=True, text=True, env=env
+        ).stdout.strip():
             return
         time.sleep(1)
     pytest.fail(f"jobs still queued after {timeout} s")
@@ -178,16 +234,31 @@ STEPS = ["train.steps=300", "train.save_every=100", "train.log_every=10"]
 
 
 def submit(env, run_dir: Path, *args) -> str:
-    proc = megaloop("slurm", "submit", TINY, "--nodes", "2", "--tasks-per-node", "1",
-                    "--gpus-per-node", "0", *args, *BASE, *STEPS, f"train.dir={run_dir}", env=env)
+    proc = megaloop(
+        "slurm",
+        "submit",
+        TINY,
+        "--nodes",
+        "2",
+        "--tasks-per-node",
+        "1",
+        "--gpus-per-node",
+        "0",
+        *args,
+        *BASE,
+        *STEPS,
+        f"train.dir={run_dir}",
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "TP=1 PP=1 DP=2" in proc.stdout
     return proc.stdout.split("submitted job ")[1].split(";")[0]
 
 
 def logs(run_dir: Path) -> str:
-    return "\n".join(f"== {p.name}\n{p.read_text()}" for p in sorted((run_dir / "logs").glob(
-        "attempt-*.log")))
+    return "\n".join(
+        f"== {p.name}\n{p.read_text()}" for p in sorted((run_dir / "logs").glob("attempt-*.log"))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -195,15 +266,27 @@ def jobs(cluster, tmp_path_factory):
     """Everything the tests below check, submitted at once as a cluster's users would: the same
     training run twice (uninterrupted, and with a 1-minute time limit; each node has a CPU for
     each), and a prep job array that starts when CPUs free up."""
-    uninterrupted, limited, prep, swept = (tmp_path_factory.mktemp(name) for name in (
-        "uninterrupted", "limited", "prep", "sweep"))
-    return {"uninterrupted": (uninterrupted, submit(cluster, uninterrupted, "--time", "10")),
-            # attempt 0 waits at step 50 for the warning signal (a test hook), so the limit
-            # always lands mid-run however fast the machine is
-            "limited": (limited, submit({**cluster, "MEGALOOP_TEST_HOLD_AT_STEP": "50"},
-                                        limited, "--time", "1", "--warning-seconds", "10")),
-            "prep": (prep, submit_prep(cluster, prep)),
-            "sweep": (swept, submit_sweep(cluster, swept))}
+    uninterrupted, limited, prep, swept = (
+        tmp_path_factory.mktemp(name) for name in ("uninterrupted", "limited", "prep", "sweep")
+    )
+    return {
+        "uninterrupted": (uninterrupted, submit(cluster, uninterrupted, "--time", "10")),
+        # attempt 0 waits at step 50 for the warning signal (a test hook), so the limit
+        # always lands mid-run however fast the machine is
+        "limited": (
+            limited,
+            submit(
+                {**cluster, "MEGALOOP_TEST_HOLD_AT_STEP": "50"},
+                limited,
+                "--time",
+                "1",
+                "--warning-seconds",
+                "10",
+            ),
+        ),
+        "prep": (prep, submit_prep(cluster, prep)),
+        "sweep": (swept, submit_sweep(cluster, swept)),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -256,15 +339,37 @@ def test_time_limit_requeues_and_finishes_from_the_checkpoint(cluster, jobs, uni
     assert got["evals"][-1]["ce"] == reference["evals"][-1]["ce"]
 
 
-SWEEP = ["sweep", TINY, "--seeds", "0,1", "--executor", "slurm", "--nodes", "1",
-         "--gpus-per-node", "0", "--job-name", "test-sweep", "--time", "10", *BASE,
-         "train.steps=4", "train.save_every=2"]
+SWEEP = [
+    "sweep",
+    TINY,
+    "--seeds",
+    "0,1",
+    "--executor",
+    "slurm",
+    "--nodes",
+    "1",
+    "--gpus-per-node",
+    "0",
+    "--job-name",
+    "test-sweep",
+    "--time",
+    "10",
+    *BASE,
+    "train.steps=4",
+    "train.save_every=2",
+]
 
 
 def submit_sweep(env, root: Path) -> str:
     """`megaloop sweep` of the tiny config over seeds 0 and 1 as one job array."""
-    proc = subprocess.run([sys.executable, "-m", "megaloop", *SWEEP], capture_output=True,
-                          text=True, env=env, cwd=root, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megaloop", *SWEEP],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=root,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "2 run(s), one per array task" in proc.stdout
     return proc.stdout.split("submitted job ")[1].split(":")[0]
@@ -282,16 +387,23 @@ def test_sweep_is_one_job_array_and_skips_what_it_finished(cluster, jobs):
         assert m["config"]["train"]["seed"] == seed and m["evals"][-1]["step"] == 4, logs(run_dir)
         assert all(np.isfinite(r["loss"]) for r in m["steps"])
         assert "ended with 0" in (run_dir / "logs/attempt-0.log").read_text()
-    again = subprocess.run([sys.executable, "-m", "megaloop", *SWEEP], capture_output=True,
-                           text=True, env=cluster, cwd=root, timeout=120)
+    again = subprocess.run(
+        [sys.executable, "-m", "megaloop", *SWEEP],
+        capture_output=True,
+        text=True,
+        env=cluster,
+        cwd=root,
+        timeout=120,
+    )
     assert again.returncode == 0 and "all 2 runs are finished" in again.stdout, again.stderr
 
 
 def submit_prep(env, root: Path) -> list:
     """A datatrove job array over two JSONL files; returns the command (run it again when the
     array is done to write the manifest)."""
-    from data_prep.common import train_bpe
     from test_data import article
+
+    from data_prep.common import train_bpe
 
     rng = random.Random(5)
     source = root / "source"
@@ -301,10 +413,28 @@ def submit_prep(env, root: Path) -> list:
             for _ in range(6):
                 f.write(json.dumps({"text": article(rng, 3)}) + "\n")
     tokenizer = train_bpe([article(rng) for _ in range(20)], 300, root / "tok.json")
-    command = ["prep", "fineweb", "--source", str(source), "--tokenizer", str(tokenizer),
-               "--seq-len", "64", "--shard-size", "16", "--out", str(root / "slurm"),
-               "--executor", "slurm",
-               "--partition", "debug", "--workers", "2", "--job-name", "test-prep"]
+    command = [
+        "prep",
+        "fineweb",
+        "--source",
+        str(source),
+        "--tokenizer",
+        str(tokenizer),
+        "--seq-len",
+        "64",
+        "--shard-size",
+        "16",
+        "--out",
+        str(root / "slurm"),
+        "--executor",
+        "slurm",
+        "--partition",
+        "debug",
+        "--workers",
+        "2",
+        "--job-name",
+        "test-prep",
+    ]
     submitted = megaloop(*command, env=env)
     assert submitted.returncode == 0, submitted.stderr
     assert "run the same command again when they are done" in submitted.stdout
@@ -315,11 +445,19 @@ def submit_prep(env, root: Path) -> list:
 def test_datatrove_prep_job_array_matches_a_local_run(cluster, jobs):
     root, command = jobs["prep"]
     assert "#SBATCH --array=0-1" in (root / "slurm/logs/launch_script.slurm").read_text()
-    import data_prep
     from test_data import prep_args
 
-    data_prep.run(prep_args("fineweb", source=str(root / "source"),
-                            tokenizer=str(root / "tok.json"), out=str(root / "local"), workers=2))
+    import data_prep
+
+    data_prep.run(
+        prep_args(
+            "fineweb",
+            source=str(root / "source"),
+            tokenizer=str(root / "tok.json"),
+            out=str(root / "local"),
+            workers=2,
+        )
+    )
     wait_queue_empty(cluster, timeout=240, name="test-prep")
     finished = megaloop(*command, env=cluster)
     assert finished.returncode == 0, finished.stderr

@@ -41,8 +41,9 @@ def test_a_resume_with_another_model_stops_naming_the_key(tmp_path, capsys):
     train(run)
     before = (run / "metrics.json").read_text()
     capsys.readouterr()
-    code = main(["train", str(TINY), *QUICK, f"train.dir={run}", "model.readout=raw",
-                 "train.seed=1"])
+    code = main(
+        ["train", str(TINY), *QUICK, f"train.dir={run}", "model.readout=raw", "train.seed=1"]
+    )
     err = [line for line in capsys.readouterr().err.splitlines() if "megaloop" in line]
     assert code == 2 and len(err) == 1 and err[0].startswith("megaloop: error: train.dir=")
     assert 'model.readout: "norm" -> "raw"' in err[0] and "train.seed: 0 -> 1" in err[0]
@@ -77,8 +78,14 @@ def test_an_explicit_train_steps_wins_over_data_epochs_and_says_so(indexed):
 
 def sweep(cwd: Path, *args) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    return subprocess.run([sys.executable, "-m", "megaloop", "sweep", str(TINY), *args, *QUICK],
-                          capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "megaloop", "sweep", str(TINY), *args, *QUICK],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=600,
+    )
 
 
 def test_sweep_trains_each_seed_once_and_skips_finished_runs(tmp_path):
@@ -93,7 +100,8 @@ def test_sweep_trains_each_seed_once_and_skips_finished_runs(tmp_path):
     again = sweep(tmp_path, "--seeds", "0,1")
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("is finished; skipped") == 2 and "all 2 runs are finished" in (
-        again.stdout)
+        again.stdout
+    )
     assert [(r / "metrics.json").stat().st_mtime_ns for r in runs] == stamps
     refused = sweep(tmp_path, "--seeds", "0", "train.dir=x")
     assert refused.returncode == 2 and "train.dir cannot be given to a sweep" in refused.stderr

@@ -17,15 +17,23 @@ TINY = ROOT / "configs/experiments/tiny.yaml"
 
 
 def test_fifty_steps_of_the_tiny_config_reduce_the_loss(tmp_path):
-    cfg = experiment.load(TINY, [f"train.dir={tmp_path}", "train.steps=50", "train.log_every=1",
-                                 "data.seq_len=64", "wandb.mode=disabled"])
+    cfg = experiment.load(
+        TINY,
+        [
+            f"train.dir={tmp_path}",
+            "train.steps=50",
+            "train.log_every=1",
+            "data.seq_len=64",
+            "wandb.mode=disabled",
+        ],
+    )
     trainer = experiment.build_trainer(cfg, log=True)
     trainer.fit()
     steps = read_metrics(tmp_path)["steps"]
     assert [r["step"] for r in steps] == list(range(1, 51))
     first = sum(r["loss"] for r in steps[:5]) / 5
     last = sum(r["loss"] for r in steps[-5:]) / 5
-    assert first > 5.0            # ln(256) = 5.55 at initialisation
+    assert first > 5.0  # ln(256) = 5.55 at initialisation
     assert last < 0.6 * first, (first, last)
     for r in steps:
         assert len(r["ce"]) == len(r["hidden_rms"]) == 4 and r["tokens_per_s"] > 0
@@ -35,10 +43,27 @@ def test_train_cli_writes_checkpoint_metrics_and_offline_wandb_run(tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "2"}
     proc = subprocess.run(
-        [sys.executable, "-m", "megaloop", "train", str(TINY), f"train.dir={run}",
-         "train.steps=6", "train.log_every=2", "train.save_every=3", "train.keep_last=1",
-         "data.seq_len=32", "model.readout=raw", "objective.norm_penalty=0.01"],
-        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+        [
+            sys.executable,
+            "-m",
+            "megaloop",
+            "train",
+            str(TINY),
+            f"train.dir={run}",
+            "train.steps=6",
+            "train.log_every=2",
+            "train.save_every=3",
+            "train.keep_last=1",
+            "data.seq_len=32",
+            "model.readout=raw",
+            "objective.norm_penalty=0.01",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_metrics(run)
     assert metrics["config"]["model"]["readout"] == "raw"
@@ -47,15 +72,22 @@ def test_train_cli_writes_checkpoint_metrics_and_offline_wandb_run(tmp_path):
         assert key in metrics["steps"][-1]
     assert metrics["evals"][-1]["step"] == 6
     ckpts = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
-    assert ckpts == ["step_0000006"]          # keep_last=1 removed step 3
+    assert ckpts == ["step_0000006"]  # keep_last=1 removed step 3
     assert (run / "checkpoints/latest").read_text() == "step_0000006"
     ckpt = run / "checkpoints/step_0000006"
-    assert {"meta.json", "manifest.json", "common.pt", ".metadata"} <= {p.name for p in ckpt.iterdir()}
+    assert {"meta.json", "manifest.json", "common.pt", ".metadata"} <= {
+        p.name for p in ckpt.iterdir()
+    }
     meta = json.loads((ckpt / "meta.json").read_text())
     assert meta["consumed_samples"] == 6 * 16 and meta["layout"] == {"tp": 1, "pp": 1, "dp": 1}
     out = tmp_path / "consolidated"
-    proc = subprocess.run([sys.executable, "-m", "megaloop", "ckpt", "consolidate", str(run),
-                           str(out)], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megaloop", "ckpt", "consolidate", str(run), str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     weights = load_file(out / "model.safetensors")
     assert weights["embedding.word_embeddings.weight"].shape == (256, 128)
@@ -67,9 +99,17 @@ def test_train_cli_writes_checkpoint_metrics_and_offline_wandb_run(tmp_path):
 def test_bf16_autocast_follows_fp32(tmp_path):
     losses = {}
     for bf16 in (False, True):
-        cfg = experiment.load(TINY, [f"train.dir={tmp_path / str(bf16)}", "train.steps=4",
-                                     f"train.bf16={bf16}", "train.log_every=1", "data.seq_len=32",
-                                     "wandb.mode=disabled"])
+        cfg = experiment.load(
+            TINY,
+            [
+                f"train.dir={tmp_path / str(bf16)}",
+                "train.steps=4",
+                f"train.bf16={bf16}",
+                "train.log_every=1",
+                "data.seq_len=32",
+                "wandb.mode=disabled",
+            ],
+        )
         experiment.build_trainer(cfg).fit()
         steps = read_metrics(tmp_path / str(bf16))["steps"]
         losses[bf16] = [r["loss"] for r in steps]
@@ -78,15 +118,26 @@ def test_bf16_autocast_follows_fp32(tmp_path):
     assert losses[True] != losses[False]
 
 
-@pytest.mark.parametrize("objective", [
-    ["objective.kind=terminal"],
-    ["objective.kind=exit_weighted", "model.exit_gate=true", "objective.entropy_beta=0.1"],
-    ["model.recurrence=damping", "model.readout=final_norm"],
-    ["model.recurrence=rmsnorm", "objective.norm_penalty=0.1"],
-])
+@pytest.mark.parametrize(
+    "objective",
+    [
+        ["objective.kind=terminal"],
+        ["objective.kind=exit_weighted", "model.exit_gate=true", "objective.entropy_beta=0.1"],
+        ["model.recurrence=damping", "model.readout=final_norm"],
+        ["model.recurrence=rmsnorm", "objective.norm_penalty=0.1"],
+    ],
+)
 def test_every_variant_takes_training_steps(tmp_path, objective):
-    cfg = experiment.load(TINY, [f"train.dir={tmp_path}", "train.steps=3", "data.seq_len=32",
-                                 "wandb.mode=disabled", *objective])
+    cfg = experiment.load(
+        TINY,
+        [
+            f"train.dir={tmp_path}",
+            "train.steps=3",
+            "data.seq_len=32",
+            "wandb.mode=disabled",
+            *objective,
+        ],
+    )
     result = experiment.build_trainer(cfg, log=False).fit()
     assert len(result["ce"]) == 4
 
@@ -95,10 +146,20 @@ def test_terminal_logs_ce_k_unscaled_over_many_micro_batches(tmp_path):
     """The terminal loss is CE_K itself; megatron-core's schedule divides the returned loss by
     the number of micro-batches in place, which must not reach the logged CE_K (it did: 64
     validation micro-batches logged CE_K / 64)."""
-    cfg = experiment.load(TINY, [f"train.dir={tmp_path}", "train.steps=2", "data.seq_len=32",
-                                 "train.micro_batch_size=2", "train.global_batch_size=8",
-                                 "train.eval_batches=8", "train.log_every=1",
-                                 "objective.kind=terminal", "wandb.mode=disabled"])
+    cfg = experiment.load(
+        TINY,
+        [
+            f"train.dir={tmp_path}",
+            "train.steps=2",
+            "data.seq_len=32",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=8",
+            "train.eval_batches=8",
+            "train.log_every=1",
+            "objective.kind=terminal",
+            "wandb.mode=disabled",
+        ],
+    )
     experiment.build_trainer(cfg).fit()
     metrics = read_metrics(tmp_path)
     for record in metrics["steps"] + metrics["evals"]:

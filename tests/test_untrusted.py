@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from multiproc import BASE, TINY, env, train, train_here
 
 from megaloop import experiment
 from megaloop.train import checkpoint
+from multiproc import BASE, TINY, env, train, train_here
 
 STEPS = ["train.steps=2", "train.save_every=2"]
 STEP = "step_0000002"
@@ -39,9 +39,33 @@ class Payload:
 
 
 def megaloop(*args, extra_env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megaloop", *map(str, args)],
-                          capture_output=True, text=True, env={**env(), **(extra_env or {})},
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "megaloop", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env={**env(), **(extra_env or {})},
+        timeout=300,
+    )
+
+
+@pytest.fixture
+def megaloop_here(capsys, monkeypatch):
+    """A megaloop command in this process (no second import of torch and megatron-core): the
+    same return code and output as the command line."""
+    from types import SimpleNamespace
+
+    from megaloop.cli import main
+
+    def run(*args, extra_env=None):
+        with monkeypatch.context() as m:
+            for key, value in (extra_env or {}).items():
+                m.setenv(key, value)
+            capsys.readouterr()
+            code = main([str(a) for a in args])
+            out = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +121,8 @@ def run_unguarded(folder: Path, name: str) -> None:
         TorchCommonLoadStrategy().load_common(folder)  # under TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD
     else:
         from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
-            TorchCheckpointEngine)
+            TorchCheckpointEngine,
+        )
 
         TorchCheckpointEngine().load(str(folder / name))
 
@@ -122,8 +147,9 @@ NO_WEIGHTS_ONLY = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
 
 
 @pytest.mark.parametrize("case", list(PAYLOADS))
-def test_a_pickle_payload_is_refused_by_resume_export_and_consolidate(runs, tmp_path, case,
-                                                                      monkeypatch):
+def test_a_pickle_payload_is_refused_by_resume_export_and_consolidate(
+    runs, tmp_path, case, monkeypatch, megaloop_here
+):
     engine, name = PAYLOADS[case]
     marker = tmp_path / "PAYLOAD_RAN"
     run_dir = tampered(runs(engine), tmp_path, name, Payload(marker))
@@ -137,34 +163,60 @@ def test_a_pickle_payload_is_refused_by_resume_export_and_consolidate(runs, tmp_
     monkeypatch.delenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
 
     before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
-    resume = megaloop("train", TINY, *BASE, *ENGINES[engine], "train.steps=4",
-                      "train.save_every=2", f"train.dir={run_dir}", extra_env=NO_WEIGHTS_ONLY)
+    # DeepSpeed's engine is started in a process of its own; the rest run in this one
+    resume = (megaloop if engine == "deepspeed" else megaloop_here)(
+        "train",
+        TINY,
+        *BASE,
+        *ENGINES[engine],
+        "train.steps=4",
+        "train.save_every=2",
+        f"train.dir={run_dir}",
+        extra_env=NO_WEIGHTS_ONLY,
+    )
     assert_refused(resume, path, marker)
     assert (run_dir / "checkpoints/latest").read_text() == STEP
     assert not (run_dir / "checkpoints/step_0000004").exists()
     assert not list((run_dir / "checkpoints").glob(".tmp_*"))
 
     out = tmp_path / "hf"
-    assert_refused(megaloop("export", run_dir, out, extra_env=NO_WEIGHTS_ONLY), path, marker)
+    assert_refused(megaloop_here("export", run_dir, out, extra_env=NO_WEIGHTS_ONLY), path, marker)
     assert not out.exists()
     single = tmp_path / "single"
-    assert_refused(megaloop("ckpt", "consolidate", run_dir, single, extra_env=NO_WEIGHTS_ONLY),
-                   path, marker)
+    assert_refused(
+        megaloop_here("ckpt", "consolidate", run_dir, single, extra_env=NO_WEIGHTS_ONLY),
+        path,
+        marker,
+    )
     assert not single.exists()
     if engine == "megatron":  # train.init_from reads the weights of a megatron checkpoint
         fresh = tmp_path / "fresh"
-        assert_refused(megaloop("train", TINY, *BASE, *STEPS, f"train.init_from={run_dir}",
-                                f"train.dir={fresh}", extra_env=NO_WEIGHTS_ONLY), path, marker)
+        assert_refused(
+            megaloop_here(
+                "train",
+                TINY,
+                *BASE,
+                *STEPS,
+                f"train.init_from={run_dir}",
+                f"train.dir={fresh}",
+                extra_env=NO_WEIGHTS_ONLY,
+            ),
+            path,
+            marker,
+        )
         assert not (fresh / "checkpoints").exists() or not list(
-            (fresh / "checkpoints").glob("step_*"))
+            (fresh / "checkpoints").glob("step_*")
+        )
     # the checkpoint folder itself is as it was (only the run's logs may have grown)
     after = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
     assert [p for p in after if p.parts[0] == "checkpoints"] == [
-        p for p in before if p.parts[0] == "checkpoints"]
+        p for p in before if p.parts[0] == "checkpoints"
+    ]
 
 
 def test_a_payload_in_a_sharded_object_of_the_distcp_shards_is_refused_on_resume(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     """torch.distributed.checkpoint unpickles each ShardedObject (megaloop's RNG state) with
     torch.load(weights_only=False): a payload saved as one, by the saver itself so the manifest
     is genuine, is refused when the run resumes in the same layout (which loads the RNG)."""
@@ -188,18 +240,26 @@ def test_a_payload_in_a_sharded_object_of_the_distcp_shards_is_refused_on_resume
     folder = run_dir / "checkpoints" / STEP
     assert checkpoint.verify(folder) is None and not marker.exists()
 
-    dist_checkpointing.load({"rng": ShardedObject("rng_state", None, (1, 1, 1), (0, 0, 0),
-                                                  replica_id=0)}, str(folder))
+    dist_checkpointing.load(
+        {"rng": ShardedObject("rng_state", None, (1, 1, 1), (0, 0, 0), replica_id=0)}, str(folder)
+    )
     assert marker.exists()  # the hole: megatron-core's own load runs it
     marker.unlink()
 
-    resume = megaloop("train", TINY, *BASE, "train.steps=4", "train.save_every=2",
-                      f"train.dir={run_dir}")
+    resume = megaloop(
+        "train", TINY, *BASE, "train.steps=4", "train.save_every=2", f"train.dir={run_dir}"
+    )
     assert not marker.exists()
     assert resume.returncode == 2 and "Traceback" not in resume.stderr, resume.stderr[-3000:]
-    assert resume.stderr.strip().splitlines()[-1].startswith(
-        f"megaloop: error: an object stored in the *.distcp shards of {folder}: refused to load: "
-        f"it would call io.open")
+    assert (
+        resume.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            f"megaloop: error: an object stored in the *.distcp shards of {folder}: "
+            f"refused to load: "
+            f"it would call io.open"
+        )
+    )
     assert not (run_dir / "checkpoints/step_0000004").exists()
 
 
@@ -221,6 +281,7 @@ def test_every_real_checkpoint_loads_through_the_guard(runs, tmp_path):
 
 
 # -- exports: only megaloop's own code -----------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def exported(runs, tmp_path_factory):
@@ -271,12 +332,15 @@ def _unrecorded(folder: Path, marker: Path) -> None:
     (folder / "config.json").write_text(json.dumps(config))
 
 
-@pytest.mark.parametrize("tamper, message", [
-    (_code_swapped, "modeling_megaloop.py differs from the code recorded at export"),
-    (_hash_recomputed, "its recorded code is not this megaloop's"),
-    (_foreign_module, "its auto_map"),
-    (_unrecorded, "config.json records no megaloop_code"),
-])
+@pytest.mark.parametrize(
+    "tamper, message",
+    [
+        (_code_swapped, "modeling_megaloop.py differs from the code recorded at export"),
+        (_hash_recomputed, "its recorded code is not this megaloop's"),
+        (_foreign_module, "its auto_map"),
+        (_unrecorded, "config.json records no megaloop_code"),
+    ],
+)
 def test_an_export_with_foreign_code_is_refused_unrun(exported, tmp_path, tamper, message):
     from megaloop.evaluation.exported import EvalError, load_model, load_tokenizer
     from megaloop.evaluation.harness import open_model
@@ -285,14 +349,18 @@ def test_an_export_with_foreign_code_is_refused_unrun(exported, tmp_path, tamper
     shutil.copytree(exported, folder)
     marker = tmp_path / "CODE_RAN"
     tamper(folder, marker)
-    for load in (lambda: load_model(folder, "cpu", "float32"), lambda: load_tokenizer(folder),
-                 lambda: open_model(folder)):
+    for load in (
+        lambda: load_model(folder, "cpu", "float32"),
+        lambda: load_tokenizer(folder),
+        lambda: open_model(folder),
+    ):
         with pytest.raises(EvalError, match=f"{folder}: refused: {message}"):
             load()
     assert not marker.exists()
 
 
 # -- webdataset shards ----------------------------------------------------------------------------
+
 
 def write_shard(path: Path, names: list[str], seq_len: int) -> None:
     with tarfile.open(path, "w") as tar:
@@ -305,8 +373,9 @@ def write_shard(path: Path, names: list[str], seq_len: int) -> None:
             tar.addfile(info, buf)
 
 
-@pytest.mark.parametrize("bad", ["../escape.tokens.npy", "/tmp/absolute.tokens.npy",
-                                 "a/../../b.tokens.npy"])
+@pytest.mark.parametrize(
+    "bad", ["../escape.tokens.npy", "/tmp/absolute.tokens.npy", "a/../../b.tokens.npy"]
+)
 @pytest.mark.parametrize("where", ["valid", "train"])
 def test_shard_members_named_outside_the_shard_are_refused(tmp_path, bad, where):
     from megaloop.data.shards import ShardData, UnsafeShard
@@ -315,12 +384,12 @@ def test_shard_members_named_outside_the_shard_are_refused(tmp_path, bad, where)
     (tmp_path / "shards").mkdir()
     write_shard(tmp_path / "shards/a.tar", [good[0], bad] if where == "train" else good, 8)
     write_shard(tmp_path / "shards/b.tar", [good[0], bad] if where == "valid" else good, 8)
-    (tmp_path / "manifest.json").write_text(json.dumps(
-        {"seq_len": 8, "shards": {"a.tar": 2, "b.tar": 2}}))
+    (tmp_path / "manifest.json").write_text(
+        json.dumps({"seq_len": 8, "shards": {"a.tar": 2, "b.tar": 2}})
+    )
     shard = tmp_path / "shards" / ("b.tar" if where == "valid" else "a.tar")
     with pytest.raises(UnsafeShard, match=f"data shard {shard}: member {bad!r} is named outside"):
-        data = ShardData(str(tmp_path), 8, seed=0, valid_shards=1, resampled=False,
-                         tokenizer=None)
+        data = ShardData(str(tmp_path), 8, seed=0, valid_shards=1, resampled=False, tokenizer=None)
         data.batches(2, 1).next_step()
     assert not Path("/tmp/absolute.tokens.npy").exists()
     assert not (tmp_path / "escape.tokens.npy").exists()
@@ -334,8 +403,21 @@ HOSTILE = "x$(touch PWNED)`touch PWNED2`'\"; touch PWNED3"
 def render(capsys, run_dir: str, *options) -> str:
     from megaloop.cli import main
 
-    rc = main(["slurm", "submit", TINY, "--nodes", "1", "--gpus-per-node", "0", *options,
-               "--dry-run", *BASE, f"train.dir={run_dir}"])
+    rc = main(
+        [
+            "slurm",
+            "submit",
+            TINY,
+            "--nodes",
+            "1",
+            "--gpus-per-node",
+            "0",
+            *options,
+            "--dry-run",
+            *BASE,
+            f"train.dir={run_dir}",
+        ]
+    )
     out = capsys.readouterr()
     assert rc == 0, out.err
     return out.out
@@ -348,16 +430,26 @@ def run_script(script: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text("#!/bin/sh\necho node1\n")
     (bin_dir / "srun").write_text(
-        f"#!/bin/sh\nfor a in \"$@\"; do printf '%s\\0' \"$a\"; done > {tmp_path}/srun.args\n")
+        f'#!/bin/sh\nfor a in "$@"; do printf \'%s\\0\' "$a"; done > {tmp_path}/srun.args\n'
+    )
     for tool in ("scontrol", "srun"):
         (bin_dir / tool).chmod(0o755)
     (tmp_path / "job.sh").write_text(script)
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    proc = subprocess.run(["bash", str(tmp_path / "job.sh")], cwd=cwd, capture_output=True,
-                          text=True, timeout=60,
-                          env={"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
-                               "SLURM_JOB_NODELIST": "node1", "SLURM_NTASKS": "1"})
+    proc = subprocess.run(
+        ["bash", str(tmp_path / "job.sh")],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={
+            "PATH": f"{bin_dir}:{os.environ['PATH']}",
+            "SLURM_JOB_ID": "7",
+            "SLURM_JOB_NODELIST": "node1",
+            "SLURM_NTASKS": "1",
+        },
+    )
     args = (tmp_path / "srun.args").read_text().split("\0")[:-1]
     return proc, args
 
@@ -365,8 +457,11 @@ def run_script(script: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess
 @pytest.mark.parametrize("field", ["run name", "partition", "account", "job name"])
 def test_values_rendered_into_the_sbatch_script_are_quoted(capsys, tmp_path, field):
     run_dir = tmp_path / "runs" / (HOSTILE if field == "run name" else "plain")
-    options = {"partition": ["--partition", HOSTILE], "account": ["--account", HOSTILE],
-               "job name": ["--job-name", HOSTILE]}.get(field, [])
+    options = {
+        "partition": ["--partition", HOSTILE],
+        "account": ["--account", HOSTILE],
+        "job name": ["--job-name", HOSTILE],
+    }.get(field, [])
     script = render(capsys, str(run_dir), *options)
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     proc, args = run_script(script, tmp_path)
@@ -376,20 +471,37 @@ def test_values_rendered_into_the_sbatch_script_are_quoted(capsys, tmp_path, fie
     assert (run_dir / "logs").is_dir()
 
 
-@pytest.mark.parametrize("option, value, run_name", [
-    ("--partition", "gpu\ntouch PWNED", "plain"),
-    ("--job-name", "gpu\ntouch PWNED", "plain"),
-    ("--account", "a\rtouch PWNED", "plain"),
-    # the run directory names the job and its log; YAML's double quotes make \n a newline
-    ("--partition", "gpu", "x\\ntouch PWNED"),
-])
+@pytest.mark.parametrize(
+    "option, value, run_name",
+    [
+        ("--partition", "gpu\ntouch PWNED", "plain"),
+        ("--job-name", "gpu\ntouch PWNED", "plain"),
+        ("--account", "a\rtouch PWNED", "plain"),
+        # the run directory names the job and its log; YAML's double quotes make \n a newline
+        ("--partition", "gpu", "x\\ntouch PWNED"),
+    ],
+)
 def test_a_newline_in_an_sbatch_value_is_refused(capsys, tmp_path, option, value, run_name):
     """`#SBATCH` lines are comments to bash, where quoting does not help: a newline would end
     one and run the rest, so such a value is refused before anything is rendered."""
     from megaloop.cli import main
 
-    rc = main(["slurm", "submit", TINY, "--nodes", "1", "--gpus-per-node", "0", option, value,
-               "--dry-run", *BASE, f'train.dir="{tmp_path}/runs/{run_name}"'])
+    rc = main(
+        [
+            "slurm",
+            "submit",
+            TINY,
+            "--nodes",
+            "1",
+            "--gpus-per-node",
+            "0",
+            option,
+            value,
+            "--dry-run",
+            *BASE,
+            f'train.dir="{tmp_path}/runs/{run_name}"',
+        ]
+    )
     out = capsys.readouterr()
     assert rc == 2 and "holds a control character" in out.err and "#SBATCH" not in out.out
     assert not list(tmp_path.rglob("PWNED*"))
@@ -397,13 +509,27 @@ def test_a_newline_in_an_sbatch_value_is_refused(capsys, tmp_path, option, value
 
 # -- the wandb key -------------------------------------------------------------------------------
 
+
 def test_the_wandb_key_is_written_nowhere(tmp_path):
     key = "a0b1c2d3e4f5a6b7c8d9e0f1a2b3c4d5e6f7a8b9"  # a well-formed, unused key
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "megaloop", "train", TINY, *BASE, *STEPS, "wandb.mode=offline",
-         f"train.dir={run_dir}"], capture_output=True, text=True, timeout=300,
-        env={**env(), "WANDB_API_KEY": key, "WANDB_MODE": "offline"})
+        [
+            sys.executable,
+            "-m",
+            "megaloop",
+            "train",
+            TINY,
+            *BASE,
+            *STEPS,
+            "wandb.mode=offline",
+            f"train.dir={run_dir}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env(), "WANDB_API_KEY": key, "WANDB_MODE": "offline"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (run_dir / "wandb").is_dir()  # wandb did run (offline) and wrote its files
     assert key not in proc.stdout + proc.stderr

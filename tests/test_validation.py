@@ -21,7 +21,7 @@ SEQ = 16
 
 
 def windows(tokens: np.ndarray, count: int, seq_len: int = SEQ) -> np.ndarray:
-    return np.stack([tokens[i * seq_len:i * seq_len + seq_len + 1] for i in range(count)])
+    return np.stack([tokens[i * seq_len : i * seq_len + seq_len + 1] for i in range(count)])
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +35,12 @@ def text_files(tmp_path_factory):
 
 
 def test_text_validation_is_the_files_windows_in_order_for_every_seed(text_files):
-    cfg = DataConfig(kind="text", path=str(text_files / "train.txt"),
-                     valid_path=str(text_files / "valid.txt"), seq_len=SEQ)
+    cfg = DataConfig(
+        kind="text",
+        path=str(text_files / "train.txt"),
+        valid_path=str(text_files / "valid.txt"),
+        seq_len=SEQ,
+    )
     a, b = cfg.build(seed=0), cfg.build(seed=7)
     assert torch.equal(a.batch(range(8), split="valid"), b.batch(range(8), split="valid"))
     tokens = np.frombuffer((text_files / "valid.txt").read_bytes(), dtype=np.uint8)
@@ -49,11 +53,12 @@ def test_text_validation_is_the_files_windows_in_order_for_every_seed(text_files
 
 
 def test_text_without_a_valid_file_reads_the_tail_in_order(text_files):
-    cfg = DataConfig(kind="text", path=str(text_files / "train.txt"), seq_len=SEQ,
-                     valid_fraction=0.1)
+    cfg = DataConfig(
+        kind="text", path=str(text_files / "train.txt"), seq_len=SEQ, valid_fraction=0.1
+    )
     data = cfg.build(seed=3)
     tokens = np.frombuffer((text_files / "train.txt").read_bytes(), dtype=np.uint8)
-    tail = tokens[int(len(tokens) * 0.9):]
+    tail = tokens[int(len(tokens) * 0.9) :]
     assert np.array_equal(data.batch(range(5), split="valid").numpy(), windows(tail, 5))
 
 
@@ -65,8 +70,10 @@ def indexed_files(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("indexed")
     rng = np.random.default_rng(1)
-    docs = {"train": [rng.integers(1, 256, n) for n in rng.integers(20, 80, 40)],
-            "valid": np.split(np.arange(1000, 1047), [5, 16, 17])}
+    docs = {
+        "train": [rng.integers(1, 256, n) for n in rng.integers(20, 80, 40)],
+        "valid": np.split(np.arange(1000, 1047), [5, 16, 17]),
+    }
     for split, documents in docs.items():
         builder = IndexedDatasetBuilder(str(root / f"{split}.bin"), dtype=np.uint16)
         for doc in documents:
@@ -78,8 +85,13 @@ def indexed_files(tmp_path_factory):
 
 def test_indexed_validation_is_the_documents_stream_in_file_order(indexed_files, tmp_path):
     root, docs = indexed_files
-    cfg = DataConfig(kind="indexed", path=str(root / "train"), valid_path=str(root / "valid"),
-                     seq_len=SEQ, cache_dir=str(tmp_path))
+    cfg = DataConfig(
+        kind="indexed",
+        path=str(root / "train"),
+        valid_path=str(root / "valid"),
+        seq_len=SEQ,
+        cache_dir=str(tmp_path),
+    )
     a, b = cfg.build(seed=0, train_samples=16), cfg.build(seed=1, train_samples=16)
     got = a.batch(range(2), split="valid")
     assert torch.equal(got, b.batch(range(2), split="valid"))
@@ -91,8 +103,7 @@ def test_indexed_validation_is_the_documents_stream_in_file_order(indexed_files,
 
 def test_indexed_without_a_valid_prefix_reads_the_training_stream(indexed_files, tmp_path):
     root, docs = indexed_files
-    cfg = DataConfig(kind="indexed", path=str(root / "train"), seq_len=SEQ,
-                     cache_dir=str(tmp_path))
+    cfg = DataConfig(kind="indexed", path=str(root / "train"), seq_len=SEQ, cache_dir=str(tmp_path))
     data = cfg.build(seed=0, train_samples=16)
     stream = np.concatenate(docs["train"])
     assert data.valid_windows == (len(stream) - 1) // SEQ
@@ -125,8 +136,9 @@ def test_webdataset_validation_is_the_held_out_sequences_in_order(tmp_path):
             for i, row in enumerate(rows):
                 sink.write({"__key__": f"{shard}-{i}", "tokens.npy": row})
         sequences[name] = rows
-    (tmp_path / "manifest.json").write_text(json.dumps(
-        {"seq_len": SEQ, "shards": {n: len(r) for n, r in sequences.items()}}))
+    (tmp_path / "manifest.json").write_text(
+        json.dumps({"seq_len": SEQ, "shards": {n: len(r) for n, r in sequences.items()}})
+    )
     data = ShardData(str(tmp_path), SEQ, seed=0, valid_shards=2, resampled=False, tokenizer=None)
     held_out = sequences["00000-00001.tar"] + sequences["00000-00002.tar"]
     assert data.valid_windows == 8
@@ -140,8 +152,8 @@ def test_eval_microbatches_fit_dp_and_pp():
     from megaloop.train.trainer import TrainConfig
 
     train = TrainConfig(micro_batch_size=2, global_batch_size=8, eval_batches="all")
-    assert eval_microbatches(train, 37, dp=1, pp=1) == 18          # 36 of 37 windows
-    assert eval_microbatches(train, 37, dp=2, pp=2) == 16          # a multiple of DP·PP = 4
+    assert eval_microbatches(train, 37, dp=1, pp=1) == 18  # 36 of 37 windows
+    assert eval_microbatches(train, 37, dp=2, pp=2) == 16  # a multiple of DP·PP = 4
     with pytest.raises(ConfigError, match="fewer than one micro-batch"):
         eval_microbatches(train, 7, dp=2, pp=2)
     with pytest.raises(ConfigError, match="no finite validation split"):
@@ -153,12 +165,15 @@ def test_eval_microbatches_fit_dp_and_pp():
         eval_microbatches(train, 9, dp=1, pp=1)
 
 
-@pytest.mark.parametrize("value, words", [
-    ("ALL", ["train.eval_batches", "'ALL'", "an integer or 'all'"]),
-    ("1.5", ["train.eval_batches", "1.5", "an integer or 'all'"]),
-    ("true", ["train.eval_batches", "True", "an integer or 'all'"]),
-    ("0", ["train.eval_batches", "must be >= 1, or `all`"]),
-])
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        ("ALL", ["train.eval_batches", "'ALL'", "an integer or 'all'"]),
+        ("1.5", ["train.eval_batches", "1.5", "an integer or 'all'"]),
+        ("true", ["train.eval_batches", "True", "an integer or 'all'"]),
+        ("0", ["train.eval_batches", "must be >= 1, or `all`"]),
+    ],
+)
 def test_bad_eval_batches_is_one_clear_error(value, words):
     with pytest.raises(ConfigError) as err:
         experiment.load(TINY, [f"train.eval_batches={value}"])
@@ -177,11 +192,22 @@ def test_wikitext_configs_evaluate_the_whole_split():
 
 
 def text_run(tmp_path, text_files, *overrides):
-    return experiment.load(TINY, [
-        f"train.dir={tmp_path}", "data.kind=text", f"data.path={text_files / 'train.txt'}",
-        f"data.valid_path={text_files / 'valid.txt'}", f"data.seq_len={SEQ}", "train.steps=2",
-        "train.micro_batch_size=4", "train.global_batch_size=4", "train.log_every=1",
-        "wandb.mode=disabled", *overrides])
+    return experiment.load(
+        TINY,
+        [
+            f"train.dir={tmp_path}",
+            "data.kind=text",
+            f"data.path={text_files / 'train.txt'}",
+            f"data.valid_path={text_files / 'valid.txt'}",
+            f"data.seq_len={SEQ}",
+            "train.steps=2",
+            "train.micro_batch_size=4",
+            "train.global_batch_size=4",
+            "train.log_every=1",
+            "wandb.mode=disabled",
+            *overrides,
+        ],
+    )
 
 
 def test_eval_all_covers_the_stated_prefix(tmp_path, text_files):
@@ -203,16 +229,22 @@ def test_eval_all_covers_the_stated_prefix(tmp_path, text_files):
     assert result["ce"] == pytest.approx([c.mean().item() for c in out.token_ce], rel=1e-5)
 
 
-def test_too_few_windows_for_all_or_a_number_is_refused_before_the_model(tmp_path, text_files,
-                                                                         monkeypatch):
+def test_too_few_windows_for_all_or_a_number_is_refused_before_the_model(
+    tmp_path, text_files, monkeypatch
+):
     from megaloop.parallel import megatron
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was built before the check")
 
     monkeypatch.setattr(megatron, "Engine", no_model)
-    cfg = text_run(tmp_path, text_files, "train.eval_batches=all", "train.micro_batch_size=200",
-                   "train.global_batch_size=200")
+    cfg = text_run(
+        tmp_path,
+        text_files,
+        "train.eval_batches=all",
+        "train.micro_batch_size=200",
+        "train.global_batch_size=200",
+    )
     with pytest.raises(ConfigError, match="fewer than one micro-batch"):
         experiment.build_trainer(cfg)
     cfg = text_run(tmp_path, text_files, "train.eval_batches=40")

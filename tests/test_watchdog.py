@@ -47,8 +47,10 @@ def test_percentiles_and_max_per_loop_by_hand():
 
 
 def test_reduce_takes_the_max_of_maxes_and_the_mean_of_the_rest():
-    outputs = [{"hidden_rms_max": torch.tensor([1.0, 5.0]), "hidden_rms_p99": torch.tensor([1.0, 4.0])},
-               {"hidden_rms_max": torch.tensor([3.0, 2.0]), "hidden_rms_p99": torch.tensor([3.0, 2.0])}]
+    outputs = [
+        {"hidden_rms_max": torch.tensor([1.0, 5.0]), "hidden_rms_p99": torch.tensor([1.0, 4.0])},
+        {"hidden_rms_max": torch.tensor([3.0, 2.0]), "hidden_rms_p99": torch.tensor([3.0, 2.0])},
+    ]
     reduced = reduce_terms(outputs, holds_terms=True)
     assert reduced == {"hidden_rms_max": [3.0, 5.0], "hidden_rms_p99": [2.0, 3.0]}
 
@@ -60,25 +62,29 @@ def record(step, means, maxes=None):
 def test_rules_fire_once_per_loop_until_cleared():
     dog = ScaleWatchdog(ScaleAlarmConfig(max_rms=10.0))
     assert dog.check(record(1, [1.0, 2.0], [5.0, 12.0]))[0].what() == (
-        "loop 2: max hidden RMS 12 > train.scale_alarm.max_rms=10")
-    assert dog.check(record(2, [1.0, 2.0], [5.0, 13.0])) == []       # still firing: no repeat
-    assert dog.check(record(3, [1.0, 2.0], [5.0, 9.0])) == []        # cleared
+        "loop 2: max hidden RMS 12 > train.scale_alarm.max_rms=10"
+    )
+    assert dog.check(record(2, [1.0, 2.0], [5.0, 13.0])) == []  # still firing: no repeat
+    assert dog.check(record(3, [1.0, 2.0], [5.0, 9.0])) == []  # cleared
     assert [a.loop for a in dog.check(record(4, [1.0, 2.0], [11.0, 14.0]))] == [1, 2]
     assert [a.loop for a in ScaleWatchdog(dog.cfg).check(record(5, [1.0], [math.nan]))] == [1]
     dog = ScaleWatchdog(ScaleAlarmConfig(growth=2.0, window=2))
     assert dog.check(record(1, [1.0, 1.0])) == dog.check(record(2, [1.5, 1.0])) == []
-    alarms = dog.check(record(3, [2.0, 1.9]))      # loop 1: 2.0 / 1.0 over 2 steps
+    alarms = dog.check(record(3, [2.0, 1.9]))  # loop 1: 2.0 / 1.0 over 2 steps
     assert [(a.loop, a.rule, a.value, a.window) for a in alarms] == [(1, "growth", 2.0, 2)]
     assert dog.check(record(4, [2.5, 1.9])) == []  # 2.5 / 1.5 < 2: cleared
 
 
-@pytest.mark.parametrize("override, words", [
-    ("train.scale_alarm.max_rms=0", ["train.scale_alarm.max_rms", "must be > 0"]),
-    ("train.scale_alarm.growth=1", ["train.scale_alarm.growth", "must be > 1"]),
-    ("train.scale_alarm.window=0", ["train.scale_alarm.window", ">= 1"]),
-    ("train.scale_alarm.action=halt", ["train.scale_alarm.action", "warn, stop"]),
-    ("train.scale_alarm.max=3", ["train.scale_alarm.max", "unknown key", "max_rms"]),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("train.scale_alarm.max_rms=0", ["train.scale_alarm.max_rms", "must be > 0"]),
+        ("train.scale_alarm.growth=1", ["train.scale_alarm.growth", "must be > 1"]),
+        ("train.scale_alarm.window=0", ["train.scale_alarm.window", ">= 1"]),
+        ("train.scale_alarm.action=halt", ["train.scale_alarm.action", "warn, stop"]),
+        ("train.scale_alarm.max=3", ["train.scale_alarm.max", "unknown key", "max_rms"]),
+    ],
+)
 def test_bad_alarm_config_is_one_clear_error(override, words):
     with pytest.raises(ConfigError) as err:
         experiment.load(TINY, [override])
@@ -93,17 +99,26 @@ def test_records_hold_per_loop_percentiles_in_order(tmp_path):
     assert_finite(metrics)
     for r in metrics["steps"] + metrics["evals"]:
         assert len(r["hidden_rms_p50"]) == len(r["hidden_rms_p99"]) == len(r["hidden_rms_max"]) == 4
-        for mean, p50, p99, top in zip(r["hidden_rms"], r["hidden_rms_p50"], r["hidden_rms_p99"],
-                                       r["hidden_rms_max"]):
+        for mean, p50, p99, top in zip(
+            r["hidden_rms"], r["hidden_rms_p50"], r["hidden_rms_p99"], r["hidden_rms_max"]
+        ):
             assert 0 < p50 <= p99 <= top and mean <= top
     assert metrics["alarms"] == []
 
 
 def test_warn_logs_the_alarm_and_keeps_training(tmp_path, capsys):
     # at initialisation the tiny model's hidden RMS is ~0.05 at loop 1 and ~0.14 at loop 4
-    cfg = experiment.load(TINY, [f"train.dir={tmp_path}", "train.steps=3", "data.seq_len=32",
-                                 "train.log_every=3", "wandb.mode=offline",
-                                 "train.scale_alarm.max_rms=0.1"])
+    cfg = experiment.load(
+        TINY,
+        [
+            f"train.dir={tmp_path}",
+            "train.steps=3",
+            "data.seq_len=32",
+            "train.log_every=3",
+            "wandb.mode=offline",
+            "train.scale_alarm.max_rms=0.1",
+        ],
+    )
     experiment.build_trainer(cfg).fit()
     metrics = read_metrics(tmp_path)
     assert_finite(metrics)
@@ -128,10 +143,23 @@ def test_stop_saves_marks_and_exits_with_its_own_code(tmp_path, capsys):
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     proc = subprocess.run(
-        [sys.executable, "-m", "megaloop", "train", str(TINY), f"train.dir={run}",
-         "train.steps=5", *SHORT, "train.scale_alarm.max_rms=0.1",
-         "train.scale_alarm.action=stop"],
-        capture_output=True, text=True, env=env, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "megaloop",
+            "train",
+            str(TINY),
+            f"train.dir={run}",
+            "train.steps=5",
+            *SHORT,
+            "train.scale_alarm.max_rms=0.1",
+            "train.scale_alarm.action=stop",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == EXIT_UNHEALTHY == 65, proc.stderr[-3000:]
     assert "megaloop: stopped at step 1: scale alarm, " in proc.stderr
     assert "loop 4: max hidden RMS" in proc.stderr and "not requeued" in proc.stderr
@@ -169,19 +197,43 @@ def test_job_script_never_requeues_an_unhealthy_stop(tmp_path, warned):
     bin_dir.mkdir()
     (run_dir / "STOPPED").write_text('{"message": "stale, from an earlier job"}')
     started = tmp_path / "srun_started"
-    stub(bin_dir, "srun", f'touch {started}; sleep 3; '
-                          f'echo \'{{"message": "loop 4"}}\' > {run_dir}/STOPPED; exit 137\n')
-    stub(bin_dir, "scontrol", f'[ "$1" = requeue ] && touch {tmp_path}/requeued\n'
-                              f'[ "$2" = hostnames ] && echo n1\n'
-                              f'[ "$2" = node ] && echo "NodeName=n1 NodeAddr=127.0.0.1"\n'
-                              f'exit 0\n')
-    script = slurm.render(ROOT / "slurm/train.sbatch", {
-        "job_name": "t", "nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1, "time": "10",
-        "warning_seconds": 5, "output": str(run_dir / "logs/slurm.out"), "sbatch_lines": "",
-        "python": "python", "runs": f"RUN_DIR={run_dir}; RUN=(c.yaml)"})
+    stub(
+        bin_dir,
+        "srun",
+        f"touch {started}; sleep 3; "
+        f'echo \'{{"message": "loop 4"}}\' > {run_dir}/STOPPED; exit 137\n',
+    )
+    stub(
+        bin_dir,
+        "scontrol",
+        f'[ "$1" = requeue ] && touch {tmp_path}/requeued\n'
+        f'[ "$2" = hostnames ] && echo n1\n'
+        f'[ "$2" = node ] && echo "NodeName=n1 NodeAddr=127.0.0.1"\n'
+        f"exit 0\n",
+    )
+    script = slurm.render(
+        ROOT / "slurm/train.sbatch",
+        {
+            "job_name": "t",
+            "nodes": 1,
+            "tasks_per_node": 1,
+            "cpus_per_task": 1,
+            "time": "10",
+            "warning_seconds": 5,
+            "output": str(run_dir / "logs/slurm.out"),
+            "sbatch_lines": "",
+            "python": "python",
+            "runs": f"RUN_DIR={run_dir}; RUN=(c.yaml)",
+        },
+    )
     (tmp_path / "job.sh").write_text(script)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
-           "SLURM_JOB_NODELIST": "n1", "SLURM_NTASKS": "1"}
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "7",
+        "SLURM_JOB_NODELIST": "n1",
+        "SLURM_NTASKS": "1",
+    }
     job = subprocess.Popen(["bash", str(tmp_path / "job.sh")], env=env)
     if warned:  # while srun runs (the script's trap is set before it starts)
         deadline = time.time() + 30
@@ -219,7 +271,11 @@ def test_max_is_reduced_as_a_max_over_ranks_and_micro_batches(tmp_path):
         for a, b in zip(one["steps"], run["steps"]):
             for key in ("hidden_rms_max", "hidden_rms"):
                 assert b[key] == pytest.approx(a[key], rel=1e-5), (name, a["step"], key)
-            assert all(p50 <= p99 <= top for p50, p99, top in zip(
-                b["hidden_rms_p50"], b["hidden_rms_p99"], b["hidden_rms_max"]))
+            assert all(
+                p50 <= p99 <= top
+                for p50, p99, top in zip(
+                    b["hidden_rms_p50"], b["hidden_rms_p99"], b["hidden_rms_max"]
+                )
+            )
         assert run["evals"][-1]["valid_windows"] == one["evals"][-1]["valid_windows"] == 8
         assert run["evals"][-1]["ce"] == pytest.approx(one["evals"][-1]["ce"], rel=1e-5)

@@ -7,7 +7,7 @@ resumed run, in any layout, continues where the last one stopped.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -18,8 +18,9 @@ class Windows:
     (s = seq_len), so consecutive windows share one token and every token after the first is a
     target exactly once. The same for every seed, variant and layout."""
 
-    def __init__(self, read: Callable[[int, int], np.ndarray], num_tokens: int, seq_len: int,
-                 name: str):
+    def __init__(
+        self, read: Callable[[int, int], np.ndarray], num_tokens: int, seq_len: int, name: str
+    ):
         self.read, self.num_tokens, self.seq_len, self.name = read, num_tokens, seq_len, name
 
     def __len__(self) -> int:
@@ -27,8 +28,10 @@ class Windows:
 
     def __getitem__(self, index: int) -> np.ndarray:
         if not 0 <= index < len(self):
-            raise IndexError(f"validation window {index} of {self.name}: it has {len(self)} "
-                             f"windows of data.seq_len+1={self.seq_len + 1} tokens")
+            raise IndexError(
+                f"validation window {index} of {self.name}: it has {len(self)} "
+                f"windows of data.seq_len+1={self.seq_len + 1} tokens"
+            )
         return np.asarray(self.read(index * self.seq_len, self.seq_len + 1), dtype=np.int64)
 
     def batch(self, indices) -> torch.Tensor:
@@ -40,8 +43,15 @@ class Batches:
     `global_batch_size` sample indices and this rank its contiguous slice, so resuming is exact
     to the sample."""
 
-    def __init__(self, dataset, global_batch_size: int, micro_batch_size: int,
-                 dp_rank: int = 0, dp_size: int = 1, consumed_samples: int = 0):
+    def __init__(
+        self,
+        dataset,
+        global_batch_size: int,
+        micro_batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        consumed_samples: int = 0,
+    ):
         self.dataset = dataset
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -52,5 +62,7 @@ class Batches:
         per_rank = self.global_batch_size // self.dp_size
         start = self.consumed_samples + self.dp_rank * per_rank
         self.consumed_samples += self.global_batch_size
-        return [self.dataset.batch(range(s, s + self.micro_batch_size))
-                for s in range(start, start + per_rank, self.micro_batch_size)]
+        return [
+            self.dataset.batch(range(s, s + self.micro_batch_size))
+            for s in range(start, start + per_rank, self.micro_batch_size)
+        ]

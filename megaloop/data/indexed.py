@@ -36,11 +36,15 @@ def read_json(path: Path) -> dict:
     except OSError as e:
         raise DataError(f"{path}: cannot be read ({e.strerror or e})") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"{path} is not a JSON manifest ({e}); it is written last by `megaloop "
-                        f"prep`, so the preparation did not finish: run it again") from None
+        raise DataError(
+            f"{path} is not a JSON manifest ({e}); it is written last by `megaloop "
+            f"prep`, so the preparation did not finish: run it again"
+        ) from None
     if not isinstance(data, dict):
-        raise DataError(f"{path} holds a JSON {type(data).__name__}, not the object `megaloop "
-                        f"prep` writes; run the preparation again")
+        raise DataError(
+            f"{path} holds a JSON {type(data).__name__}, not the object `megaloop "
+            f"prep` writes; run the preparation again"
+        )
     return data
 
 
@@ -58,21 +62,26 @@ def check_indexed(prefix: str, vocab_size: int | None = None) -> int:
     idx, bin_ = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
     for path in (idx, bin_):
         if not path.is_file():
-            raise DataError(f"{path}: no such file; give the PREFIX of PREFIX.bin/PREFIX.idx "
-                            f"from `megaloop prep wikitext103` (e.g. OUT/train)")
+            raise DataError(
+                f"{path}: no such file; give the PREFIX of PREFIX.bin/PREFIX.idx "
+                f"from `megaloop prep wikitext103` (e.g. OUT/train)"
+            )
     raw = idx.read_bytes()
     if len(raw) < 34 or raw[:9] != INDEX_HEADER or int.from_bytes(raw[9:17], "little") != 1:
-        raise DataError(f"{idx} is not a megatron-core index (no MMIDIDX version-1 header); "
-                        f"{REPREPARE}")
+        raise DataError(
+            f"{idx} is not a megatron-core index (no MMIDIDX version-1 header); {REPREPARE}"
+        )
     dtype = TOKEN_DTYPES.get(raw[17])
     if dtype is None:
         raise DataError(f"{idx}: token dtype code {raw[17]} is not an integer type; {REPREPARE}")
-    sequences, documents = (int.from_bytes(raw[a:a + 8], "little") for a in (18, 26))
+    sequences, documents = (int.from_bytes(raw[a : a + 8], "little") for a in (18, 26))
     expected = 34 + 12 * sequences + 8 * documents
     if len(raw) != expected:
-        raise DataError(f"{idx} is {len(raw)} bytes, but its header promises {sequences} "
-                        f"sequences and {documents} document indices ({expected} bytes): it is "
-                        f"truncated or damaged; {REPREPARE}")
+        raise DataError(
+            f"{idx} is {len(raw)} bytes, but its header promises {sequences} "
+            f"sequences and {documents} document indices ({expected} bytes): it is "
+            f"truncated or damaged; {REPREPARE}"
+        )
     lengths = np.frombuffer(raw, np.int32, sequences, 34).astype(np.int64)
     pointers = np.frombuffer(raw, np.int64, sequences, 34 + 4 * sequences)
     docs = np.frombuffer(raw, np.int64, documents, 34 + 12 * sequences)
@@ -80,28 +89,42 @@ def check_indexed(prefix: str, vocab_size: int | None = None) -> int:
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) * size
     if sequences == 0:
         raise DataError(f"{idx} holds no documents; {REPREPARE} from a source with text")
-    if (lengths < 0).any() or not np.array_equal(pointers, starts) or len(docs) == 0 or \
-            docs[0] != 0 or docs[-1] != sequences or (np.diff(docs) < 0).any():
+    if (
+        (lengths < 0).any()
+        or not np.array_equal(pointers, starts)
+        or len(docs) == 0
+        or docs[0] != 0
+        or docs[-1] != sequences
+        or (np.diff(docs) < 0).any()
+    ):
         bad = int(np.argmax((lengths < 0) | (pointers != starts)))
-        raise DataError(f"{idx}: the document table is inconsistent (first bad entry: sequence "
-                        f"{bad}); {REPREPARE}")
+        raise DataError(
+            f"{idx}: the document table is inconsistent (first bad entry: sequence "
+            f"{bad}); {REPREPARE}"
+        )
     tokens = int(lengths.sum())
     if bin_.stat().st_size != tokens * size:
-        raise DataError(f"{bin_} is {bin_.stat().st_size} bytes, but {idx} indexes {tokens} "
-                        f"tokens of {size} byte(s) ({tokens * size} bytes): the pair is "
-                        f"truncated or from different runs; {REPREPARE}")
+        raise DataError(
+            f"{bin_} is {bin_.stat().st_size} bytes, but {idx} indexes {tokens} "
+            f"tokens of {size} byte(s) ({tokens * size} bytes): the pair is "
+            f"truncated or from different runs; {REPREPARE}"
+        )
     recorded = manifest(prefix).get("vocab_size") if vocab_size is not None else None
     if recorded is not None and recorded > vocab_size:
-        raise DataError(f"{prefix}.manifest.json: the data was tokenized with {recorded} token "
-                        f"ids, more than model.vocab_size={vocab_size}; raise model.vocab_size "
-                        f"or {REPREPARE} with the model's tokenizer")
+        raise DataError(
+            f"{prefix}.manifest.json: the data was tokenized with {recorded} token "
+            f"ids, more than model.vocab_size={vocab_size}; raise model.vocab_size "
+            f"or {REPREPARE} with the model's tokenizer"
+        )
     if vocab_size is not None and recorded is None and tokens:  # no manifest: read every id
         ids = np.memmap(bin_, dtype=dtype, mode="r")
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= vocab_size:
-            raise DataError(f"{bin_} holds token id {high if high >= vocab_size else low}, "
-                            f"outside model.vocab_size={vocab_size}: the data was made with "
-                            f"another tokenizer or is damaged; {REPREPARE}")
+            raise DataError(
+                f"{bin_} holds token id {high if high >= vocab_size else low}, "
+                f"outside model.vocab_size={vocab_size}: the data was made with "
+                f"another tokenizer or is damaged; {REPREPARE}"
+            )
     return tokens
 
 
@@ -141,8 +164,16 @@ class TokenStream:
 
 
 class IndexedData:
-    def __init__(self, train_prefix: str, valid_prefix: str | None, seq_len: int, seed: int,
-                 num_train_samples: int, tokenizer: Tokenizer, cache_dir: str | None = None):
+    def __init__(
+        self,
+        train_prefix: str,
+        valid_prefix: str | None,
+        seq_len: int,
+        seed: int,
+        num_train_samples: int,
+        tokenizer: Tokenizer,
+        cache_dir: str | None = None,
+    ):
         from megatron.core.datasets.blended_megatron_dataset_builder import (
             BlendedMegatronDatasetBuilder,
         )
@@ -153,19 +184,28 @@ class IndexedData:
             check_indexed(prefix)  # token ids against the model: experiment.build_trainer
         eod = manifest(train_prefix).get("eos_id", tokenizer.eos_id)
         config = GPTDatasetConfig(
-            random_seed=seed, sequence_length=seq_len,
+            random_seed=seed,
+            sequence_length=seq_len,
             blend_per_split=[([train_prefix], None), None, None],
-            path_to_cache=cache_dir, create_attention_mask=False, reset_position_ids=False,
-            reset_attention_mask=False, eod_mask_loss=False,
+            path_to_cache=cache_dir,
+            create_attention_mask=False,
+            reset_position_ids=False,
+            reset_attention_mask=False,
+            eod_mask_loss=False,
             # what GPTDataset asks of a tokenizer (pad is unused: samples carry an extra token)
-            tokenizer=SimpleNamespace(eod=eod, pad=-1, vocab_size=tokenizer.vocab_size,
-                                      unique_identifiers={"eod": eod,
-                                                          "vocab_size": tokenizer.vocab_size}))
+            tokenizer=SimpleNamespace(
+                eod=eod,
+                pad=-1,
+                vocab_size=tokenizer.vocab_size,
+                unique_identifiers={"eod": eod, "vocab_size": tokenizer.vocab_size},
+            ),
+        )
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
 
         def build():
             return BlendedMegatronDatasetBuilder(
-                GPTDataset, [num_train_samples, None, None], lambda: True, config).build()[0]
+                GPTDataset, [num_train_samples, None, None], lambda: True, config
+            ).build()[0]
 
         # rank 0 writes the shuffle-index cache, then every rank reads it
         if rank0:

@@ -26,7 +26,7 @@ from megaloop.data.batches import Batches
 
 
 def addition(rng: np.random.Generator, digits: int) -> str:
-    a, b = (int(rng.integers(0, 10 ** digits)) for _ in range(2))
+    a, b = (int(rng.integers(0, 10**digits)) for _ in range(2))
     return f"{a:0{digits}d}+{b:0{digits}d}={a + b:0{digits + 1}d}\n"
 
 
@@ -36,7 +36,7 @@ def lookup(rng: np.random.Generator, max_hops: int, chains: int = 2) -> str:
     used = 0
     for _ in range(chains):
         hops = int(rng.integers(1, max_hops + 1))
-        chain = names[used:used + hops]
+        chain = names[used : used + hops]
         used += hops
         value = str(rng.integers(0, 10))
         statements.append(f"{chain[0]}={value}")
@@ -54,15 +54,18 @@ VALID_SEED = 1_000_003
 from every training key [seed, index] (which numpy reads as [seed, index, 0])."""
 
 
-def sample(task: str, seed: int, index: int, length: int, depth: int,
-           split: str = "train") -> np.ndarray:
+def sample(
+    task: str, seed: int, index: int, length: int, depth: int, split: str = "train"
+) -> np.ndarray:
     """`length` byte tokens of back-to-back episodes, determined by (task, seed, index), or by
     (task, index) alone for the validation split."""
     rng = np.random.default_rng([seed, index] if split == "train" else [VALID_SEED, index, 1])
     episodes = []
     while sum(map(len, episodes)) < length:
         episodes.append(TASKS[task](rng, depth))
-    return np.frombuffer("".join(episodes)[:length].encode("ascii"), dtype=np.uint8).astype(np.int64)
+    return np.frombuffer("".join(episodes)[:length].encode("ascii"), dtype=np.uint8).astype(
+        np.int64
+    )
 
 
 def answer_mask(tokens: np.ndarray, task: str) -> np.ndarray:
@@ -76,7 +79,7 @@ def answer_mask(tokens: np.ndarray, task: str) -> np.ndarray:
         end = text.find("\n", eq)
         if eq == -1 or end == -1:
             break
-        mask[eq:end - 1] = True  # predicting tokens eq+1 .. end-1, the answer characters
+        mask[eq : end - 1] = True  # predicting tokens eq+1 .. end-1, the answer characters
         pos = text.find(start, end)
     return mask
 
@@ -92,8 +95,14 @@ class SyntheticDataset:
         self.tokenizer = tokenizer
 
     def batch(self, indices, split: str = "train") -> torch.Tensor:
-        return torch.from_numpy(np.stack([sample(self.task, self.seed, i, self.seq_len + 1,
-                                                 self.depth, split) for i in indices]))
+        return torch.from_numpy(
+            np.stack(
+                [
+                    sample(self.task, self.seed, i, self.seq_len + 1, self.depth, split)
+                    for i in indices
+                ]
+            )
+        )
 
     def batches(self, *args, **kwargs) -> Batches:
         return Batches(self, *args, **kwargs)

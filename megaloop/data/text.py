@@ -23,33 +23,51 @@ def read_text(path: str, key: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
-        raise DataError(f"{key}={path} is not UTF-8 text: byte {e.start} (line {line}) is "
-                        f"{raw[e.start:e.start + 1]!r}; convert it to UTF-8 (e.g. iconv -t "
-                        f"utf-8) or give a text file") from None
+        line = raw[: e.start].count(b"\n") + 1
+        raise DataError(
+            f"{key}={path} is not UTF-8 text: byte {e.start} (line {line}) is "
+            f"{raw[e.start : e.start + 1]!r}; convert it to UTF-8 (e.g. iconv -t "
+            f"utf-8) or give a text file"
+        ) from None
 
 
 class TextDataset:
-    def __init__(self, splits: dict[str, np.ndarray], seed: int, seq_len: int, tokenizer: Tokenizer,
-                 names: dict[str, str] | None = None):
+    def __init__(
+        self,
+        splits: dict[str, np.ndarray],
+        seed: int,
+        seq_len: int,
+        tokenizer: Tokenizer,
+        names: dict[str, str] | None = None,
+    ):
         self.splits, self.seed, self.seq_len, self.tokenizer = splits, seed, seq_len, tokenizer
         for name, tokens in splits.items():
             if len(tokens) < seq_len + 1:
                 source = (names or {}).get(name, f"the {name} text")
-                raise DataError(f"{source} has {len(tokens)} tokens, fewer than "
-                                f"data.seq_len+1={seq_len + 1}; use a longer text or a shorter "
-                                f"data.seq_len")
+                raise DataError(
+                    f"{source} has {len(tokens)} tokens, fewer than "
+                    f"data.seq_len+1={seq_len + 1}; use a longer text or a shorter "
+                    f"data.seq_len"
+                )
         valid = splits["valid"]
-        self.valid = Windows(lambda start, n: valid[start:start + n], len(valid), seq_len,
-                             "the validation text")
+        self.valid = Windows(
+            lambda start, n: valid[start : start + n], len(valid), seq_len, "the validation text"
+        )
 
     @property
     def valid_windows(self) -> int:
         return len(self.valid)
 
     @classmethod
-    def from_files(cls, path: str, valid_path, valid_fraction: float, seed: int, seq_len: int,
-                   tokenizer: Tokenizer) -> "TextDataset":
+    def from_files(
+        cls,
+        path: str,
+        valid_path,
+        valid_fraction: float,
+        seed: int,
+        seq_len: int,
+        tokenizer: Tokenizer,
+    ) -> TextDataset:
         train = tokenizer.encode(read_text(path, "data.path"))
         if valid_path:
             valid = tokenizer.encode(read_text(valid_path, "data.valid_path"))
@@ -57,15 +75,17 @@ class TextDataset:
         else:
             cut = int(len(train) * (1 - valid_fraction))
             train, valid = train[:cut], train[cut:]
-            names = {"train": f"data.path={path} (its first {1 - valid_fraction:.0%})",
-                     "valid": f"data.path={path} (its last data.valid_fraction="
-                              f"{valid_fraction:g}, the validation text)"}
+            names = {
+                "train": f"data.path={path} (its first {1 - valid_fraction:.0%})",
+                "valid": f"data.path={path} (its last data.valid_fraction="
+                f"{valid_fraction:g}, the validation text)",
+            }
         return cls({"train": train, "valid": valid}, seed, seq_len, tokenizer, names)
 
     def sample(self, index: int) -> np.ndarray:
         tokens = self.splits["train"]
         start = np.random.default_rng([self.seed, index]).integers(0, len(tokens) - self.seq_len)
-        return tokens[start:start + self.seq_len + 1].astype(np.int64)
+        return tokens[start : start + self.seq_len + 1].astype(np.int64)
 
     def batch(self, indices, split: str = "train") -> torch.Tensor:
         if split == "valid":

@@ -1,4 +1,5 @@
-"""Tokenizers: raw UTF-8 bytes (256 tokens, nothing to download) or a Hugging Face tokenizer.json."""
+"""Tokenizers: raw UTF-8 bytes (256 tokens, nothing to download) or a Hugging Face
+tokenizer.json."""
 
 from __future__ import annotations
 
@@ -37,14 +38,17 @@ class HFTokenizer(Tokenizer):
         from tokenizers import Tokenizer as _Tokenizer
 
         if not Path(path).is_file():
-            raise DataError(f"tokenizer {path}: no such file; use 'bytes' or the path of a "
-                            f"tokenizer.json file")
+            raise DataError(
+                f"tokenizer {path}: no such file; use 'bytes' or the path of a tokenizer.json file"
+            )
         try:
             self._tok = _Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception for unparsable JSON
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise DataError(f"tokenizer {path} is not a Hugging Face tokenizer.json ({reason}); "
-                            f"give the tokenizer.json the data was prepared with") from None
+            raise DataError(
+                f"tokenizer {path} is not a Hugging Face tokenizer.json ({reason}); "
+                f"give the tokenizer.json the data was prepared with"
+            ) from None
         self.vocab_size = self._tok.get_vocab_size()
         self.eos_id = self._tok.token_to_id(EOS)
 
@@ -60,9 +64,13 @@ def load_tokenizer(spec: str) -> Tokenizer:
 
 
 def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in for each byte (what byte-level BPE vocabularies are spelled in)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
+    """GPT-2's printable stand-in for each byte (what byte-level BPE vocabularies are spelled
+    in)."""
+    keep = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars, extra = {}, 0
     for b in range(256):
         if b in keep:

@@ -31,13 +31,16 @@ def per_example(sample: dict) -> dict[str, float]:
     s = normalised(lls, texts)
     others = np.delete(s, gold)
     p = np.exp(s - s.max())
-    return {"gold NLL / char": float(-s[gold]),
-            "margin / char": float(s[gold] - others.max()) if others.size else 0.0,
-            "p(gold)": float(p[gold] / p.sum())}
+    return {
+        "gold NLL / char": float(-s[gold]),
+        "margin / char": float(s[gold] - others.max()) if others.size else 0.0,
+        "p(gold)": float(p[gold] / p.sum()),
+    }
 
 
-def paired_bootstrap(diffs: np.ndarray, resamples: int = 10_000, seed: int = 0,
-                     chunk: int = 500) -> tuple[float, float, float]:
+def paired_bootstrap(
+    diffs: np.ndarray, resamples: int = 10_000, seed: int = 0, chunk: int = 500
+) -> tuple[float, float, float]:
     """Mean of `diffs` and the 2.5/97.5 percentiles of its mean over resamples of the pairs."""
     rng = np.random.default_rng(seed)
     n, means = len(diffs), []
@@ -69,22 +72,35 @@ def compare(a: Path, b: Path, resamples: int = 10_000, seed: int = 0) -> dict:
     for m, (va, vb) in rows.items():
         va, vb = np.array(va), np.array(vb)
         delta, low, high = paired_bootstrap(vb - va, resamples, seed)
-        result["metrics"][m] = {"a": float(va.mean()), "b": float(vb.mean()), "delta": delta,
-                                "ci95": [low, high], "better": METRICS[m]}
-    result["macro_acc"] = {side: float(np.mean([accuracies(samples[t])["acc"] for t in tasks]))
-                           for side, samples in (("a", samples_a), ("b", samples_b))}
+        result["metrics"][m] = {
+            "a": float(va.mean()),
+            "b": float(vb.mean()),
+            "delta": delta,
+            "ci95": [low, high],
+            "better": METRICS[m],
+        }
+    result["macro_acc"] = {
+        side: float(np.mean([accuracies(samples[t])["acc"] for t in tasks]))
+        for side, samples in (("a", samples_a), ("b", samples_b))
+    }
     return result
 
 
 def table(result: dict, a: str = "A", b: str = "B") -> str:
-    lines = [f"| metric ({result['pairs']} paired examples, {len(result['tasks'])} tasks; "
-             f"scores per character) | {a} | {b} | Δ (B − A) | 95% CI |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"| metric ({result['pairs']} paired examples, {len(result['tasks'])} tasks; "
+        f"scores per character) | {a} | {b} | Δ (B − A) | 95% CI |",
+        "|---|---|---|---|---|",
+    ]
     for m, r in result["metrics"].items():
         arrow = "↓" if r["better"] == "lower" else "↑"
-        lines.append(f"| {m} {arrow} | {r['a']:.4f} | {r['b']:.4f} | {r['delta']:+.4f} | "
-                     f"[{r['ci95'][0]:+.4f}, {r['ci95'][1]:+.4f}] |")
-    lines.append(f"| macro accuracy (acc) ↑ | {result['macro_acc']['a']:.4f} | "
-                 f"{result['macro_acc']['b']:.4f} | "
-                 f"{result['macro_acc']['b'] - result['macro_acc']['a']:+.4f} | |")
+        lines.append(
+            f"| {m} {arrow} | {r['a']:.4f} | {r['b']:.4f} | {r['delta']:+.4f} | "
+            f"[{r['ci95'][0]:+.4f}, {r['ci95'][1]:+.4f}] |"
+        )
+    lines.append(
+        f"| macro accuracy (acc) ↑ | {result['macro_acc']['a']:.4f} | "
+        f"{result['macro_acc']['b']:.4f} | "
+        f"{result['macro_acc']['b'] - result['macro_acc']['a']:+.4f} | |"
+    )
     return "\n".join(lines)

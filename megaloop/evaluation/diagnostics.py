@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -37,8 +36,9 @@ def rms(h: torch.Tensor) -> torch.Tensor:
     return h.double().pow(2).mean(-1).sqrt()
 
 
-def radial_terms(model, h: torch.Tensor, loop: int, targets: torch.Tensor
-                 ) -> tuple[torch.Tensor, float]:
+def radial_terms(
+    model, h: torch.Tensor, loop: int, targets: torch.Tensor
+) -> tuple[torch.Tensor, float]:
     """Per-token radial share ⟨g, u⟩²/‖g‖² of exit `loop`'s CE gradient, and Σ_t ⟨g_t, H_t⟩
     (with the CE summed over tokens, so each token's gradient is its own CE's)."""
     h = h.detach().requires_grad_(True)
@@ -51,9 +51,13 @@ def radial_terms(model, h: torch.Tensor, loop: int, targets: torch.Tensor
     return share, inner.sum().item()
 
 
-def mix_exit(mixed: Optional[torch.Tensor], survive: Optional[torch.Tensor],
-             logits: torch.Tensor, lam: torch.Tensor, last: bool
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def mix_exit(
+    mixed: torch.Tensor | None,
+    survive: torch.Tensor | None,
+    logits: torch.Tensor,
+    lam: torch.Tensor,
+    last: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One loop's share of Σ_k p_k·logits_k, p_k = λ_k·Π_{j<k}(1 − λ_j) and the last loop the
     remaining mass: (the mixture so far, Π_{j≤k}(1 − λ_j)); lam [b, s]."""
     survive = torch.ones_like(lam, dtype=torch.float64) if survive is None else survive
@@ -66,18 +70,32 @@ def logit_statistics(logits: torch.Tensor, targets: torch.Tensor) -> np.ndarray:
     """Sums over tokens of CE, softmax entropy and the top-1 minus top-2 logit margin."""
     logp = logits.double().log_softmax(-1)
     top2 = logits.double().topk(2, dim=-1).values
-    return np.array([-logp.gather(-1, targets[..., None]).sum().item(),
-                     -(logp.exp() * logp).sum().item(), (top2[..., 0] - top2[..., 1]).sum().item()])
+    return np.array(
+        [
+            -logp.gather(-1, targets[..., None]).sum().item(),
+            -(logp.exp() * logp).sum().item(),
+            (top2[..., 0] - top2[..., 1]).sum().item(),
+        ]
+    )
 
 
-def run(model_path: Path, data: Path, tokens: int = 4096, seq_len: int = 256,
-        rollout: int = 30, batch_size: int = 8, device: Optional[str] = None,
-        out: Optional[Path] = None) -> dict:
+def run(
+    model_path: Path,
+    data: Path,
+    tokens: int = 4096,
+    seq_len: int = 256,
+    rollout: int = 30,
+    batch_size: int = 8,
+    device: str | None = None,
+    out: Path | None = None,
+) -> dict:
     if rollout < 2:
         raise EvalError(f"--rollout {rollout}: needs at least 2 loops")
     if tokens < 1 or seq_len < 1 or batch_size < 1:
-        raise EvalError(f"--tokens {tokens}, --seq-len {seq_len}: each must be >= 1 (an empty "
-                        f"slice measures nothing)")
+        raise EvalError(
+            f"--tokens {tokens}, --seq-len {seq_len}: each must be >= 1 (an empty "
+            f"slice measures nothing)"
+        )
     harness.check_data(data)
     device, dtype = harness.device_and_dtype("float32", device)
     opened = harness.open_model(model_path, device, dtype)
@@ -91,8 +109,9 @@ def run(model_path: Path, data: Path, tokens: int = 4096, seq_len: int = 256,
     signed_g = 0.0
     ce = np.zeros(deepest)
     sweep = np.zeros(len(SCALES))
-    roll = {key: np.zeros(deepest - 1) for key in ("a_rad", "update_rms", "angle_deg",
-                                                   "scale_step")}
+    roll = {
+        key: np.zeros(deepest - 1) for key in ("a_rad", "update_rms", "angle_deg", "scale_step")
+    }
     clamped_ce, clamped_rms, clamp_drift, count = 0.0, [], 0.0, 0
     gated = bool(getattr(model.config, "exit_gate", False))
     label_path = np.zeros(3)
@@ -107,16 +126,21 @@ def run(model_path: Path, data: Path, tokens: int = 4096, seq_len: int = 256,
                 logits = model.readout(h, k)
                 ce[k - 1] += harness.token_ce(logits, targets).double().sum().item()
                 if gated and k <= K:
-                    mixed, survive = mix_exit(mixed, survive, logits,
-                                              model.exit_probability(h)[..., 0], last=k == K)
+                    mixed, survive = mix_exit(
+                        mixed, survive, logits, model.exit_probability(h)[..., 0], last=k == K
+                    )
                 if k <= K:
                     share, inner = radial_terms(model, h, k, targets)
                     shares[k - 1].append(share.flatten().cpu())
                     if k == K:
                         signed_g += inner
                         for i, c in enumerate(SCALES):
-                            sweep[i] += harness.token_ce(model.readout(c * h, k),
-                                                         targets).double().sum().item()
+                            sweep[i] += (
+                                harness.token_ce(model.readout(c * h, k), targets)
+                                .double()
+                                .sum()
+                                .item()
+                            )
                 if previous is not None:
                     x, b = previous.double(), h.double() - previous.double()
                     d = x.shape[-1]
@@ -124,8 +148,9 @@ def run(model_path: Path, data: Path, tokens: int = 4096, seq_len: int = 256,
                     cos = (x * h.double()).sum(-1) / (x.norm(dim=-1) * h.double().norm(dim=-1))
                     roll["a_rad"][k - 2] += ((u * b).sum(-1) / d).sum().item()
                     roll["update_rms"][k - 2] += rms(b).sum().item()
-                    roll["angle_deg"][k - 2] += torch.rad2deg(
-                        torch.arccos(cos.clamp(-1, 1))).sum().item()
+                    roll["angle_deg"][k - 2] += (
+                        torch.rad2deg(torch.arccos(cos.clamp(-1, 1))).sum().item()
+                    )
                     roll["scale_step"][k - 2] += (s - rms(previous)).sum().item()
                 previous = h
             if gated:
@@ -135,8 +160,9 @@ def run(model_path: Path, data: Path, tokens: int = 4096, seq_len: int = 256,
                 loop1 = rms(h) if loop1 is None else loop1
                 clamp_drift = max(clamp_drift, ((rms(h) / loop1) - 1).abs().max().item())
                 if k == K:
-                    clamped_ce += harness.token_ce(model.readout(h, k),
-                                                   targets).double().sum().item()
+                    clamped_ce += (
+                        harness.token_ce(model.readout(h, k), targets).double().sum().item()
+                    )
                     clamped_rms.append(rms(h).flatten().cpu())
             count += targets.numel()
     d = model.config.hidden_size
@@ -144,24 +170,37 @@ def run(model_path: Path, data: Path, tokens: int = 4096, seq_len: int = 256,
     free_rms = torch.cat(token_rms[K - 1]).mean().item()
     result = {
         "model": opened.info,
-        "settings": {"data": str(data), "tokens": count, "sequences": sequences,
-                     "seq_len": seq_len, "rollout": rollout, "batch_size": batch_size,
-                     "device": device, "dtype": dtype, "hidden_size": d,
-                     "num_loops_trained": K},
+        "settings": {
+            "data": str(data),
+            "tokens": count,
+            "sequences": sequences,
+            "seq_len": seq_len,
+            "rollout": rollout,
+            "batch_size": batch_size,
+            "device": device,
+            "dtype": dtype,
+            "hidden_size": d,
+            "num_loops_trained": K,
+        },
         "scale": scale,
-        "radial": {"r": [torch.cat(x).mean().item() for x in shares],
-                   "g_K": signed_g / count},
-        "rollout": {"loops": list(range(1, deepest + 1)),
-                    "s": [torch.cat(x).mean().item() for x in token_rms],
-                    "ce": (ce / count).tolist(),
-                    **{key: (v / count).tolist() for key, v in roll.items()}},
+        "radial": {"r": [torch.cat(x).mean().item() for x in shares], "g_K": signed_g / count},
+        "rollout": {
+            "loops": list(range(1, deepest + 1)),
+            "s": [torch.cat(x).mean().item() for x in token_rms],
+            "ce": (ce / count).tolist(),
+            **{key: (v / count).tolist() for key, v in roll.items()},
+        },
         "scale_sweep": {"c": SCALES.tolist(), "ce": (sweep / count).tolist()},
-        "clamp": {"norm_ratio": torch.cat(clamped_rms).mean().item() / free_rms,
-                  "ce_clamped": clamped_ce / count, "ce_free": ce[K - 1] / count,
-                  "delta_ce": (clamped_ce - ce[K - 1]) / count,
-                  "max_rms_drift_from_loop1": clamp_drift},
-        "label_path": (dict(zip(("ce", "entropy", "top_logit_margin"), label_path / count))
-                       if gated else None),
+        "clamp": {
+            "norm_ratio": torch.cat(clamped_rms).mean().item() / free_rms,
+            "ce_clamped": clamped_ce / count,
+            "ce_free": ce[K - 1] / count,
+            "delta_ce": (clamped_ce - ce[K - 1]) / count,
+            "max_rms_drift_from_loop1": clamp_drift,
+        },
+        "label_path": (
+            dict(zip(("ce", "entropy", "top_logit_margin"), label_path / count)) if gated else None
+        ),
     }
     if out is not None:
         harness.write(out, "diagnose", result, markdown(result))
@@ -172,50 +211,81 @@ def _distribution(values: np.ndarray, d: int) -> dict:
     """Token-level ‖H_k‖_rms statistics (L2 = √d·RMS) and its quantile curve."""
     stats = {"mean": float(values.mean()), "max": float(values.max())}
     stats.update({f"p{p:g}": float(np.percentile(values, p)) for p in PERCENTILES})
-    return {"rms": stats, "l2": {k: v * math.sqrt(d) for k, v in stats.items()},
-            "quantiles": np.percentile(values, np.linspace(0, 100, 101)).tolist()}
+    return {
+        "rms": stats,
+        "l2": {k: v * math.sqrt(d) for k, v in stats.items()},
+        "quantiles": np.percentile(values, np.linspace(0, 100, 101)).tolist(),
+    }
 
 
 def markdown(result: dict) -> str:
     s = result["settings"]
     K = s["num_loops_trained"]
-    lines = [f"# Diagnostics: {result['model']['path']}", "",
-             f"{s['tokens']:,} tokens of {s['data']} ({s['sequences']} x {s['seq_len']}), trained "
-             f"at K = {K}, d = {s['hidden_size']}.", "",
-             "## Hidden scale per loop (token-level ‖H_k‖_rms; L2 norm = √d·RMS)", "",
-             "| loop | mean | p50 | p90 | p99 | p99.9 | max | mean L2 |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Diagnostics: {result['model']['path']}",
+        "",
+        f"{s['tokens']:,} tokens of {s['data']} ({s['sequences']} x {s['seq_len']}), trained "
+        f"at K = {K}, d = {s['hidden_size']}.",
+        "",
+        "## Hidden scale per loop (token-level ‖H_k‖_rms; L2 norm = √d·RMS)",
+        "",
+        "| loop | mean | p50 | p90 | p99 | p99.9 | max | mean L2 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for k, dist in enumerate(result["scale"], start=1):
         r = dist["rms"]
-        lines.append(f"| {k} | {r['mean']:.4g} | {r['p50']:.4g} | {r['p90']:.4g} | "
-                     f"{r['p99']:.4g} | {r['p99.9']:.4g} | {r['max']:.4g} | "
-                     f"{dist['l2']['mean']:.4g} |")
+        lines.append(
+            f"| {k} | {r['mean']:.4g} | {r['p50']:.4g} | {r['p90']:.4g} | "
+            f"{r['p99']:.4g} | {r['p99.9']:.4g} | {r['max']:.4g} | "
+            f"{dist['l2']['mean']:.4g} |"
+        )
     radial = result["radial"]
-    lines += ["", "## Radial gradient fraction of each exit's loss", "",
-              "| loop | r_k |", "|---|---|"]
+    lines += [
+        "",
+        "## Radial gradient fraction of each exit's loss",
+        "",
+        "| loop | r_k |",
+        "|---|---|",
+    ]
     lines += [f"| {k} | {r:.3e} |" for k, r in enumerate(radial["r"], start=1)]
-    lines += ["", f"Signed g_K = ∂L/∂log‖H_K‖ = {radial['g_K']:.3e}.", "",
-              f"## Rollout to {s['rollout']} loops", "",
-              "| loop | s_k (RMS) | a_rad,k | Δs_k measured | ‖b_k‖_rms | angle (deg) | CE |",
-              "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"Signed g_K = ∂L/∂log‖H_K‖ = {radial['g_K']:.3e}.",
+        "",
+        f"## Rollout to {s['rollout']} loops",
+        "",
+        "| loop | s_k (RMS) | a_rad,k | Δs_k measured | ‖b_k‖_rms | angle (deg) | CE |",
+        "|---|---|---|---|---|---|---|",
+    ]
     roll = result["rollout"]
     for i, k in enumerate(roll["loops"]):
-        step = (f"{roll['a_rad'][i]:.4g} | {roll['scale_step'][i]:.4g} | "
-                f"{roll['update_rms'][i]:.4g} | {roll['angle_deg'][i]:.3g}"
-                if i < len(roll["a_rad"]) else " | | | ")
+        step = (
+            f"{roll['a_rad'][i]:.4g} | {roll['scale_step'][i]:.4g} | "
+            f"{roll['update_rms'][i]:.4g} | {roll['angle_deg'][i]:.3g}"
+            if i < len(roll["a_rad"])
+            else " | | | "
+        )
         lines.append(f"| {k} | {roll['s'][i]:.4g} | {step} | {roll['ce'][i]:.4f} |")
     sweep, clamp = result["scale_sweep"], result["clamp"]
     lines += ["", f"## Final-readout CE of c·H_{K}", "", "| c | CE |", "|---|---|"]
     lines += [f"| {c:.3g} | {v:.4f} |" for c, v in zip(sweep["c"], sweep["ce"])]
-    lines += ["", "## Recurrent-scale clamp", "",
-              f"Norm ratio (clamped / free RMS at K = {K}): {clamp['norm_ratio']:.4g}; "
-              f"ΔCE (clamped − free): {clamp['delta_ce']:+.4f} nats "
-              f"(free {clamp['ce_free']:.4f}); largest token RMS drift from loop 1 under the "
-              f"clamp: {clamp['max_rms_drift_from_loop1']:.1e}."]
+    lines += [
+        "",
+        "## Recurrent-scale clamp",
+        "",
+        f"Norm ratio (clamped / free RMS at K = {K}): {clamp['norm_ratio']:.4g}; "
+        f"ΔCE (clamped − free): {clamp['delta_ce']:+.4f} nats "
+        f"(free {clamp['ce_free']:.4f}); largest token RMS drift from loop 1 under the "
+        f"clamp: {clamp['max_rms_drift_from_loop1']:.1e}.",
+    ]
     label = result["label_path"]
     if label is not None:
-        lines += ["", "## Label path (Ouro's objective: CE of Σ_k p_k·logits_k)", "",
-                  f"CE {label['ce']:.4f}, mean entropy {label['entropy']:.4f} nats, mean "
-                  f"top-1 − top-2 logit margin {label['top_logit_margin']:.4f}; final r_K "
-                  f"{radial['r'][-1]:.3e}."]
+        lines += [
+            "",
+            "## Label path (Ouro's objective: CE of Σ_k p_k·logits_k)",
+            "",
+            f"CE {label['ce']:.4f}, mean entropy {label['entropy']:.4f} nats, mean "
+            f"top-1 − top-2 logit margin {label['top_logit_margin']:.4f}; final r_K "
+            f"{radial['r'][-1]:.3e}.",
+        ]
     return "\n".join(lines)

@@ -26,8 +26,17 @@ import numpy as np
 
 from megaloop.evaluation.exported import EvalError, load_model, load_tokenizer, placement
 
-STUDY_TASKS = ("boolq", "winogrande", "commonsense_qa", "sciq", "piqa", "arc_easy",
-               "arc_challenge", "hellaswag", "openbookqa")
+STUDY_TASKS = (
+    "boolq",
+    "winogrande",
+    "commonsense_qa",
+    "sciq",
+    "piqa",
+    "arc_easy",
+    "arc_challenge",
+    "hellaswag",
+    "openbookqa",
+)
 SPLITS = ("validation", "default")
 SPLIT_KEYS = ("training_split", "validation_split", "test_split", "fewshot_split")
 TARGET_DELIMITER = " "  # lm-eval's default; none of the study's tasks sets another
@@ -57,15 +66,19 @@ def task_configs(tasks, split: str, data_dir: Path | None, into: Path) -> bool:
     for name in tasks:
         entry = builtin_tasks().task_index[name]
         if entry.kind is not Kind.TASK:
-            raise EvalError(f"{name} is an lm-eval {entry.kind.name.lower()}, not a task: "
-                            f"give its tasks by name (--split {split}"
-                            f"{' and --data-dir' if data_dir else ''} are set per task)")
+            raise EvalError(
+                f"{name} is an lm-eval {entry.kind.name.lower()}, not a task: "
+                f"give its tasks by name (--split {split}"
+                f"{' and --data-dir' if data_dir else ''} are set per task)"
+            )
         cfg = entry.cfg
         override = {"include": str(entry.yaml_path), "task": name}
         if split == "validation":
             if not cfg.get("validation_split"):
-                raise EvalError(f"--split validation: lm-eval's {name} has no validation split "
-                                f"(its splits: {splits_of(cfg)}); run it with --split default")
+                raise EvalError(
+                    f"--split validation: lm-eval's {name} has no validation split "
+                    f"(its splits: {splits_of(cfg)}); run it with --split default"
+                )
             override["test_split"] = None
         if data_dir is not None:
             override.update(local_data(name, {**cfg, **override}, Path(data_dir)))
@@ -94,9 +107,11 @@ def local_data(name: str, cfg: dict, data_dir: Path) -> dict:
             override[key] = None
     evaluated = evaluated_split(cfg)
     if evaluated not in files:
-        raise EvalError(f"--data-dir {data_dir}: no {name}/{evaluated}.jsonl (lm-eval "
-                        f"evaluates {name} on its {evaluated!r} split here; one JSON object per "
-                        f"line in the schema of the hub dataset {cfg.get('dataset_path')})")
+        raise EvalError(
+            f"--data-dir {data_dir}: no {name}/{evaluated}.jsonl (lm-eval "
+            f"evaluates {name} on its {evaluated!r} split here; one JSON object per "
+            f"line in the schema of the hub dataset {cfg.get('dataset_path')})"
+        )
     override["dataset_kwargs"] = {"data_files": files}
     return override
 
@@ -117,22 +132,30 @@ def choices(sample: dict) -> tuple[np.ndarray, list[str], int]:
     if len(set(contexts)) > 1:
         texts = contexts
         if str(doc.get("answer")) not in ("1", "2"):
-            raise EvalError(f"doc {sample.get('doc_id')}: the choices differ in the context "
-                            f"(lm-eval's multiple input) but the doc has no WinoGrande answer")
+            raise EvalError(
+                f"doc {sample.get('doc_id')}: the choices differ in the context "
+                f"(lm-eval's multiple input) but the doc has no WinoGrande answer"
+            )
         gold = int(doc["answer"]) - 1
     else:
-        texts = [c[len(TARGET_DELIMITER):] if c.startswith(TARGET_DELIMITER) else c
-                 for c in continuations]
+        texts = [
+            c[len(TARGET_DELIMITER) :] if c.startswith(TARGET_DELIMITER) else c
+            for c in continuations
+        ]
         if isinstance(target, int) and 0 <= target < len(texts):
             gold = target
         elif isinstance(target, str) and target in texts:
             gold = texts.index(target)
         else:
-            raise EvalError(f"doc {sample.get('doc_id')}: target {target!r} is neither a choice "
-                            f"index nor one of the choices {texts}")
+            raise EvalError(
+                f"doc {sample.get('doc_id')}: target {target!r} is neither a choice "
+                f"index nor one of the choices {texts}"
+            )
     if "acc" in sample and float(np.argmax(lls) == gold) != sample["acc"]:
-        raise EvalError(f"doc {sample.get('doc_id')}: gold index {gold} disagrees with "
-                        f"lm-eval's acc {sample['acc']}")
+        raise EvalError(
+            f"doc {sample.get('doc_id')}: gold index {gold} disagrees with "
+            f"lm-eval's acc {sample['acc']}"
+        )
     return lls, texts, gold
 
 
@@ -170,20 +193,32 @@ def checked_lm(**kwargs):
                 if n > self.max_length and n > longest.get(task, (0, None))[0]:
                     longest[task] = (n, request.doc_id)
             if longest:
-                raise EvalError("; ".join(
-                    f"task {task}: a continuation of {n} tokens (doc {doc}) is longer than the "
-                    f"model's max_seq_len={self.max_length}" for task, (n, doc) in longest.items())
+                raise EvalError(
+                    "; ".join(
+                        f"task {task}: a continuation of {n} tokens (doc {doc}) is longer than the "
+                        f"model's max_seq_len={self.max_length}"
+                        for task, (n, doc) in longest.items()
+                    )
                     + ". lm-eval scores a continuation whole (it cuts only the context), so "
-                      "these cannot be scored: evaluate them with a model of a longer "
-                      "max_seq_len, or leave them out of --tasks")
+                    "these cannot be scored: evaluate them with a model of a longer "
+                    "max_seq_len, or leave them out of --tasks"
+                )
             return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
 
     return CheckedHFLM(**kwargs)
 
 
-def run(model_path: Path, loops: int, tasks=STUDY_TASKS, out: Path = Path("eval_results"),
-        limit: int | None = None, data_dir: Path | None = None, batch_size: int = 8,
-        device: str | None = None, split: str = "validation") -> dict:
+def run(
+    model_path: Path,
+    loops: int,
+    tasks=STUDY_TASKS,
+    out: Path = Path("eval_results"),
+    limit: int | None = None,
+    data_dir: Path | None = None,
+    batch_size: int = 8,
+    device: str | None = None,
+    split: str = "validation",
+) -> dict:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -200,13 +235,27 @@ def run(model_path: Path, loops: int, tasks=STUDY_TASKS, out: Path = Path("eval_
         device, dtype = placement(device)
         model = load_model(model_path, device, dtype, num_loops=loops)
         lm = checked_lm(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
-        results = simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=0, limit=limit,
-                                  log_samples=True, task_manager=task_manager,
-                                  bootstrap_iters=0)
-    return write(results, out, {
-        "model": str(model_path), "loops": loops, "limit": limit,
-        "data_dir": str(data_dir) if data_dir else None, "split": split,
-        "splits": {t: evaluated_split(cfg) for t, cfg in results["configs"].items()}})
+        results = simple_evaluate(
+            model=lm,
+            tasks=list(tasks),
+            num_fewshot=0,
+            limit=limit,
+            log_samples=True,
+            task_manager=task_manager,
+            bootstrap_iters=0,
+        )
+    return write(
+        results,
+        out,
+        {
+            "model": str(model_path),
+            "loops": loops,
+            "limit": limit,
+            "data_dir": str(data_dir) if data_dir else None,
+            "split": split,
+            "splits": {t: evaluated_split(cfg) for t, cfg in results["configs"].items()},
+        },
+    )
 
 
 def write(results: dict, out: Path, run_info: dict) -> dict:
@@ -215,17 +264,21 @@ def write(results: dict, out: Path, run_info: dict) -> dict:
     evaluated, and their macro averages."""
     out.mkdir(parents=True, exist_ok=True)
     samples = results.pop("samples")
-    (out / "results.json").write_text(json.dumps({**results, "megaloop": run_info}, indent=1,
-                                                 default=str))
+    (out / "results.json").write_text(
+        json.dumps({**results, "megaloop": run_info}, indent=1, default=str)
+    )
     per_task = {}
     for task, rows in samples.items():
         with open(out / f"samples_{task}.jsonl", "w") as f:
             for row in rows:
                 f.write(json.dumps(row, default=str) + "\n")
         per_task[task] = {**accuracies(rows), "split": run_info["splits"].get(task)}
-    summary = {**run_info, "tasks": per_task,
-               "macro_acc": float(np.mean([t["acc"] for t in per_task.values()])),
-               "macro_acc_norm": float(np.mean([t["acc_norm"] for t in per_task.values()]))}
+    summary = {
+        **run_info,
+        "tasks": per_task,
+        "macro_acc": float(np.mean([t["acc"] for t in per_task.values()])),
+        "macro_acc_norm": float(np.mean([t["acc_norm"] for t in per_task.values()])),
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
@@ -233,16 +286,20 @@ def write(results: dict, out: Path, run_info: dict) -> dict:
 def read_samples(folder: Path) -> dict[str, list[dict]]:
     files = sorted(folder.glob("samples_*.jsonl"))
     if not files:
-        raise EvalError(f"{folder}: no samples_<task>.jsonl; give a folder written by "
-                        f"`megaloop eval downstream`")
-    return {f.stem[len("samples_"):]: [json.loads(line) for line in f.open()] for f in files}
+        raise EvalError(
+            f"{folder}: no samples_<task>.jsonl; give a folder written by "
+            f"`megaloop eval downstream`"
+        )
+    return {f.stem[len("samples_") :]: [json.loads(line) for line in f.open()] for f in files}
 
 
 def table(summary: dict) -> str:
     lines = ["| task | split | n | acc | acc_norm |", "|---|---|---|---|---|"]
     for task, r in summary["tasks"].items():
-        lines.append(f"| {task} | {r.get('split')} | {r['n']} | {r['acc']:.4f} | "
-                     f"{r['acc_norm']:.4f} |")
-    lines.append(f"| **macro** | | | {summary['macro_acc']:.4f} | "
-                 f"{summary['macro_acc_norm']:.4f} |")
+        lines.append(
+            f"| {task} | {r.get('split')} | {r['n']} | {r['acc']:.4f} | {r['acc_norm']:.4f} |"
+        )
+    lines.append(
+        f"| **macro** | | | {summary['macro_acc']:.4f} | {summary['macro_acc_norm']:.4f} |"
+    )
     return "\n".join(lines)

@@ -39,8 +39,9 @@ def check_export(path: Path) -> None:
         raise EvalError(f"{path}/config.json is not valid JSON ({e})") from None
     if not isinstance(config, dict) or config.get("model_type") != "megaloop":
         kind = config.get("model_type") if isinstance(config, dict) else None
-        raise EvalError(f"{path}: model_type {kind!r} is not megaloop; give a folder from "
-                        f"`megaloop export`")
+        raise EvalError(
+            f"{path}: model_type {kind!r} is not megaloop; give a folder from `megaloop export`"
+        )
     problem = code_problem(path, config)
     if problem:
         raise EvalError(f"{path}: refused: {problem}; megaloop runs only its own code")
@@ -60,5 +61,10 @@ def load_model(path: Path, device: str, dtype: str, **overrides):
     from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
 
     check_export(path)
-    return MegaloopForCausalLM.from_pretrained(
-        path, dtype=getattr(torch, dtype), use_safetensors=True, **overrides).to(device).eval()
+    return (
+        MegaloopForCausalLM.from_pretrained(
+            path, dtype=getattr(torch, dtype), use_safetensors=True, **overrides
+        )
+        .to(device)
+        .eval()
+    )

@@ -20,9 +20,18 @@ from megaloop.evaluation import harness
 from megaloop.evaluation.exported import EvalError
 
 
-def run(model_path: Path, data: Path, loops=(1, 2, 3, 4), batch_size: int = 1,
-        seq_len: int = 128, batches: int = 8, warmup: int = 2, dtype: str = "auto",
-        device: str | None = None, out: Path | None = None) -> list[dict]:
+def run(
+    model_path: Path,
+    data: Path,
+    loops=(1, 2, 3, 4),
+    batch_size: int = 1,
+    seq_len: int = 128,
+    batches: int = 8,
+    warmup: int = 2,
+    dtype: str = "auto",
+    device: str | None = None,
+    out: Path | None = None,
+) -> list[dict]:
     import torch
     import torch.nn.functional as F
     from tqdm import tqdm
@@ -34,9 +43,13 @@ def run(model_path: Path, data: Path, loops=(1, 2, 3, 4), batch_size: int = 1,
     opened = harness.open_model(model_path, device, dtype)
     model = opened.model
     harness.check_seq_len(opened, seq_len)
-    windows = harness.windows(harness.read_tokens(data, opened.encode), seq_len,
-                              (warmup + batches) * batch_size).view(warmup + batches, batch_size,
-                                                                    seq_len + 1).to(device)
+    windows = (
+        harness.windows(
+            harness.read_tokens(data, opened.encode), seq_len, (warmup + batches) * batch_size
+        )
+        .view(warmup + batches, batch_size, seq_len + 1)
+        .to(device)
+    )
 
     def sync():
         if device.startswith("cuda"):
@@ -53,22 +66,41 @@ def run(model_path: Path, data: Path, loops=(1, 2, 3, 4), batch_size: int = 1,
             sync()
             if i >= warmup:
                 times.append(time.perf_counter() - start)
-                ce.append(F.cross_entropy(logits.float().flatten(0, 1),
-                                          window[:, 1:].flatten()).item())
+                ce.append(
+                    F.cross_entropy(logits.float().flatten(0, 1), window[:, 1:].flatten()).item()
+                )
         seconds = statistics.median(times)
-        rows.append({"loops": k, "tokens_per_s": batch_size * seq_len / seconds,
-                     "median_batch_s": seconds, "ce": float(np.mean(ce))})
+        rows.append(
+            {
+                "loops": k,
+                "tokens_per_s": batch_size * seq_len / seconds,
+                "median_batch_s": seconds,
+                "ce": float(np.mean(ce)),
+            }
+        )
     for row in rows:
         row["throughput_vs_k1"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
-    info = {"model": str(model_path), "data": str(data), "device": device, "dtype": dtype,
-            "batch_size": batch_size, "seq_len": seq_len, "timed_batches": batches,
-            "warmup_batches": warmup, "rows": rows}
+    info = {
+        "model": str(model_path),
+        "data": str(data),
+        "device": device,
+        "dtype": dtype,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "timed_batches": batches,
+        "warmup_batches": warmup,
+        "rows": rows,
+    }
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(info, indent=1))
-        plot_frontier(rows, out.with_suffix(".png"), f"{model_path.resolve().parent.name}/"
-                                                     f"{model_path.name}, {device} {dtype}, "
-                                                     f"{batch_size} x {seq_len} tokens")
+        plot_frontier(
+            rows,
+            out.with_suffix(".png"),
+            f"{model_path.resolve().parent.name}/"
+            f"{model_path.name}, {device} {dtype}, "
+            f"{batch_size} x {seq_len} tokens",
+        )
     return rows
 
 
@@ -94,9 +126,10 @@ def plot_frontier(rows: list[dict], path: Path, title: str) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| K | tokens/s | vs first K | median batch s | CE / token |",
-             "|---|---|---|---|---|"]
+    lines = ["| K | tokens/s | vs first K | median batch s | CE / token |", "|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['loops']} | {r['tokens_per_s']:,.0f} | {r['throughput_vs_k1']:.2f}x "
-                     f"| {r['median_batch_s']:.4f} | {r['ce']:.4f} |")
+        lines.append(
+            f"| {r['loops']} | {r['tokens_per_s']:,.0f} | {r['throughput_vs_k1']:.2f}x "
+            f"| {r['median_batch_s']:.4f} | {r['ce']:.4f} |"
+        )
     return "\n".join(lines)

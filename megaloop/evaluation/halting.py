@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 import numpy as np
 import torch
@@ -31,7 +31,7 @@ from megaloop.evaluation.exported import EvalError
 Rule = Literal["margin", "gate"]
 
 
-def exit_loops(scores: np.ndarray, threshold: Optional[float]) -> np.ndarray:
+def exit_loops(scores: np.ndarray, threshold: float | None) -> np.ndarray:
     """1-based exit loop of each unit: the first k < K with scores[:, k-1] ≥ threshold, else K.
     `scores` is [units, K-1]; threshold None never exits early."""
     K = scores.shape[1] + 1
@@ -62,12 +62,18 @@ def calibrate(scores: np.ndarray, ce: np.ndarray, tokens: int, rho: float) -> di
     threshold = float(candidates[meets[0]]) if len(meets) else None
     exits = exit_loops(scores, threshold)
     dynamic_ce = ce[np.arange(len(ce)), exits - 1].sum() / tokens
-    return {"threshold": threshold, "candidates": len(candidates) + 1,
-            "ce_fixed": fixed / tokens, "ppl_fixed": harness.ppl(fixed / tokens),
-            "ce_dynamic": dynamic_ce, "ppl_dynamic": harness.ppl(dynamic_ce),
-            "ppl_ratio": harness.ppl(dynamic_ce - fixed / tokens), "rho": rho,
-            "exit_histogram": np.bincount(exits, minlength=K + 1)[1:].tolist(),
-            "mean_exit_loop": float(exits.mean())}
+    return {
+        "threshold": threshold,
+        "candidates": len(candidates) + 1,
+        "ce_fixed": fixed / tokens,
+        "ppl_fixed": harness.ppl(fixed / tokens),
+        "ce_dynamic": dynamic_ce,
+        "ppl_dynamic": harness.ppl(dynamic_ce),
+        "ppl_ratio": harness.ppl(dynamic_ce - fixed / tokens),
+        "rho": rho,
+        "exit_histogram": np.bincount(exits, minlength=K + 1)[1:].tolist(),
+        "mean_exit_loop": float(exits.mean()),
+    }
 
 
 def sequence_margin(logits: torch.Tensor) -> torch.Tensor:
@@ -76,8 +82,9 @@ def sequence_margin(logits: torch.Tensor) -> torch.Tensor:
     return (top[..., 0] - top[..., 1]).mean(-1)
 
 
-def cached_pass(model, slice_: torch.Tensor, k_max: int, rule: Rule, batch_size: int,
-                device: str) -> tuple[np.ndarray, np.ndarray]:
+def cached_pass(
+    model, slice_: torch.Tensor, k_max: int, rule: Rule, batch_size: int, device: str
+) -> tuple[np.ndarray, np.ndarray]:
     """Per-unit scores [units, K-1] and per-unit summed CE [units, K] from one K_max pass
     (units: sequences for `margin`, tokens for `gate`)."""
     scores, ce = [], []
@@ -98,8 +105,11 @@ def cached_pass(model, slice_: torch.Tensor, k_max: int, rule: Rule, batch_size:
                     loop_ce.append(token_ce.flatten())
                     loop_score.append((1 - survive).flatten())
             ce.append(torch.stack(loop_ce, 1).cpu().numpy())
-            scores.append(torch.stack(loop_score[:-1], 1).cpu().numpy() if k_max > 1
-                          else np.zeros((len(loop_ce[0]), 0)))
+            scores.append(
+                torch.stack(loop_score[:-1], 1).cpu().numpy()
+                if k_max > 1
+                else np.zeros((len(loop_ce[0]), 0))
+            )
     return np.concatenate(scores), np.concatenate(ce)
 
 
@@ -117,15 +127,16 @@ def fixed_depth(model, batch: torch.Tensor, k: int) -> tuple[float, int]:
     return harness.token_ce(model.readout(h, k), targets).double().sum().item(), k * inputs.numel()
 
 
-def reaches(score: torch.Tensor, threshold: Optional[float], last: bool) -> torch.Tensor:
+def reaches(score: torch.Tensor, threshold: float | None, last: bool) -> torch.Tensor:
     """Where a score meets the threshold (all at the last loop; none early without one)."""
     if last or threshold is None:
         return torch.full_like(score, last, dtype=torch.bool)
     return score >= threshold
 
 
-def dynamic_depth(model, batch: torch.Tensor, k_max: int, rule: Rule, threshold: Optional[float]
-                  ) -> tuple[float, int, list[int], list[int]]:
+def dynamic_depth(
+    model, batch: torch.Tensor, k_max: int, rule: Rule, threshold: float | None
+) -> tuple[float, int, list[int], list[int]]:
     """One batch with dynamic batching: summed CE, loop×token forward steps, each sequence's
     exit loop and (gate rule) each token's exit loop."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
@@ -140,7 +151,9 @@ def dynamic_depth(model, batch: torch.Tensor, k_max: int, rule: Rule, threshold:
             logits = model.readout(h, k)
             halt = reaches(sequence_margin(logits), threshold, k == k_max)
             if halt.any():
-                total_ce += harness.token_ce(logits[halt], targets[rows[halt]]).double().sum().item()
+                total_ce += (
+                    harness.token_ce(logits[halt], targets[rows[halt]]).double().sum().item()
+                )
         else:
             lam = model.exit_probability(h).squeeze(-1)
             survive = (1 - lam) if survive is None else survive * (1 - lam)
@@ -148,7 +161,9 @@ def dynamic_depth(model, batch: torch.Tensor, k_max: int, rule: Rule, threshold:
             new = reaches(1 - survive, threshold, k == k_max) & ~exited
             if new.any():  # only the tokens that exit here are read out
                 logits = model.readout(h[new], k)
-                total_ce += harness.token_ce(logits[None], targets[rows][new][None]).double().sum().item()
+                total_ce += (
+                    harness.token_ce(logits[None], targets[rows][new][None]).double().sum().item()
+                )
                 token_exit += [k] * int(new.sum())
             exited = exited | new
             halt = exited.all(1)
@@ -163,8 +178,15 @@ def dynamic_depth(model, batch: torch.Tensor, k_max: int, rule: Rule, threshold:
     return total_ce, steps, seq_exit, token_exit
 
 
-def benchmark(model, slice_: torch.Tensor, k_max: int, rule: Rule, threshold: Optional[float],
-              batch_size: int, device: str) -> dict:
+def benchmark(
+    model,
+    slice_: torch.Tensor,
+    k_max: int,
+    rule: Rule,
+    threshold: float | None,
+    batch_size: int,
+    device: str,
+) -> dict:
     """Timed fixed K = 1..K_max and dynamic batching over the same batches."""
     batches = [b.to(device) for b in slice_.split(batch_size)]
     tokens = sum(b[:, :-1].numel() for b in batches)
@@ -180,32 +202,56 @@ def benchmark(model, slice_: torch.Tensor, k_max: int, rule: Rule, threshold: Op
     fixed = []
     with torch.no_grad():
         for k in harness.progress(range(1, k_max + 1), "fixed-K benchmark", unit="K"):
-            seconds, results = timed(lambda b: fixed_depth(model, b, k))
+            seconds, results = timed(lambda b, k=k: fixed_depth(model, b, k))
             ce = sum(r[0] for r in results) / tokens
-            fixed.append({"loops": k, "tokens_per_s": tokens / seconds, "seconds": seconds,
-                          "ce": ce, "ppl": harness.ppl(ce),
-                          "loop_token_steps": sum(r[1] for r in results)})
+            fixed.append(
+                {
+                    "loops": k,
+                    "tokens_per_s": tokens / seconds,
+                    "seconds": seconds,
+                    "ce": ce,
+                    "ppl": harness.ppl(ce),
+                    "loop_token_steps": sum(r[1] for r in results),
+                }
+            )
         seconds, results = timed(lambda b: dynamic_depth(model, b, k_max, rule, threshold))
     seq_exits = np.array([e for r in results for e in r[2]])
     ce = sum(r[0] for r in results) / tokens
-    dynamic = {"tokens_per_s": tokens / seconds, "seconds": seconds, "ce": ce,
-               "ppl": harness.ppl(ce), "mean_loops": float(seq_exits.mean()),
-               "exit_histogram": np.bincount(seq_exits, minlength=k_max + 1)[1:].tolist(),
-               "loop_token_steps": sum(r[1] for r in results),
-               "speedup": (tokens / seconds) / fixed[-1]["tokens_per_s"]}
+    dynamic = {
+        "tokens_per_s": tokens / seconds,
+        "seconds": seconds,
+        "ce": ce,
+        "ppl": harness.ppl(ce),
+        "mean_loops": float(seq_exits.mean()),
+        "exit_histogram": np.bincount(seq_exits, minlength=k_max + 1)[1:].tolist(),
+        "loop_token_steps": sum(r[1] for r in results),
+        "speedup": (tokens / seconds) / fixed[-1]["tokens_per_s"],
+    }
     if rule == "gate":
         dynamic["mean_token_exit_loop"] = float(np.mean([e for r in results for e in r[3]]))
     return {"tokens": tokens, "fixed": fixed, "dynamic": dynamic}
 
 
-def run(model_path: Path, data: Path, k_max: int = 4, rho: float = 1.01, calib: int = 160,
-        bench: int = 160, batch_size: int = 8, seq_len: int = 256, rule: Rule = "margin",
-        threshold: Optional[float] = None, dtype: str = "auto", device: Optional[str] = None,
-        out: Optional[Path] = None) -> dict:
+def run(
+    model_path: Path,
+    data: Path,
+    k_max: int = 4,
+    rho: float = 1.01,
+    calib: int = 160,
+    bench: int = 160,
+    batch_size: int = 8,
+    seq_len: int = 256,
+    rule: Rule = "margin",
+    threshold: float | None = None,
+    dtype: str = "auto",
+    device: str | None = None,
+    out: Path | None = None,
+) -> dict:
     """Calibrate (unless `threshold` is given: τ for margin, q for gate) and benchmark."""
     if rho < 1:
-        raise EvalError(f"--rho {rho}: the PPL budget is a ratio to fixed-K_max PPL, >= 1 "
-                        f"(the study: 1.01)")
+        raise EvalError(
+            f"--rho {rho}: the PPL budget is a ratio to fixed-K_max PPL, >= 1 (the study: 1.01)"
+        )
     if k_max < 1 or calib < 1 or bench < 1 or batch_size < 1:
         raise EvalError("--k-max, --calib, --bench and --batch must be >= 1")
     harness.check_data(data)
@@ -213,42 +259,69 @@ def run(model_path: Path, data: Path, k_max: int = 4, rho: float = 1.01, calib: 
     opened = harness.open_model(model_path, device, dtype)
     model = opened.model
     if rule == "gate" and model.exit_gate is None:
-        raise EvalError(f"--rule gate: {model_path} has no exit gate (trained without "
-                        f"model.exit_gate); use --rule margin")
+        raise EvalError(
+            f"--rule gate: {model_path} has no exit gate (trained without "
+            f"model.exit_gate); use --rule margin"
+        )
     harness.check_seq_len(opened, seq_len)
     tokens = harness.read_tokens(data, opened.encode)
     calib_slice = harness.windows(tokens, seq_len, calib, what="--data (calibration slice)")
-    bench_slice = harness.windows(tokens, seq_len, bench, start=calib,
-                                  what="--data (benchmark slice, after the calibration slice)")
+    bench_slice = harness.windows(
+        tokens,
+        seq_len,
+        bench,
+        start=calib,
+        what="--data (benchmark slice, after the calibration slice)",
+    )
     scores, ce = cached_pass(model, calib_slice, k_max, rule, batch_size, device)
     calibration = calibrate(scores, ce, calib_slice[:, 1:].numel(), rho)
     if threshold is not None:
-        calibration = {**evaluate_threshold(scores, ce, calib_slice[:, 1:].numel(), threshold),
-                       "given": True}
-    timing = benchmark(model, bench_slice, k_max, rule, calibration["threshold"], batch_size,
-                       device)
-    result = {"model": opened.info,
-              "settings": {"data": str(data), "rule": rule, "k_max": k_max, "rho": rho,
-                           "calib": calib, "bench": bench, "batch_size": batch_size,
-                           "seq_len": seq_len, "device": device, "dtype": dtype,
-                           "threshold_given": threshold,
-                           "calib_windows": [0, calib], "bench_windows": [calib, calib + bench]},
-              "calibration": calibration, "benchmark": timing}
+        calibration = {
+            **evaluate_threshold(scores, ce, calib_slice[:, 1:].numel(), threshold),
+            "given": True,
+        }
+    timing = benchmark(
+        model, bench_slice, k_max, rule, calibration["threshold"], batch_size, device
+    )
+    result = {
+        "model": opened.info,
+        "settings": {
+            "data": str(data),
+            "rule": rule,
+            "k_max": k_max,
+            "rho": rho,
+            "calib": calib,
+            "bench": bench,
+            "batch_size": batch_size,
+            "seq_len": seq_len,
+            "device": device,
+            "dtype": dtype,
+            "threshold_given": threshold,
+            "calib_windows": [0, calib],
+            "bench_windows": [calib, calib + bench],
+        },
+        "calibration": calibration,
+        "benchmark": timing,
+    }
     if out is not None:
         harness.write(out, "halt", result, markdown(result))
     return result
 
 
-def evaluate_threshold(scores: np.ndarray, ce: np.ndarray, tokens: int, threshold: float
-                       ) -> dict:
+def evaluate_threshold(scores: np.ndarray, ce: np.ndarray, tokens: int, threshold: float) -> dict:
     """Calibration-slice figures of a given threshold (no search)."""
     exits = exit_loops(scores, threshold)
     fixed, dynamic = ce[:, -1].sum() / tokens, ce[np.arange(len(ce)), exits - 1].sum() / tokens
-    return {"threshold": threshold, "ce_fixed": fixed, "ppl_fixed": harness.ppl(fixed),
-            "ce_dynamic": dynamic, "ppl_dynamic": harness.ppl(dynamic),
-            "ppl_ratio": harness.ppl(dynamic - fixed),
-            "exit_histogram": np.bincount(exits, minlength=ce.shape[1] + 1)[1:].tolist(),
-            "mean_exit_loop": float(exits.mean())}
+    return {
+        "threshold": threshold,
+        "ce_fixed": fixed,
+        "ppl_fixed": harness.ppl(fixed),
+        "ce_dynamic": dynamic,
+        "ppl_dynamic": harness.ppl(dynamic),
+        "ppl_ratio": harness.ppl(dynamic - fixed),
+        "exit_histogram": np.bincount(exits, minlength=ce.shape[1] + 1)[1:].tolist(),
+        "mean_exit_loop": float(exits.mean()),
+    }
 
 
 def markdown(result: dict) -> str:
@@ -256,18 +329,30 @@ def markdown(result: dict) -> str:
     name = "τ (margin)" if s["rule"] == "margin" else "q (cumulative exit probability)"
     threshold = "never early" if c["threshold"] is None else f"{c['threshold']:.4g}"
     d = b["dynamic"]
-    lines = [f"# Halting ({s['rule']} rule): {result['model']['path']}", "",
-             f"K_max = {s['k_max']}, ρ = {s['rho']}, {s['calib']} calibration and {s['bench']} "
-             f"benchmark sequences of {s['seq_len']} tokens, batch {s['batch_size']}, "
-             f"{s['device']} {s['dtype']}.", "",
-             f"Calibration: {name} = {threshold}"
-             f"{' (given)' if c.get('given') else ''}; dynamic PPL {c['ppl_dynamic']:.3f} vs "
-             f"fixed-K_max {c['ppl_fixed']:.3f} (ratio {c['ppl_ratio']:.4f}); mean exit loop "
-             f"{c['mean_exit_loop']:.2f}; exits per loop {c['exit_histogram']}.", "",
-             "| depth | tokens/s | PPL | loop×token steps |", "|---|---|---|---|"]
-    lines += [f"| K = {r['loops']} | {r['tokens_per_s']:,.0f} | {r['ppl']:.3f} | "
-              f"{r['loop_token_steps']:,} |" for r in b["fixed"]]
-    lines += [f"| dynamic (mean {d['mean_loops']:.2f} loops) | {d['tokens_per_s']:,.0f} | "
-              f"{d['ppl']:.3f} | {d['loop_token_steps']:,} |", "",
-              f"Speedup over fixed K_max: {d['speedup']:.2f}x."]
+    lines = [
+        f"# Halting ({s['rule']} rule): {result['model']['path']}",
+        "",
+        f"K_max = {s['k_max']}, ρ = {s['rho']}, {s['calib']} calibration and {s['bench']} "
+        f"benchmark sequences of {s['seq_len']} tokens, batch {s['batch_size']}, "
+        f"{s['device']} {s['dtype']}.",
+        "",
+        f"Calibration: {name} = {threshold}"
+        f"{' (given)' if c.get('given') else ''}; dynamic PPL {c['ppl_dynamic']:.3f} vs "
+        f"fixed-K_max {c['ppl_fixed']:.3f} (ratio {c['ppl_ratio']:.4f}); mean exit loop "
+        f"{c['mean_exit_loop']:.2f}; exits per loop {c['exit_histogram']}.",
+        "",
+        "| depth | tokens/s | PPL | loop×token steps |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| K = {r['loops']} | {r['tokens_per_s']:,.0f} | {r['ppl']:.3f} | "
+        f"{r['loop_token_steps']:,} |"
+        for r in b["fixed"]
+    ]
+    lines += [
+        f"| dynamic (mean {d['mean_loops']:.2f} loops) | {d['tokens_per_s']:,.0f} | "
+        f"{d['ppl']:.3f} | {d['loop_token_steps']:,} |",
+        "",
+        f"Speedup over fixed K_max: {d['speedup']:.2f}x.",
+    ]
     return "\n".join(lines)

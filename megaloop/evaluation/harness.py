@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import datetime
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -27,8 +27,10 @@ import torch.nn.functional as F
 
 from megaloop.evaluation.exported import EvalError, load_model, load_tokenizer
 
-DATA_KINDS = ("a text file, a .npy of token ids, an indexed split PREFIX (PREFIX.bin/.idx) or "
-              "webdataset shards (a .tar or a `megaloop prep fineweb` folder)")
+DATA_KINDS = (
+    "a text file, a .npy of token ids, an indexed split PREFIX (PREFIX.bin/.idx) or "
+    "webdataset shards (a .tar or a `megaloop prep fineweb` folder)"
+)
 
 
 @dataclass
@@ -49,16 +51,21 @@ def open_model(path: Path, device: str = "cpu", dtype: str = "float32") -> Opene
     """A run directory, a checkpoint folder or an export, as the exported model in eval mode."""
     path = Path(path)
     if not path.exists():
-        raise EvalError(f"MODEL {path}: no such folder (give a run directory, a checkpoint "
-                        f"folder or a `megaloop export` folder)")
+        raise EvalError(
+            f"MODEL {path}: no such folder (give a run directory, a checkpoint "
+            f"folder or a `megaloop export` folder)"
+        )
     if (path / "config.json").is_file() and not (path / "meta.json").is_file():
         model = load_model(path, device, dtype)
         tokenizer = load_tokenizer(path)
-        info = {"path": str(path), "kind": "export", "step": None,
-                "num_loops_trained": model.config.num_loops_trained,
-                "run_config": getattr(model.config, "run_config", None)}
-        return Opened(model, lambda text: np.asarray(tokenizer(text)["input_ids"], np.int64),
-                      info)
+        info = {
+            "path": str(path),
+            "kind": "export",
+            "step": None,
+            "num_loops_trained": model.config.num_loops_trained,
+            "run_config": getattr(model.config, "run_config", None),
+        }
+        return Opened(model, lambda text: np.asarray(tokenizer(text)["input_ids"], np.int64), info)
     from megaloop import experiment
     from megaloop.data.tokenizer import load_tokenizer as megaloop_tokenizer
     from megaloop.export import hf_model
@@ -72,17 +79,26 @@ def open_model(path: Path, device: str = "cpu", dtype: str = "float32") -> Opene
         raise EvalError(f"MODEL {path}: {e}") from None
     model = hf_model(state, cfg.model).to(device=device, dtype=getattr(torch, dtype))
     tokenizer = megaloop_tokenizer(cfg.data.tokenizer_spec())
-    info = {"path": str(path), "kind": "checkpoint" if folder == path else "run",
-            "checkpoint": str(folder), "step": checkpoint.read_meta(folder)["step"],
-            "num_loops_trained": cfg.model.num_loops, "run_config": cfg.to_dict()}
+    info = {
+        "path": str(path),
+        "kind": "checkpoint" if folder == path else "run",
+        "checkpoint": str(folder),
+        "step": checkpoint.read_meta(folder)["step"],
+        "num_loops_trained": cfg.model.num_loops,
+        "run_config": cfg.to_dict(),
+    }
     return Opened(model, tokenizer.encode, info)
 
 
 def check_data(data: Path) -> None:
     """--data names something readable (checked before a model is opened)."""
     data = Path(data)
-    if not (Path(f"{data}.bin").is_file() and Path(f"{data}.idx").is_file()
-            or data.is_file() or (data / "manifest.json").is_file()):
+    if not (
+        Path(f"{data}.bin").is_file()
+        and Path(f"{data}.idx").is_file()
+        or data.is_file()
+        or (data / "manifest.json").is_file()
+    ):
         raise EvalError(f"--data {data}: no such file; give {DATA_KINDS}")
 
 
@@ -102,8 +118,9 @@ def read_tokens(data: Path, encode: Callable[[str], np.ndarray]) -> np.ndarray:
     try:
         return np.asarray(encode(data.read_text(encoding="utf-8")), dtype=np.int64)
     except UnicodeDecodeError as e:
-        raise EvalError(f"--data {data}: not UTF-8 text ({e.reason} at byte {e.start}); give "
-                        f"{DATA_KINDS}") from None
+        raise EvalError(
+            f"--data {data}: not UTF-8 text ({e.reason} at byte {e.start}); give {DATA_KINDS}"
+        ) from None
 
 
 def _shard_tokens(path: Path) -> np.ndarray:
@@ -114,22 +131,26 @@ def _shard_tokens(path: Path) -> np.ndarray:
         if not shards:
             raise EvalError(f"--data {path}: no shards/*.tar in this prep folder")
         path = shards[-1]
-    stream = wds.WebDataset(str(path), shardshuffle=False, nodesplitter=None,
-                            empty_check=False).decode()
+    stream = wds.WebDataset(
+        str(path), shardshuffle=False, nodesplitter=None, empty_check=False
+    ).decode()
     samples = [s["tokens.npy"].astype(np.int64) for s in stream]
     return np.concatenate(samples) if samples else np.zeros(0, np.int64)
 
 
-def windows(tokens: np.ndarray, seq_len: int, count: int, start: int = 0,
-            what: str = "--data") -> torch.Tensor:
+def windows(
+    tokens: np.ndarray, seq_len: int, count: int, start: int = 0, what: str = "--data"
+) -> torch.Tensor:
     """Windows start..start+count-1 of seq_len+1 tokens (window i starts at token i·seq_len)."""
     available = max(0, (len(tokens) - 1) // seq_len)
     if count < 1:
         raise EvalError(f"{what}: the slice is empty (asked for {count} sequences)")
     if start + count > available:
-        raise EvalError(f"{what}: {len(tokens):,} tokens hold {available} windows of "
-                        f"{seq_len} + 1 tokens; {start + count} are needed (windows {start} to "
-                        f"{start + count - 1}); give more text or fewer/shorter sequences")
+        raise EvalError(
+            f"{what}: {len(tokens):,} tokens hold {available} windows of "
+            f"{seq_len} + 1 tokens; {start + count} are needed (windows {start} to "
+            f"{start + count - 1}); give more text or fewer/shorter sequences"
+        )
     index = (start + np.arange(count))[:, None] * seq_len + np.arange(seq_len + 1)[None]
     return torch.from_numpy(tokens[index])
 
@@ -137,8 +158,9 @@ def windows(tokens: np.ndarray, seq_len: int, count: int, start: int = 0,
 def check_seq_len(opened: Opened, seq_len: int) -> None:
     limit = opened.model.config.max_position_embeddings
     if not 1 <= seq_len <= limit:
-        raise EvalError(f"--seq-len {seq_len}: the model takes 1 to {limit} positions "
-                        f"(max_position_embeddings)")
+        raise EvalError(
+            f"--seq-len {seq_len}: the model takes 1 to {limit} positions (max_position_embeddings)"
+        )
 
 
 def progress(iterable, desc: str, unit: str = "batch"):
@@ -152,8 +174,9 @@ def batches(slice_: torch.Tensor, batch_size: int, desc: str) -> Iterator[torch.
     yield from progress(slice_.split(batch_size), desc)
 
 
-def trajectory(model, inputs: torch.Tensor, num_loops: int, clamp: bool = False
-               ) -> Iterator[tuple[int, torch.Tensor]]:
+def trajectory(
+    model, inputs: torch.Tensor, num_loops: int, clamp: bool = False
+) -> Iterator[tuple[int, torch.Tensor]]:
     """(k, H_k) for k = 1..num_loops of whole sequences [b, s] (no cache). With `clamp`, every
     H_k (k ≥ 2) is rescaled per token to its loop-1 RMS before it is read out or fed back."""
     from megaloop.hf.modeling_megaloop import clamp_to, rms
@@ -171,8 +194,9 @@ def trajectory(model, inputs: torch.Tensor, num_loops: int, clamp: bool = False
 
 def token_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy per token, [b, s] (fp32)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                           reduction="none").view(targets.shape)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view(
+        targets.shape
+    )
 
 
 def parse_loops(text: str) -> list[int]:
@@ -189,9 +213,12 @@ def write(out: Path, command: str, result: dict, markdown: str) -> Path:
     """OUT/<command>.json (the numbers and the exact settings) and OUT/<command>.md."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    payload = {"command": command, "schema": 1,
-               "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                   timespec="seconds"), **result}
+    payload = {
+        "command": command,
+        "schema": 1,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **result,
+    }
     tmp = out / f".{command}.json.tmp"
     tmp.write_text(json.dumps(payload, indent=1, default=_plain))
     tmp.replace(out / f"{command}.json")
@@ -211,7 +238,7 @@ def ppl(ce: float) -> float:
     return float(np.exp(ce))
 
 
-def device_and_dtype(dtype: str = "auto", device: Optional[str] = None) -> tuple[str, str]:
+def device_and_dtype(dtype: str = "auto", device: str | None = None) -> tuple[str, str]:
     from megaloop.evaluation.exported import placement
 
     return placement(device, dtype)

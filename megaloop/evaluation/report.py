@@ -13,7 +13,6 @@ import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -21,15 +20,25 @@ from megaloop.config import flatten
 from megaloop.evaluation.exported import EvalError
 
 COMMANDS = ("depth", "halt", "diagnose")
-IGNORED = ("train.seed", "train.dir", "train.log_every", "train.eval_every", "train.save_every",
-           "train.keep_last", "wandb", "parallel", "engine", "deepspeed")
+IGNORED = (
+    "train.seed",
+    "train.dir",
+    "train.log_every",
+    "train.eval_every",
+    "train.save_every",
+    "train.keep_last",
+    "wandb",
+    "parallel",
+    "engine",
+    "deepspeed",
+)
 """Config keys that do not make a different variant (seed, run directory, cadence, layout)."""
 
 
 @dataclass
 class Variant:
     key: str
-    config: Optional[dict]
+    config: dict | None
     label: str = ""
     runs: list = field(default_factory=list)
     results: dict = field(default_factory=lambda: defaultdict(list))
@@ -38,15 +47,22 @@ class Variant:
         """The run directories behind this variant's runs and results (a result of an export or
         a checkpoint folder names none)."""
         paths = {r["path"] for r in self.runs}
-        return paths | {r["model"]["path"] for rs in self.results.values() for r in rs
-                        if r["model"].get("kind") == "run"}
+        return paths | {
+            r["model"]["path"]
+            for rs in self.results.values()
+            for r in rs
+            if r["model"].get("kind") == "run"
+        }
 
 
-def variant_config(config: Optional[dict]) -> Optional[dict]:
+def variant_config(config: dict | None) -> dict | None:
     if config is None:
         return None
-    return {k: v for k, v in flatten(config).items()
-            if not any(k == i or k.startswith(i + ".") for i in IGNORED)}
+    return {
+        k: v
+        for k, v in flatten(config).items()
+        if not any(k == i or k.startswith(i + ".") for i in IGNORED)
+    }
 
 
 def collect(inputs: list[Path]) -> tuple[list[dict], list[dict]]:
@@ -79,15 +95,17 @@ def collect(inputs: list[Path]) -> tuple[list[dict], list[dict]]:
             raise EvalError(f"{path}: no such run directory, result folder or JSON file")
         visit(path, True)
     if not runs and not results:
-        raise EvalError(f"found no runs (metrics.json) and no {', '.join(COMMANDS)} results in "
-                        f"{', '.join(map(str, inputs))}")
+        raise EvalError(
+            f"found no runs (metrics.json) and no {', '.join(COMMANDS)} results in "
+            f"{', '.join(map(str, inputs))}"
+        )
     return runs, results
 
 
 def group(runs: list[dict], results: list[dict]) -> list[Variant]:
     variants: dict[str, Variant] = {}
 
-    def variant_of(config: Optional[dict], fallback: str) -> Variant:
+    def variant_of(config: dict | None, fallback: str) -> Variant:
         cfg = variant_config(config)
         key = json.dumps(cfg, sort_keys=True, default=str) if cfg is not None else fallback
         return variants.setdefault(key, Variant(key, cfg))
@@ -96,8 +114,7 @@ def group(runs: list[dict], results: list[dict]) -> list[Variant]:
         variant_of(run["config"], run["path"]).runs.append(run)
     for result in results:
         model = result["model"]
-        variant_of(model.get("run_config"), model["path"]).results[result["command"]].append(
-            result)
+        variant_of(model.get("run_config"), model["path"]).results[result["command"]].append(result)
     label(list(variants.values()))
     return sorted(variants.values(), key=lambda v: v.label)
 
@@ -112,8 +129,14 @@ def label(variants: list[Variant]) -> None:
             v.label = name
         return
     known = [v for v in variants if v.config is not None]
-    keys = sorted({k for v in known for k in v.config
-                   if len({json.dumps(w.config.get(k), default=str) for w in known}) > 1})
+    keys = sorted(
+        {
+            k
+            for v in known
+            for k in v.config
+            if len({json.dumps(w.config.get(k), default=str) for w in known}) > 1
+        }
+    )
     for v in variants:
         if v.config is None:
             v.label = Path(v.key).name
@@ -134,34 +157,48 @@ def stat(values: list[float], fmt: str = "{:.3f}") -> str:
 
 # -- tables -----------------------------------------------------------------------------------
 
+
 def table_runs(variants: list[Variant]) -> list[str]:
     rows = [v for v in variants if any(r["metrics"]["evals"] for r in v.runs)]
     if not rows:
         return ["No run directories with a validation record were given."]
-    lines = ["| variant | seeds | steps | valid PPL at K | final-loop ‖H_K‖_rms | "
-             "final-loop L2 norm |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| variant | seeds | steps | valid PPL at K | final-loop ‖H_K‖_rms | final-loop L2 norm |",
+        "|---|---|---|---|---|---|",
+    ]
     for v in rows:
         finals = [r["metrics"]["evals"][-1] for r in v.runs if r["metrics"]["evals"]]
         d = v.runs[0]["config"]["model"]["hidden_size"]
         rms = [f["hidden_rms"][-1] for f in finals]
-        lines.append(f"| {v.label} | {len(finals)} | {finals[0]['step']} | "
-                     f"{stat([float(np.exp(f['ce'][-1])) for f in finals])} | "
-                     f"{stat(rms, '{:.4g}')} | {stat([x * d ** 0.5 for x in rms], '{:.4g}')} |")
+        lines.append(
+            f"| {v.label} | {len(finals)} | {finals[0]['step']} | "
+            f"{stat([float(np.exp(f['ce'][-1])) for f in finals])} | "
+            f"{stat(rms, '{:.4g}')} | {stat([x * d**0.5 for x in rms], '{:.4g}')} |"
+        )
     return lines
 
 
 def table_depth(variants: list[Variant]) -> list[str]:
-    rows = [(v, clamp, [r for r in v.results["depth"] if r["settings"]["clamp"] == clamp])
-            for v in variants for clamp in (False, True)]
+    rows = [
+        (v, clamp, [r for r in v.results["depth"] if r["settings"]["clamp"] == clamp])
+        for v in variants
+        for clamp in (False, True)
+    ]
     rows = [row for row in rows if row[2]]
     if not rows:
         return ["No `megaloop depth` results were given."]
     loops = sorted({r["loops"] for _, _, rs in rows for res in rs for r in res["rows"]})
-    lines = ["| variant | seeds | " + " | ".join(f"PPL K={k}" for k in loops) + " |",
-             "|---|---|" + "---|" * len(loops)]
+    lines = [
+        "| variant | seeds | " + " | ".join(f"PPL K={k}" for k in loops) + " |",
+        "|---|---|" + "---|" * len(loops),
+    ]
     for v, clamp, results in rows:
-        cells = [stat([next((r["ppl"] for r in res["rows"] if r["loops"] == k), None)
-                       for res in results]) for k in loops]
+        cells = [
+            stat(
+                [next((r["ppl"] for r in res["rows"] if r["loops"] == k), None) for res in results]
+            )
+            for k in loops
+        ]
         name = v.label + (" (clamped)" if clamp else "")
         lines.append(f"| {name} | {len(results)} | " + " | ".join(cells) + " |")
     return lines
@@ -171,8 +208,11 @@ def table_halt(variants: list[Variant]) -> list[str]:
     rows = [(v, v.results["halt"]) for v in variants if v.results["halt"]]
     if not rows:
         return ["No `megaloop halt` results were given."]
-    lines = ["| variant | seeds | rule | threshold | calib PPL ratio | mean loops | "
-             "dynamic PPL | fixed-K_max PPL | speedup |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| variant | seeds | rule | threshold | calib PPL ratio | mean loops | "
+        "dynamic PPL | fixed-K_max PPL | speedup |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for v, results in rows:
         cal = [r["calibration"] for r in results]
         dyn = [r["benchmark"]["dynamic"] for r in results]
@@ -183,7 +223,8 @@ def table_halt(variants: list[Variant]) -> list[str]:
             f"{stat([d['mean_loops'] for d in dyn], '{:.2f}')} | "
             f"{stat([d['ppl'] for d in dyn])} | "
             f"{stat([r['benchmark']['fixed'][-1]['ppl'] for r in results])} | "
-            f"{stat([d['speedup'] for d in dyn], '{:.2f}')}x |")
+            f"{stat([d['speedup'] for d in dyn], '{:.2f}')}x |"
+        )
     return lines
 
 
@@ -192,13 +233,25 @@ def table_radial(variants: list[Variant]) -> list[str]:
     if not rows:
         return ["No `megaloop diagnose` results were given."]
     depth = max(len(r["radial"]["r"]) for _, rs in rows for r in rs)
-    lines = ["| variant | seeds | " + " | ".join(f"r_{k}" for k in range(1, depth + 1))
-             + " | g_K |", "|---|---|" + "---|" * (depth + 1)]
+    lines = [
+        "| variant | seeds | " + " | ".join(f"r_{k}" for k in range(1, depth + 1)) + " | g_K |",
+        "|---|---|" + "---|" * (depth + 1),
+    ]
     for v, results in rows:
-        cells = [stat([r["radial"]["r"][k] if k < len(r["radial"]["r"]) else None
-                       for r in results], "{:.2e}") for k in range(depth)]
-        lines.append(f"| {v.label} | {len(results)} | " + " | ".join(cells) + " | "
-                     + stat([r["radial"]["g_K"] for r in results], "{:.2e}") + " |")
+        cells = [
+            stat(
+                [r["radial"]["r"][k] if k < len(r["radial"]["r"]) else None for r in results],
+                "{:.2e}",
+            )
+            for k in range(depth)
+        ]
+        lines.append(
+            f"| {v.label} | {len(results)} | "
+            + " | ".join(cells)
+            + " | "
+            + stat([r["radial"]["g_K"] for r in results], "{:.2e}")
+            + " |"
+        )
     return lines
 
 
@@ -206,21 +259,34 @@ def table_clamp_and_scale(variants: list[Variant]) -> tuple[list[str], list[str]
     rows = [(v, v.results["diagnose"]) for v in variants if v.results["diagnose"]]
     if not rows:
         return ["No `megaloop diagnose` results were given."], []
-    clamp = ["| variant | seeds | norm ratio (clamped / free) | ΔCE (clamped − free) |",
-             "|---|---|---|---|"]
-    scale = ["| variant | seeds | mean | p50 | p99 | p99.9 | max |", "|---|---|---|---|---|---|---|"]
+    clamp = [
+        "| variant | seeds | norm ratio (clamped / free) | ΔCE (clamped − free) |",
+        "|---|---|---|---|",
+    ]
+    scale = [
+        "| variant | seeds | mean | p50 | p99 | p99.9 | max |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for v, results in rows:
-        clamp.append(f"| {v.label} | {len(results)} | "
-                     f"{stat([r['clamp']['norm_ratio'] for r in results], '{:.3g}')} | "
-                     f"{stat([r['clamp']['delta_ce'] for r in results], '{:+.4f}')} |")
+        clamp.append(
+            f"| {v.label} | {len(results)} | "
+            f"{stat([r['clamp']['norm_ratio'] for r in results], '{:.3g}')} | "
+            f"{stat([r['clamp']['delta_ce'] for r in results], '{:+.4f}')} |"
+        )
         final = [r["scale"][-1]["rms"] for r in results]
-        scale.append(f"| {v.label} | {len(results)} | " + " | ".join(
-            stat([f[key] for f in final], "{:.4g}") for key in ("mean", "p50", "p99", "p99.9",
-                                                                 "max")) + " |")
+        scale.append(
+            f"| {v.label} | {len(results)} | "
+            + " | ".join(
+                stat([f[key] for f in final], "{:.4g}")
+                for key in ("mean", "p50", "p99", "p99.9", "max")
+            )
+            + " |"
+        )
     return clamp, scale
 
 
 # -- figures ----------------------------------------------------------------------------------
+
 
 def _figure(title: str, xlabel: str, ylabel: str):
     import matplotlib
@@ -245,47 +311,64 @@ def figures(variants: list[Variant]) -> dict:
     depth = [(v, [r for r in v.results["depth"] if not r["settings"]["clamp"]]) for v in variants]
     depth = [(v, rs) for v, rs in depth if rs]
     if depth:
-        fig, ax = _figure("Perplexity at fixed depth K (mean over seeds)",
-                          "inference depth K (loops)", "validation perplexity")
+        fig, ax = _figure(
+            "Perplexity at fixed depth K (mean over seeds)",
+            "inference depth K (loops)",
+            "validation perplexity",
+        )
         for v, results in depth:
             loops = [r["loops"] for r in results[0]["rows"]]
             ppl = [[r["ppl"] for r in res["rows"]] for res in results]
-            ax.errorbar(loops, np.mean(ppl, 0), yerr=np.std(ppl, 0), marker="o", capsize=3,
-                        label=v.label)
+            ax.errorbar(
+                loops, np.mean(ppl, 0), yerr=np.std(ppl, 0), marker="o", capsize=3, label=v.label
+            )
         figs["ppl_vs_k"] = fig
     halt = [(v, v.results["halt"]) for v in variants if v.results["halt"]]
     if halt:
-        fig, ax = _figure("PPL–throughput frontier: fixed K (line) and calibrated halting (star)",
-                          "throughput (tokens/s)", "perplexity")
+        fig, ax = _figure(
+            "PPL–throughput frontier: fixed K (line) and calibrated halting (star)",
+            "throughput (tokens/s)",
+            "perplexity",
+        )
         for v, results in halt:
             fixed = [r["benchmark"]["fixed"] for r in results]
             speed = _mean_curve([[f["tokens_per_s"] for f in fx] for fx in fixed])
             ppl = _mean_curve([[f["ppl"] for f in fx] for fx in fixed])
-            line, = ax.plot(speed, ppl, "o-", label=v.label)
+            (line,) = ax.plot(speed, ppl, "o-", label=v.label)
             for k, (x, y) in enumerate(zip(speed, ppl), start=1):
-                ax.annotate(f"K={k}", (x, y), textcoords="offset points", xytext=(3, 3),
-                            fontsize=7)
+                ax.annotate(f"K={k}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
             dyn = [r["benchmark"]["dynamic"] for r in results]
-            ax.plot(np.mean([d["tokens_per_s"] for d in dyn]), np.mean([d["ppl"] for d in dyn]),
-                    "*", markersize=12, color=line.get_color())
+            ax.plot(
+                np.mean([d["tokens_per_s"] for d in dyn]),
+                np.mean([d["ppl"] for d in dyn]),
+                "*",
+                markersize=12,
+                color=line.get_color(),
+            )
         figs["frontier"] = fig
     diag = [(v, v.results["diagnose"]) for v in variants if v.results["diagnose"]]
     if diag:
-        fig, ax = _figure("Hidden-state scale over a rollout past the trained depth", "loop k",
-                          "mean token ‖H_k‖_rms")
+        fig, ax = _figure(
+            "Hidden-state scale over a rollout past the trained depth",
+            "loop k",
+            "mean token ‖H_k‖_rms",
+        )
         for v, results in diag:
             s = _mean_curve([r["rollout"]["s"] for r in results])
             ax.plot(range(1, len(s) + 1), s, label=v.label)
-        ax.axvline(diag[0][1][0]["settings"]["num_loops_trained"], color="grey", ls=":",
-                   lw=1)
+        ax.axvline(diag[0][1][0]["settings"]["num_loops_trained"], color="grey", ls=":", lw=1)
         ax.set_yscale("log")
         figs["rollout"] = fig
-        fig, ax = _figure("Final-readout CE when H_K is scaled by c",
-                          "scale factor c applied to H_K", "cross-entropy (nats / token)")
+        fig, ax = _figure(
+            "Final-readout CE when H_K is scaled by c",
+            "scale factor c applied to H_K",
+            "cross-entropy (nats / token)",
+        )
         for v, results in diag:
             c = results[0]["scale_sweep"]["c"]
-            ax.plot(c, _mean_curve([r["scale_sweep"]["ce"] for r in results]), "o-", ms=3,
-                    label=v.label)
+            ax.plot(
+                c, _mean_curve([r["scale_sweep"]["ce"] for r in results]), "o-", ms=3, label=v.label
+            )
         ax.set_xscale("log")
         figs["scale_sweep"] = fig
         figs["norm_distribution"] = _distribution_figure(diag)
@@ -300,8 +383,9 @@ def figures(variants: list[Variant]) -> dict:
 def _distribution_figure(diag: list):
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(diag), figsize=(3.2 * len(diag) + 1, 3.4), squeeze=False,
-                             sharey=True)
+    fig, axes = plt.subplots(
+        1, len(diag), figsize=(3.2 * len(diag) + 1, 3.4), squeeze=False, sharey=True
+    )
     fig.suptitle("Token-level ‖H_k‖_rms distribution per loop (held-out slice)", fontsize=10)
     fractions = np.linspace(0, 1, 101)
     for ax, (v, results) in zip(axes[0], diag):
@@ -317,6 +401,7 @@ def _distribution_figure(diag: list):
 
 # -- the report -------------------------------------------------------------------------------
 
+
 def build(inputs: list[Path], out: Path) -> Path:
     runs, results = collect(inputs)
     variants = group(runs, results)
@@ -330,30 +415,61 @@ def build(inputs: list[Path], out: Path) -> Path:
     clamp, scale = table_clamp_and_scale(variants)
     images = {name: f"![{name}]({name}.png)" for name in figs}
     sections = [
-        ("Validation perplexity and final-loop hidden scale (Table 2)",
-         ["Final validation record of each run, at the trained depth K; hidden scale is the "
-          "mean token ‖H_K‖_rms over the validation windows (L2 norm = √d·RMS).", "",
-          *table_runs(variants)]),
-        ("Perplexity at each inference depth (Table 5)",
-         [*table_depth(variants), "", images.get("ppl_vs_k", "")]),
-        ("Calibrated halting (Appendix H) and the PPL–throughput frontier (Figure 4)",
-         [*table_halt(variants), "", images.get("frontier", "")]),
-        ("Radial gradient fraction (Table 3)",
-         ["r_k: share of exit k's CE gradient along H_k, per token, averaged; g_K = "
-          "∂L/∂log‖H_K‖ (docs/diagnostics.md).", "", *table_radial(variants)]),
+        (
+            "Validation perplexity and final-loop hidden scale (Table 2)",
+            [
+                "Final validation record of each run, at the trained depth K; hidden scale is the "
+                "mean token ‖H_K‖_rms over the validation windows (L2 norm = √d·RMS).",
+                "",
+                *table_runs(variants),
+            ],
+        ),
+        (
+            "Perplexity at each inference depth (Table 5)",
+            [*table_depth(variants), "", images.get("ppl_vs_k", "")],
+        ),
+        (
+            "Calibrated halting (Appendix H) and the PPL–throughput frontier (Figure 4)",
+            [*table_halt(variants), "", images.get("frontier", "")],
+        ),
+        (
+            "Radial gradient fraction (Table 3)",
+            [
+                "r_k: share of exit k's CE gradient along H_k, per token, averaged; g_K = "
+                "∂L/∂log‖H_K‖ (docs/diagnostics.md).",
+                "",
+                *table_radial(variants),
+            ],
+        ),
         ("Recurrent-scale clamp (Table 4)", clamp),
-        ("Token-level final-loop scale (Appendix D; ‖H_K‖_rms)",
-         [*scale, "", images.get("norm_distribution", "")]),
-        ("Rollout past the trained depth (Figure 3) and the scale sweep (Figure 6)",
-         [images.get("rollout", "No `megaloop diagnose` results were given."), "",
-          images.get("scale_sweep", "")]),
+        (
+            "Token-level final-loop scale (Appendix D; ‖H_K‖_rms)",
+            [*scale, "", images.get("norm_distribution", "")],
+        ),
+        (
+            "Rollout past the trained depth (Figure 3) and the scale sweep (Figure 6)",
+            [
+                images.get("rollout", "No `megaloop diagnose` results were given."),
+                "",
+                images.get("scale_sweep", ""),
+            ],
+        ),
     ]
-    lines = ["# megaloop report", "",
-             f"{len(runs)} runs and {len(results)} measurement results in "
-             f"{len(variants)} variants (seeds pooled: mean ± sample std).", "",
-             "| variant | runs | depth | halt | diagnose |", "|---|---|---|---|---|"]
-    lines += [f"| {v.label} | {len(v.runs)} | " + " | ".join(
-        str(len(v.results[c])) for c in COMMANDS) + " |" for v in variants]
+    lines = [
+        "# megaloop report",
+        "",
+        f"{len(runs)} runs and {len(results)} measurement results in "
+        f"{len(variants)} variants (seeds pooled: mean ± sample std).",
+        "",
+        "| variant | runs | depth | halt | diagnose |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {v.label} | {len(v.runs)} | "
+        + " | ".join(str(len(v.results[c])) for c in COMMANDS)
+        + " |"
+        for v in variants
+    ]
     for title, body in sections:
         lines += ["", f"## {title}", "", *[line for line in body]]
     lines += ["", "## Inputs", ""]

@@ -11,9 +11,10 @@ normalising readout's norm.
 measurement commands (megaloop depth/halt/diagnose) drive them one loop at a time.
 
 The stack is L pre-norm layers (RMSNorm, causal attention with RoPE, SwiGLU; with sandwich norms
-a second RMSNorm on each sublayer's output), the same layers megatron-core runs in training; `megaloop export` converts their weights. The KV cache holds
-one entry per (loop, layer), as Ouro's code does: loop k's layer l attends to the keys loop k's
-layer l computed for earlier tokens.
+a second RMSNorm on each sublayer's output), the same layers megatron-core runs in training;
+`megaloop export` converts their weights. The KV cache holds one entry per (loop, layer), as
+Ouro's code does: loop k's layer l attends to the keys loop k's layer l computed for earlier
+tokens.
 """
 
 from __future__ import annotations
@@ -44,9 +45,11 @@ class Rotary(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [b, s] → cos, sin [b, 1, s, head_dim] (broadcast over heads)."""
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32,
-                                 device=positions.device) / self.head_dim
-        freqs = positions.float()[..., None] / (self.base ** exponents)
+        exponents = (
+            torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=positions.device)
+            / self.head_dim
+        )
+        freqs = positions.float()[..., None] / (self.base**exponents)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         return emb.cos(), emb.sin()
 
@@ -62,8 +65,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, d, bias=False)
 
-    def forward(self, x, cos, sin, cache: Cache | None, cache_index: int,
-                mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, x, cos, sin, cache: Cache | None, cache_index: int, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -74,9 +78,15 @@ class Attention(nn.Module):
             k, v = cache.update(k, v, cache_index)
         if mask is None and k.shape[2] != s:  # new tokens after cached ones
             mask = allowed_keys(None, s, k.shape[2], x.device)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             scale=self.head_dim ** -0.5,
-                                             enable_gqa=self.kv_heads != self.heads)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.head_dim**-0.5,
+            enable_gqa=self.kv_heads != self.heads,
+        )
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -166,8 +176,11 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
         self.rotary = Rotary(config.hidden_size // config.num_attention_heads, config.rope_theta)
         shared = config.loop_norm == "shared"
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if shared else None
-        self.readout_norm = (nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-                             if config.readout != "raw" and not shared else None)
+        self.readout_norm = (
+            nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            if config.readout != "raw" and not shared
+            else None
+        )
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.exit_gate = nn.Linear(config.hidden_size, 1) if config.exit_gate else None
         self.post_init()
@@ -181,15 +194,22 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.lm_head
 
-    def embed(self, input_ids: torch.LongTensor, position_ids: torch.LongTensor | None = None
-              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def embed(
+        self, input_ids: torch.LongTensor, position_ids: torch.LongTensor | None = None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """H_0 and the rotary tables for `loop` (positions 0..s-1 unless given, [b or 1, s])."""
         if position_ids is None:  # [1, s]: the tables broadcast over any batch (rows may leave)
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         return self.embed_tokens(input_ids), self.rotary(position_ids)
 
-    def loop(self, h: torch.Tensor, k: int, rope: tuple[torch.Tensor, torch.Tensor],
-             cache: Cache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def loop(
+        self,
+        h: torch.Tensor,
+        k: int,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: Cache | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """H_k from H_{k-1} (H_0 for k = 1): the recurrence (or the shared loop norm), then the
         shared stack."""
         if k > 1:
@@ -203,7 +223,8 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
         """Exit `loop`'s logits. `final_norm` normalises from the trained depth on, whatever K
         the model runs at: exits are read the way they were trained."""
         normalize = self.config.readout == "norm" or (
-            self.config.readout == "final_norm" and loop >= self.config.num_loops_trained)
+            self.config.readout == "final_norm" and loop >= self.config.num_loops_trained
+        )
         if normalize:
             h = self.readout_norm(h) if self.norm is None else self.norm(h)
         return self.lm_head(h)
@@ -217,11 +238,18 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
             h = F.rms_norm(h, (h.shape[-1],), eps=self.config.rms_norm_eps)
         return torch.sigmoid(self.exit_gate(h))
 
-    def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None,
-                past_key_values: Cache | None = None, use_cache: bool | None = None,
-                labels: torch.LongTensor | None = None, num_loops: int | None = None,
-                logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = None,
+        labels: torch.LongTensor | None = None,
+        num_loops: int | None = None,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
         K, L = num_loops or self.config.num_loops, self.config.num_hidden_layers
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and past_key_values is None:
@@ -254,8 +282,9 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
                 stop = ((1 - survive * (1 - lam)) >= self.config.exit_threshold) | (k == K)
                 take = stop if chosen is None else stop & ~chosen
                 logits_k = self.readout(h, k)
-                exit_logits = logits_k if exit_logits is None else torch.where(
-                    take, logits_k, exit_logits)
+                exit_logits = (
+                    logits_k if exit_logits is None else torch.where(take, logits_k, exit_logits)
+                )
                 chosen = take if chosen is None else chosen | take
                 survive = survive * (1 - lam)
         logits = exit_logits if exit_logits is not None else self.readout(h, K)
@@ -263,7 +292,9 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
             logits = logits[:, -logits_to_keep:]
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                                   ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits,
-                                      past_key_values=cache if use_cache else None)
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
+            )
+        return CausalLMOutputWithPast(
+            loss=loss, logits=logits, past_key_values=cache if use_cache else None
+        )

@@ -2,9 +2,10 @@
 
 x_k is the scale-free direction H_k/‖H_k‖_rms (`normed`, a normalisation without weights, as
 Ouro's gate reads a normalised state), or H_k itself (`raw`, an ablation). Under Ouro's wiring
-(model.loop_norm=shared) the gate reads the shared loop norm's output, which the model hands it. Reading raw H_k would
-give the exit-weighted objective a path through which CE sees hidden scale, which the study's
-exit-weighted row assumes is absent: that objective changes CE weights, not what CE can see.
+(model.loop_norm=shared) the gate reads the shared loop norm's output, which the model hands
+it. Reading raw H_k would give the exit-weighted objective a path through which CE sees hidden
+scale, which the study's exit-weighted row assumes is absent: that objective changes CE
+weights, not what CE can see.
 
 The exit distribution p_k = λ_k·Π_{j<k}(1 − λ_j) (the last loop takes the remaining mass) is used
 by the exit-weighted objective in training and by dynamic halting at inference.

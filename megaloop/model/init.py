@@ -36,8 +36,9 @@ def initial_value(name: str, shape: tuple, cfg, seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=generator) * std
 
 
-def local_shard(full: torch.Tensor, param: torch.nn.Parameter, name: str, gated: bool
-                ) -> torch.Tensor:
+def local_shard(
+    full: torch.Tensor, param: torch.nn.Parameter, name: str, gated: bool
+) -> torch.Tensor:
     """This tensor-parallel rank's part of `full`, laid out as megatron-core's layer holds it."""
     if not getattr(param, "tensor_model_parallel", False):
         return full

@@ -16,14 +16,14 @@ elsewhere (megaloop.parallel), and it never imports the CPU compatibility layer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 from megatron.core import tensor_parallel
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
-from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -31,18 +31,17 @@ from megatron.core.transformer.utils import (
     ensure_metadata_has_dp_cp_group,
     sharded_state_dict_default,
 )
-
 from torch.utils.checkpoint import checkpoint
 
 from megaloop.config import Config, check
 from megaloop.model.exit_gate import ExitGate, GateInput
+from megaloop.model.readout import Readout, ReadoutMode
+from megaloop.model.recurrence import DampingShape, Recurrence, RecurrenceMode, clamp_to, rms
+from megaloop.model.specs import layer_spec
 
 LayerNorms = Literal["pre", "sandwich"]
 Recompute = Literal["none", "selective", "full", "loop"]
 LoopNorm = Literal["separate", "shared"]
-from megaloop.model.readout import Readout, ReadoutMode
-from megaloop.model.recurrence import DampingShape, Recurrence, RecurrenceMode, clamp_to, rms
-from megaloop.model.specs import layer_spec
 
 
 @dataclass
@@ -50,11 +49,11 @@ class ModelConfig(Config):
     vocab_size: int = 20480
     hidden_size: int = 512
     num_heads: int = 8
-    num_query_groups: Optional[int] = None
+    num_query_groups: int | None = None
     """Key/value heads (grouped-query attention); None = one per query head."""
     num_layers: int = 8
     """L: layers in the shared stack (applied num_loops times)."""
-    ffn_hidden_size: Optional[int] = None
+    ffn_hidden_size: int | None = None
     """SwiGLU hidden size; None = 4 * hidden_size."""
     num_loops: int = 4
     """K_train, the depth trained at; any K >= 1 can be asked for at inference (checkpoints and
@@ -90,31 +89,68 @@ class ModelConfig(Config):
         return self.ffn_hidden_size or 4 * self.hidden_size
 
     def validate(self, prefix: str = "") -> None:
-        for name in ("vocab_size", "hidden_size", "num_heads", "num_layers", "num_loops",
-                     "max_seq_len"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_heads",
+            "num_layers",
+            "num_loops",
+            "max_seq_len",
+        ):
             check(getattr(self, name) >= 1, prefix + name, getattr(self, name), "must be >= 1")
-        check(self.hidden_size % self.num_heads == 0, prefix + "num_heads", self.num_heads,
-              f"must divide hidden_size={self.hidden_size}")
-        check(self.num_query_groups is None or self.num_query_groups >= 1,
-              prefix + "num_query_groups", self.num_query_groups,
-              "must be >= 1 (or null: one per query head)")
+        check(
+            self.hidden_size % self.num_heads == 0,
+            prefix + "num_heads",
+            self.num_heads,
+            f"must divide hidden_size={self.hidden_size}",
+        )
+        check(
+            self.num_query_groups is None or self.num_query_groups >= 1,
+            prefix + "num_query_groups",
+            self.num_query_groups,
+            "must be >= 1 (or null: one per query head)",
+        )
         groups = self.num_query_groups or self.num_heads
-        check(self.num_heads % groups == 0, prefix + "num_query_groups",
-              self.num_query_groups, f"must divide num_heads={self.num_heads}")
+        check(
+            self.num_heads % groups == 0,
+            prefix + "num_query_groups",
+            self.num_query_groups,
+            f"must divide num_heads={self.num_heads}",
+        )
         check(self.rope_base > 0, prefix + "rope_base", self.rope_base, "must be > 0")
-        check((self.hidden_size // self.num_heads) % 2 == 0, prefix + "num_heads", self.num_heads,
-              "head dimension hidden_size/num_heads must be even for RoPE")
-        check(self.ffn_hidden_size is None or self.ffn_hidden_size >= 1,
-              prefix + "ffn_hidden_size", self.ffn_hidden_size, "must be >= 1 or null")
-        check(0.0 < self.damping_init < 1.0, prefix + "damping_init", self.damping_init,
-              "must lie in (0, 1)")
+        check(
+            (self.hidden_size // self.num_heads) % 2 == 0,
+            prefix + "num_heads",
+            self.num_heads,
+            "head dimension hidden_size/num_heads must be even for RoPE",
+        )
+        check(
+            self.ffn_hidden_size is None or self.ffn_hidden_size >= 1,
+            prefix + "ffn_hidden_size",
+            self.ffn_hidden_size,
+            "must be >= 1 or null",
+        )
+        check(
+            0.0 < self.damping_init < 1.0,
+            prefix + "damping_init",
+            self.damping_init,
+            "must lie in (0, 1)",
+        )
         check(self.norm_eps > 0, prefix + "norm_eps", self.norm_eps, "must be > 0")
         shared = self.loop_norm == "shared"
-        check(not shared or self.recurrence == "none", prefix + "recurrence", self.recurrence,
-              "model.loop_norm=shared is itself the inter-loop norm: set model.recurrence=none")
-        check(not shared or self.exit_gate_input == "normed", prefix + "exit_gate_input",
-              self.exit_gate_input, "with model.loop_norm=shared the gate reads the shared loop "
-              "norm's output; leave exit_gate_input at normed")
+        check(
+            not shared or self.recurrence == "none",
+            prefix + "recurrence",
+            self.recurrence,
+            "model.loop_norm=shared is itself the inter-loop norm: set model.recurrence=none",
+        )
+        check(
+            not shared or self.exit_gate_input == "normed",
+            prefix + "exit_gate_input",
+            self.exit_gate_input,
+            "with model.loop_norm=shared the gate reads the shared loop "
+            "norm's output; leave exit_gate_input at normed",
+        )
         check(self.init_std > 0, prefix + "init_std", self.init_std, "must be > 0")
 
 
@@ -130,7 +166,7 @@ class LoopOutput:
     """Per-token cross-entropy [b, s] (only when labels are given)."""
     gates: list[torch.Tensor] = field(default_factory=list)
     """Exit-gate λ_k, [b, s] (only with an exit gate)."""
-    labels: Optional[torch.Tensor] = None
+    labels: torch.Tensor | None = None
     """[b, s], the targets of token_ce."""
 
 
@@ -138,9 +174,16 @@ class LoopedLM(LanguageModule):
     """A looped decoder. `pre_process`/`post_process` and `layer_ids` let a pipeline stage hold
     the embedding, the exits, or a slice of the shared stack; one process holds everything."""
 
-    def __init__(self, cfg: ModelConfig, config: TransformerConfig, pre_process: bool = True,
-                 post_process: bool = True, layer_ids: Optional[range] = None, vp_stage=None,
-                 recompute: Recompute = "none"):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        config: TransformerConfig,
+        pre_process: bool = True,
+        post_process: bool = True,
+        layer_ids: range | None = None,
+        vp_stage=None,
+        recompute: Recompute = "none",
+    ):
         super().__init__(config=config)
         self.cfg = cfg
         self.recompute = recompute
@@ -157,32 +200,52 @@ class LoopedLM(LanguageModule):
             self.vp_stage = config.virtual_pipeline_model_parallel_size - 1 if post_process else 0
         if pre_process:
             self.embedding = LanguageModelEmbedding(
-                config, vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_seq_len,
-                position_embedding_type="rope")
+                config,
+                vocab_size=cfg.vocab_size,
+                max_sequence_length=cfg.max_seq_len,
+                position_embedding_type="rope",
+            )
         self.rotary_pos_emb = RotaryEmbedding(
-            kv_channels=config.kv_channels, rotary_percent=1.0, rotary_base=cfg.rope_base,
-            use_cpu_initialization=config.use_cpu_initialization)
+            kv_channels=config.kv_channels,
+            rotary_percent=1.0,
+            rotary_base=cfg.rope_base,
+            use_cpu_initialization=config.use_cpu_initialization,
+        )
         spec = layer_spec(cfg.attention, cfg.layer_norms)
         self.layer_ids = list(layer_ids if layer_ids is not None else range(cfg.num_layers))
         self.layers = torch.nn.ModuleList(
             build_module(spec, config=config, layer_number=i + 1, vp_stage=vp_stage)
-            for i in range(len(self.layer_ids)))
+            for i in range(len(self.layer_ids))
+        )
         # H_k re-enters the stack where the embedding does; exits are read where W_out lives.
         if pre_process:
-            self.recurrence = Recurrence(cfg.recurrence, cfg.hidden_size, cfg.norm_eps,
-                                         cfg.damping_init, cfg.damping_shape)
+            self.recurrence = Recurrence(
+                cfg.recurrence, cfg.hidden_size, cfg.norm_eps, cfg.damping_init, cfg.damping_shape
+            )
         shared = cfg.loop_norm == "shared"
         # The shared loop norm sits at the end of the loop, beside the exits; the next loop
         # receives its output, so under PP it needs no copy on the first stage.
-        self.loop_norm = (torch.nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-                          if shared and post_process else None)
-        self.exit_gate = (ExitGate(cfg.hidden_size, normalize=cfg.exit_gate_input == "normed"
-                                   and not shared, eps=cfg.norm_eps)
-                          if cfg.exit_gate and post_process else None)
+        self.loop_norm = (
+            torch.nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps) if shared and post_process else None
+        )
+        self.exit_gate = (
+            ExitGate(
+                cfg.hidden_size,
+                normalize=cfg.exit_gate_input == "normed" and not shared,
+                eps=cfg.norm_eps,
+            )
+            if cfg.exit_gate and post_process
+            else None
+        )
         if post_process:
-            self.readout = Readout(cfg.readout, config, cfg.vocab_size,
-                                   tied=cfg.tie_embeddings and pre_process,
-                                   trained_loops=cfg.num_loops, own_norm=not shared)
+            self.readout = Readout(
+                cfg.readout,
+                config,
+                cfg.vocab_size,
+                tied=cfg.tie_embeddings and pre_process,
+                trained_loops=cfg.num_loops,
+                own_norm=not shared,
+            )
         self.setup_embeddings_and_output_layer()
 
     @property
@@ -221,14 +284,20 @@ class LoopedLM(LanguageModule):
     def _layer(layer, h: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         return layer(h, attention_mask=None, rotary_pos_emb=rope)[0]
 
-    def logits(self, h: torch.Tensor, loop: int, normed: Optional[torch.Tensor] = None
-               ) -> torch.Tensor:
+    def logits(
+        self, h: torch.Tensor, loop: int, normed: torch.Tensor | None = None
+    ) -> torch.Tensor:
         weight = self.shared_embedding_or_output_weight() if self.cfg.tie_embeddings else None
         return self.readout(h, loop, weight=weight, normed=normed)
 
-    def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                num_loops: Optional[int] = None, clamp: bool = False,
-                keep_logits: bool = False) -> LoopOutput:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        num_loops: int | None = None,
+        clamp: bool = False,
+        keep_logits: bool = False,
+    ) -> LoopOutput:
         """tokens, labels: [b, s]. `num_loops` overrides K; `clamp` holds every token's RMS at
         its loop-1 value (inference-time recurrent-scale clamp); `keep_logits` keeps every
         exit's logits beside its CE (for objectives of the logits themselves)."""
@@ -246,8 +315,14 @@ class LoopedLM(LanguageModule):
             h = self.exit(out, h, k, labels, keep_logits)
         return out
 
-    def exit(self, out: LoopOutput, h: torch.Tensor, loop: int, labels: Optional[torch.Tensor],
-             keep_logits: bool = False) -> torch.Tensor:
+    def exit(
+        self,
+        out: LoopOutput,
+        h: torch.Tensor,
+        loop: int,
+        labels: torch.Tensor | None,
+        keep_logits: bool = False,
+    ) -> torch.Tensor:
         """Read out loop `loop`'s hidden state into `out` (logits or per-token CE, and the gate);
         return what the next loop receives: H_k, or the shared loop norm's N(H_k)."""
         normed = self.loop_norm(h) if self.loop_norm is not None else None
@@ -257,14 +332,16 @@ class LoopedLM(LanguageModule):
         if labels is not None:
             # megatron-core's CE shifts its input in place: logits kept in `out` go in as a copy
             ce = tensor_parallel.vocab_parallel_cross_entropy(
-                logits.to(torch.float32, copy=keep_logits), labels.t().contiguous())
+                logits.to(torch.float32, copy=keep_logits), labels.t().contiguous()
+            )
             out.token_ce.append(ce.t())
         if self.exit_gate is not None:
             out.gates.append(self.exit_gate(h if normed is None else normed).t())
         return h if normed is None else normed
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
-                           metadata: Optional[dict] = None) -> dict:
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
         """megatron-core dist-checkpoint view: every tensor under its name in the one-device
         model (layers by global index, a last stage's tied W_out as a replica of the
         embedding), so a checkpoint loads into any parallel layout."""
@@ -272,8 +349,11 @@ class LoopedLM(LanguageModule):
         state = {}
         for name, child in self.named_children():
             if name != "layers":
-                state.update(sharded_state_dict_default(child, f"{prefix}{name}.",
-                                                        sharded_offsets, metadata, self.tp_group))
+                state.update(
+                    sharded_state_dict_default(
+                        child, f"{prefix}{name}.", sharded_offsets, metadata, self.tp_group
+                    )
+                )
         for i, layer in enumerate(self.layers):
             local = f"{prefix}layers.{i}."
             layer_state = layer.sharded_state_dict(local, sharded_offsets, metadata)
@@ -281,8 +361,11 @@ class LoopedLM(LanguageModule):
             state.update(layer_state)
         if self.share_embeddings_and_output_weights:
             self.tie_embeddings_and_output_weights_state_dict(
-                state, f"{prefix}readout.output_layer.weight",
-                f"{prefix}embedding.word_embeddings.weight", metadata)
+                state,
+                f"{prefix}readout.output_layer.weight",
+                f"{prefix}embedding.word_embeddings.weight",
+                metadata,
+            )
         return state
 
     def num_parameters(self) -> dict[str, int]:

@@ -12,7 +12,7 @@ the shared loop norm's output, and a normalising exit reads that.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 from megatron.core import tensor_parallel
@@ -23,21 +23,42 @@ ReadoutMode = Literal["norm", "raw", "final_norm"]
 
 
 class Readout(MegatronModule):
-    def __init__(self, mode: ReadoutMode, config: TransformerConfig, vocab_size: int, tied: bool,
-                 trained_loops: int, own_norm: bool = True):
+    def __init__(
+        self,
+        mode: ReadoutMode,
+        config: TransformerConfig,
+        vocab_size: int,
+        tied: bool,
+        trained_loops: int,
+        own_norm: bool = True,
+    ):
         super().__init__(config=config)
         self.mode, self.trained_loops = mode, trained_loops
-        self.norm = (torch.nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
-                     if mode != "raw" and own_norm else None)
+        self.norm = (
+            torch.nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
+            if mode != "raw" and own_norm
+            else None
+        )
         self.output_layer = tensor_parallel.ColumnParallelLinear(
-            config.hidden_size, vocab_size, config=config, init_method=config.init_method,
-            bias=False, gather_output=False, skip_weight_param_allocation=tied)
+            config.hidden_size,
+            vocab_size,
+            config=config,
+            init_method=config.init_method,
+            bias=False,
+            gather_output=False,
+            skip_weight_param_allocation=tied,
+        )
 
     def normalizes(self, loop: int) -> bool:
         return self.mode == "norm" or (self.mode == "final_norm" and loop >= self.trained_loops)
 
-    def forward(self, h: torch.Tensor, loop: int, weight: Optional[torch.Tensor] = None,
-                normed: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        h: torch.Tensor,
+        loop: int,
+        weight: torch.Tensor | None = None,
+        normed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """[s, b, d] → vocab-parallel logits [s, b, V/tp] for exit `loop` (1-based); `normed`
         is the shared loop norm's output of h, when the model has one."""
         if self.normalizes(loop):

@@ -17,8 +17,14 @@ DampingShape = Literal["channel", "scalar"]
 
 
 class Recurrence(torch.nn.Module):
-    def __init__(self, mode: RecurrenceMode, hidden_size: int, eps: float, damping_init: float,
-                 damping_shape: DampingShape = "channel"):
+    def __init__(
+        self,
+        mode: RecurrenceMode,
+        hidden_size: int,
+        eps: float,
+        damping_init: float,
+        damping_shape: DampingShape = "channel",
+    ):
         super().__init__()
         self.mode = mode
         if mode == "rmsnorm":

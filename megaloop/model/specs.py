@@ -11,14 +11,13 @@ by an RMSNorm before the residual add, x + N₂(f(N₁(x))), four norms a layer.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.tensor_parallel import RowParallelLinear
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -38,31 +37,52 @@ class SDPAttention(MegatronModule):
         layer_number: int,
         attn_mask_type: AttnMaskType,
         attention_type: str,
-        attention_dropout: Optional[float] = None,
-        softmax_scale: Optional[float] = None,
-        cp_comm_type: Optional[str] = None,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
         pg_collection=None,
     ):
         super().__init__(config=config)
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"SDPAttention supports causal masks only, got {attn_mask_type}")
-        tp = pg_collection.tp.size() if pg_collection is not None else (
-            tensor_parallel.get_tensor_model_parallel_world_size())
+        tp = (
+            pg_collection.tp.size()
+            if pg_collection is not None
+            else (tensor_parallel.get_tensor_model_parallel_world_size())
+        )
         self.heads = divide(config.num_attention_heads, tp)
         self.groups = divide(config.num_query_groups or config.num_attention_heads, tp)
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
 
-    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None):
-        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask=None,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
+        if (
+            attention_mask is not None
+            or attention_bias is not None
+            or packed_seq_params is not None
+        ):
             raise ValueError("SDPAttention takes no mask, bias or packed sequences (causal only)")
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
         dropout = self.dropout if self.training else 0.0
         with tensor_parallel.get_cuda_rng_tracker().fork():
             out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=dropout, scale=self.softmax_scale,
-                enable_gqa=self.groups != self.heads)
+                q,
+                k,
+                v,
+                is_causal=True,
+                dropout_p=dropout,
+                scale=self.softmax_scale,
+                enable_gqa=self.groups != self.heads,
+            )
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
@@ -72,13 +92,15 @@ class PostNormLinear(RowParallelLinear):
     norm sees the full, tensor-parallel-reduced output, so it is replicated like the layer's
     other norms. The projection has no bias, so normalising before the bias-add is exact."""
 
-    def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig, norm,
-                 **kwargs):
+    def __init__(
+        self, input_size: int, output_size: int, *, config: TransformerConfig, norm, **kwargs
+    ):
         if kwargs.get("bias"):
             raise ValueError("PostNormLinear normalises the output of a projection without bias")
         super().__init__(input_size, output_size, config=config, **kwargs)
-        self.post_norm = build_module(norm, config=config, hidden_size=output_size,
-                                      eps=config.layernorm_epsilon)
+        self.post_norm = build_module(
+            norm, config=config, hidden_size=output_size, eps=config.layernorm_epsilon
+        )
 
     def forward(self, x):
         out, bias = super().forward(x)

@@ -18,7 +18,6 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -46,10 +45,18 @@ class DeepSpeedConfig(Config):
     """ZeRO-3 keeps parameters with fewer elements than this whole on every rank."""
 
     def validate(self, prefix: str = "") -> None:
-        check(self.zero_stage in (0, 1, 2, 3), prefix + "zero_stage", self.zero_stage,
-              "allowed: 0, 1, 2, 3")
-        check(self.param_persistence_threshold >= 0, prefix + "param_persistence_threshold",
-              self.param_persistence_threshold, "must be >= 0")
+        check(
+            self.zero_stage in (0, 1, 2, 3),
+            prefix + "zero_stage",
+            self.zero_stage,
+            "allowed: 0, 1, 2, 3",
+        )
+        check(
+            self.param_persistence_threshold >= 0,
+            prefix + "param_persistence_threshold",
+            self.param_persistence_threshold,
+            "must be >= 0",
+        )
 
 
 class MegatronMPU:
@@ -70,13 +77,21 @@ def deepspeed_config(cfg, dp: int) -> dict:
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.global_batch_size // (t.micro_batch_size * dp),
         "gradient_clipping": o.clip_grad,
-        "optimizer": {"type": "AdamW", "params": {
-            "lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps,
-            "weight_decay": o.weight_decay, "torch_adam": True}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": o.lr,
+                "betas": [o.beta1, o.beta2],
+                "eps": o.eps,
+                "weight_decay": o.weight_decay,
+                "torch_adam": True,
+            },
+        },
         "bf16": {"enabled": t.bf16},
         "zero_optimization": {
             "stage": cfg.deepspeed.zero_stage,
-            "stage3_param_persistence_threshold": cfg.deepspeed.param_persistence_threshold},
+            "stage3_param_persistence_threshold": cfg.deepspeed.param_persistence_threshold,
+        },
         "steps_per_print": 2**62,
         "wall_clock_breakdown": False,
     }
@@ -120,8 +135,11 @@ class DeepSpeedEngine:
         self.objective = cfg.objective
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.stage = cfg.deepspeed.zero_stage
-        self.config = transformer_config(cfg.model, tensor_model_parallel_size=cfg.parallel.tp,
-                                         **recompute_config(cfg.train.recompute))
+        self.config = transformer_config(
+            cfg.model,
+            tensor_model_parallel_size=cfg.parallel.tp,
+            **recompute_config(cfg.train.recompute),
+        )
         self.module = LoopedLM(cfg.model, self.config, recompute=cfg.train.recompute)
         init_weights(self.module, cfg.train.seed)
         decay = [p for n, p in self.module.named_parameters() if p.ndim > 1]
@@ -133,17 +151,26 @@ class DeepSpeedEngine:
             (Path(cfg.train.dir) / "deepspeed.json").write_text(json.dumps(ds_json, indent=1))
         factor = megatron_lr(cfg.optim, cfg.train.steps)
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=self.module, model_parameters=groups, config=ds_json, mpu=MegatronMPU,
+            model=self.module,
+            model_parameters=groups,
+            config=ds_json,
+            mpu=MegatronMPU,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor),
-            dist_init_required=False)
+            dist_init_required=False,
+        )
         if self.stage == 3 and cfg.model.tie_embeddings:
             # the readout multiplies by the embedding's weight outside the embedding module
             deepspeed.zero.register_external_parameter(
-                self.module.readout, self.module.embedding.word_embeddings.weight)
+                self.module.readout, self.module.embedding.word_embeddings.weight
+            )
 
     def layout(self) -> dict:
-        return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": 1, "dp": self.dp_size,
-                "zero_stage": self.stage}
+        return {
+            "tp": ps.get_tensor_model_parallel_world_size(),
+            "pp": 1,
+            "dp": self.dp_size,
+            "zero_stage": self.stage,
+        }
 
     def train(self, mode: bool = True) -> None:
         self.ds.train(mode)
@@ -156,27 +183,35 @@ class DeepSpeedEngine:
         lr = self.optimizer.param_groups[0]["lr"]
         outputs = []
         for i, batch in enumerate(microbatches):
-            out = self.ds(batch[:, :-1], labels=batch[:, 1:],
-                          keep_logits=self.objective.needs_logits)
+            out = self.ds(
+                batch[:, :-1], labels=batch[:, 1:], keep_logits=self.objective.needs_logits
+            )
             loss, terms = objectives.compute(self.objective, out)
             self.ds.backward(loss)  # DeepSpeed divides by the accumulation steps
             outputs.append({"loss": loss.detach().clone(), **terms})
             if i == len(microbatches) - 1 and comm.any_rank(not terms_finite(outputs)):
                 return outputs, float("nan"), lr, False
-            self.ds.step()          # an optimizer step only at the accumulation boundary
+            self.ds.step()  # an optimizer step only at the accumulation boundary
         norm = self.ds.get_global_grad_norm()  # None under ZeRO-0 (DeepSpeed does not keep it)
         if norm is not None and not math.isfinite(float(norm)):
-            raise NonFiniteUpdate(f"DeepSpeed applied a non-finite gradient (norm {norm}): the "
-                                  f"weights in memory are lost; the newest checkpoint is intact")
+            raise NonFiniteUpdate(
+                f"DeepSpeed applied a non-finite gradient (norm {norm}): the "
+                f"weights in memory are lost; the newest checkpoint is intact"
+            )
         return outputs, None if norm is None else float(norm), lr, True
 
-    def step(self, microbatches: list, forward_only: bool = True,
-             num_loops: Optional[int] = None) -> list[dict]:
+    def step(
+        self, microbatches: list, forward_only: bool = True, num_loops: int | None = None
+    ) -> list[dict]:
         assert forward_only, "training goes through train_step"
         outputs = []
         for batch in microbatches:
-            out = self.ds(batch[:, :-1], labels=batch[:, 1:], num_loops=num_loops,
-                          keep_logits=self.objective.needs_logits)
+            out = self.ds(
+                batch[:, :-1],
+                labels=batch[:, 1:],
+                num_loops=num_loops,
+                keep_logits=self.objective.needs_logits,
+            )
             loss, terms = objectives.compute(self.objective, out)
             outputs.append({"loss": loss.detach().clone(), **terms})
         return outputs
@@ -188,17 +223,27 @@ class DeepSpeedEngine:
         """Elements each rank holds (under ZeRO-3 a partitioned parameter keeps 1/DP of it) and
         the optimizer's state, measured. Gradients are left at 0: DeepSpeed frees them between
         steps, so only the planner's figure (megaloop.parallel.layout) describes them."""
-        local = {n: (p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel(),
-                     getattr(p, "ds_numel", p.numel()))
-                 for n, p in self.module.named_parameters()}
-        mine = {"rank": dist.get_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
-                "pp_rank": 0, "dp_rank": self.dp_rank,
-                "params": sum(held for held, _ in local.values()),
-                "layer_params": sum(h for n, (h, _) in local.items() if n.startswith("layers.")),
-                "param_bytes": 4 * sum(held for held, _ in local.values()),
-                "grad_bytes": 0, "optimizer_bytes": optimizer_state_bytes(
-                    getattr(self.ds.optimizer, "optimizer", self.ds.optimizer), self.module),
-                "held_of_full": {n: list(v) for n, v in local.items() if v[1] >= 4096}}
+        local = {
+            n: (
+                p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel(),
+                getattr(p, "ds_numel", p.numel()),
+            )
+            for n, p in self.module.named_parameters()
+        }
+        mine = {
+            "rank": dist.get_rank(),
+            "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "pp_rank": 0,
+            "dp_rank": self.dp_rank,
+            "params": sum(held for held, _ in local.values()),
+            "layer_params": sum(h for n, (h, _) in local.items() if n.startswith("layers.")),
+            "param_bytes": 4 * sum(held for held, _ in local.values()),
+            "grad_bytes": 0,
+            "optimizer_bytes": optimizer_state_bytes(
+                getattr(self.ds.optimizer, "optimizer", self.ds.optimizer), self.module
+            ),
+            "held_of_full": {n: list(v) for n, v in local.items() if v[1] >= 4096},
+        }
         ranks = comm.all_gather_object(mine)
         return {**self.layout(), "ranks": ranks}
 
@@ -206,15 +251,16 @@ class DeepSpeedEngine:
 
     def save_state(self, folder, position: dict) -> None:
         rng = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
-        self.ds.save_checkpoint(str(folder), tag=TAG, client_state={"rng": rng, **position},
-                                save_latest=False)
+        self.ds.save_checkpoint(
+            str(folder), tag=TAG, client_state={"rng": rng, **position}, save_latest=False
+        )
 
     def load_state(self, folder, same_layout: bool) -> None:
         # DeepSpeed's own loader unpickles with weights_only=False
         with untrusted(folder, allowed=deepspeed_globals()):
-            path, client = self.ds.load_checkpoint(str(folder), tag=TAG,
-                                                   load_optimizer_states=True,
-                                                   load_lr_scheduler_states=True)
+            path, client = self.ds.load_checkpoint(
+                str(folder), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
         if path is None:
             raise ValueError(f"DeepSpeed could not load {folder}")
         if same_layout:
@@ -226,10 +272,12 @@ def consolidated_state(folder, cfg, layout: dict) -> dict[str, torch.Tensor]:
     """fp32 weights of a ZeRO checkpoint through DeepSpeed's Python API (its command-line
     zero_to_fp32.py needs huggingface_hub and shards at 5 GB)."""
     if layout["tp"] > 1:
-        raise ValueError(f"{folder} was saved with TP={layout['tp']}; consolidating tensor-"
-                         f"parallel DeepSpeed checkpoints is not supported: resume it with "
-                         f"engine=megatron is not possible either, so train with parallel.tp=1 "
-                         f"under DeepSpeed when a single file is needed")
+        raise ValueError(
+            f"{folder} was saved with TP={layout['tp']}; consolidating tensor-"
+            f"parallel DeepSpeed checkpoints is not supported: resume it with "
+            f"engine=megatron is not possible either, so train with parallel.tp=1 "
+            f"under DeepSpeed when a single file is needed"
+        )
     _import_deepspeed()
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

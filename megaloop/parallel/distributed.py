@@ -20,13 +20,13 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megaloop.parallel import comm
 from megaloop.parallel.launch import task_env
 
-
 _peers: list = []
 """(host, pid) of every rank, gathered at init: who to look for when a collective fails."""
 
 
-def init(seed: int, tp: int = 1, pp: int = 1, virtual_pp: int | None = None,
-         timeout_s: float = 600.0) -> None:
+def init(
+    seed: int, tp: int = 1, pp: int = 1, virtual_pp: int | None = None, timeout_s: float = 600.0
+) -> None:
     """Process groups whose collectives give up after `timeout_s` (parallel.timeout_s), so the
     ranks of a run with a dead rank exit instead of waiting for it forever."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -38,14 +38,17 @@ def init(seed: int, tp: int = 1, pp: int = 1, virtual_pp: int | None = None,
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group(backend, timeout=timeout)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=timeout)
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
         _peers[:] = comm.all_gather_object((socket.gethostname(), os.getpid()))
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=virtual_pp,
-            distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)))
+            distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
+        )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
 
@@ -54,10 +57,23 @@ def is_collective_failure(error: BaseException) -> bool:
     """A collective or the rendezvous store failed: a peer died or timed out (gloo raises plain
     RuntimeErrors naming itself; torch's c10d raises DistError)."""
     text = str(error)
-    return dist.is_initialized() and (isinstance(error, dist.DistError) or (
-        isinstance(error, RuntimeError) and any(
-            word in text for word in ("gloo", "Connection closed", "Connection reset", "NCCL",
-                                      "timed out", "Timed out"))))
+    return dist.is_initialized() and (
+        isinstance(error, dist.DistError)
+        or (
+            isinstance(error, RuntimeError)
+            and any(
+                word in text
+                for word in (
+                    "gloo",
+                    "Connection closed",
+                    "Connection reset",
+                    "NCCL",
+                    "timed out",
+                    "Timed out",
+                )
+            )
+        )
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -84,8 +100,11 @@ def missing_ranks() -> str:
             continue
         if not _alive(pid):
             gone.append(f"rank {rank} (pid {pid})")
-    text = ", ".join(gone) + (" is gone" if len(gone) == 1 else " are gone") if gone else (
-        "no rank on this host is gone")
+    text = (
+        ", ".join(gone) + (" is gone" if len(gone) == 1 else " are gone")
+        if gone
+        else ("no rank on this host is gone")
+    )
     if unchecked:
         text += f"; ranks on other hosts not checked: {unchecked}"
     return text
@@ -116,8 +135,9 @@ class NonFiniteUpdate(RuntimeError):
 
 def terms_finite(outputs: list[dict]) -> bool:
     """This rank's logged terms (losses, per-loop CE) are all finite."""
-    return all(bool(torch.isfinite(v).all()) for o in outputs for v in o.values()
-               if torch.is_tensor(v))
+    return all(
+        bool(torch.isfinite(v).all()) for o in outputs for v in o.values() if torch.is_tensor(v)
+    )
 
 
 def reduce_terms(outputs: list[dict], holds_terms: bool) -> dict:
@@ -129,13 +149,17 @@ def reduce_terms(outputs: list[dict], holds_terms: bool) -> dict:
     counts), and for the percentiles (`hidden_rms_p50`, `hidden_rms_p99`) the mean of each
     micro-batch's own token percentile, not the percentile of all the step's tokens (that would
     need every token's value gathered)."""
+
     def pool(key: str, values: torch.Tensor) -> list:
         return (values.amax(0) if key.endswith("_max") else values.mean(0)).tolist()
 
     local = None
     if outputs and holds_terms:
-        local = {key: pool(key, torch.stack([o[key] for o in outputs]).double())
-                 for key in outputs[0]}
+        local = {
+            key: pool(key, torch.stack([o[key] for o in outputs]).double()) for key in outputs[0]
+        }
     replicas = [g for g in comm.all_gather_object(local) if g is not None]
-    return {key: pool(key, torch.tensor([r[key] for r in replicas], dtype=torch.float64))
-            for key in replicas[0]}
+    return {
+        key: pool(key, torch.tensor([r[key] for r in replicas], dtype=torch.float64))
+        for key in replicas[0]
+    }

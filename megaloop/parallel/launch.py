@@ -20,14 +20,18 @@ def task_env(environ=os.environ) -> None:
         rank, world = int(environ["SLURM_PROCID"]), int(environ["SLURM_NTASKS"])
         local = int(environ.get("SLURM_LOCALID", 0))
     except (KeyError, ValueError) as e:
-        raise LaunchError(f"srun task without a usable {e} in its environment; start ranks with "
-                          f"srun inside an sbatch/salloc allocation (slurm/train.sbatch)") from None
+        raise LaunchError(
+            f"srun task without a usable {e} in its environment; start ranks with "
+            f"srun inside an sbatch/salloc allocation (slurm/train.sbatch)"
+        ) from None
     if not 0 <= rank < world:
         raise LaunchError(f"SLURM_PROCID={rank} is not below SLURM_NTASKS={world}")
     if world > 1:
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not environ.get(k)]
         if missing:
-            raise LaunchError(f"{' and '.join(missing)} not set for a {world}-task srun step; "
-                              f"export them in the job script from the first node's NodeAddr "
-                              f"(as slurm/train.sbatch does)")
+            raise LaunchError(
+                f"{' and '.join(missing)} not set for a {world}-task srun step; "
+                f"export them in the job script from the first node's NodeAddr "
+                f"(as slurm/train.sbatch does)"
+            )
     environ.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Optional
 
 from megaloop.config import Config, ConfigError, check, fail
 
@@ -30,58 +29,97 @@ def data_parallel_size(cfg, world_size: int) -> int:
     """Check the layout against the model, the batch and the world; return DP."""
     par, model, train = cfg.parallel, cfg.model, cfg.train
     if world_size % (par.tp * par.pp):
-        fail("parallel", f"tp={par.tp} pp={par.pp}",
-             f"world size {world_size} must be a multiple of tp*pp={par.tp * par.pp} "
-             f"(world size = TP*PP*DP); launch with a matching --nproc-per-node/--ntasks or "
-             f"change parallel.tp / parallel.pp")
+        fail(
+            "parallel",
+            f"tp={par.tp} pp={par.pp}",
+            f"world size {world_size} must be a multiple of tp*pp={par.tp * par.pp} "
+            f"(world size = TP*PP*DP); launch with a matching --nproc-per-node/--ntasks or "
+            f"change parallel.tp / parallel.pp",
+        )
     dp = world_size // (par.tp * par.pp)
     groups = model.num_query_groups or model.num_heads
-    check(model.num_heads % par.tp == 0 and groups % par.tp == 0, "parallel.tp", par.tp,
-          f"must divide model.num_heads={model.num_heads} and the key/value heads ({groups})")
-    check(model.ffn_size % par.tp == 0, "parallel.tp", par.tp,
-          f"must divide the SwiGLU hidden size {model.ffn_size}")
-    check(model.vocab_size % par.tp == 0, "parallel.tp", par.tp,
-          f"must divide model.vocab_size={model.vocab_size}")
-    check(model.num_layers % par.pp == 0, "parallel.pp", par.pp,
-          f"must divide model.num_layers={model.num_layers} (each rank holds L/PP layers)")
+    check(
+        model.num_heads % par.tp == 0 and groups % par.tp == 0,
+        "parallel.tp",
+        par.tp,
+        f"must divide model.num_heads={model.num_heads} and the key/value heads ({groups})",
+    )
+    check(
+        model.ffn_size % par.tp == 0,
+        "parallel.tp",
+        par.tp,
+        f"must divide the SwiGLU hidden size {model.ffn_size}",
+    )
+    check(
+        model.vocab_size % par.tp == 0,
+        "parallel.tp",
+        par.tp,
+        f"must divide model.vocab_size={model.vocab_size}",
+    )
+    check(
+        model.num_layers % par.pp == 0,
+        "parallel.pp",
+        par.pp,
+        f"must divide model.num_layers={model.num_layers} (each rank holds L/PP layers)",
+    )
     per_rank = train.global_batch_size // dp
-    check(train.global_batch_size % (train.micro_batch_size * dp) == 0,
-          "train.global_batch_size", train.global_batch_size,
-          f"must be a multiple of micro_batch_size*DP = {train.micro_batch_size}*{dp}")
+    check(
+        train.global_batch_size % (train.micro_batch_size * dp) == 0,
+        "train.global_batch_size",
+        train.global_batch_size,
+        f"must be a multiple of micro_batch_size*DP = {train.micro_batch_size}*{dp}",
+    )
     microbatches = per_rank // train.micro_batch_size
-    check(par.pp == 1 or microbatches % par.pp == 0, "train.global_batch_size",
-          train.global_batch_size,
-          f"gives {microbatches} micro-batches per step on each pipeline; the circular pipeline "
-          f"(megatron-core's interleaved schedule) needs a multiple of parallel.pp={par.pp}")
-    check(train.eval_batches == "all" or (train.eval_batches % dp == 0
-                                           and (train.eval_batches // dp) % par.pp == 0),
-          "train.eval_batches", train.eval_batches,
-          f"must split evenly over DP={dp} ranks into a multiple of parallel.pp={par.pp} "
-          f"micro-batches each (or be `all`)")
+    check(
+        par.pp == 1 or microbatches % par.pp == 0,
+        "train.global_batch_size",
+        train.global_batch_size,
+        f"gives {microbatches} micro-batches per step on each pipeline; the circular pipeline "
+        f"(megatron-core's interleaved schedule) needs a multiple of parallel.pp={par.pp}",
+    )
+    check(
+        train.eval_batches == "all"
+        or (train.eval_batches % dp == 0 and (train.eval_batches // dp) % par.pp == 0),
+        "train.eval_batches",
+        train.eval_batches,
+        f"must split evenly over DP={dp} ranks into a multiple of parallel.pp={par.pp} "
+        f"micro-batches each (or be `all`)",
+    )
     return dp
 
 
-def eval_microbatches(train, valid_windows: Optional[int], dp: int, pp: int) -> int:
+def eval_microbatches(train, valid_windows: int | None, dp: int, pp: int) -> int:
     """Validation micro-batches of a run: micro-batch j holds windows [j·b, (j+1)·b) of the
     validation split (b = micro_batch_size), so a number evaluates the same windows in every
     layout. `all` is as many as fit the split evenly over DP ranks and the pipeline's multiple
     of PP micro-batches: the split's longest such prefix. Checked before any compute."""
     b, per_round = train.micro_batch_size, dp * pp
     if train.eval_batches == "all":
-        check(valid_windows is not None, "train.eval_batches", "all",
-              "this data has no finite validation split (data.kind=synthetic); give a number of "
-              "micro-batches, e.g. train.eval_batches=16")
+        check(
+            valid_windows is not None,
+            "train.eval_batches",
+            "all",
+            "this data has no finite validation split (data.kind=synthetic); give a number of "
+            "micro-batches, e.g. train.eval_batches=16",
+        )
         count = valid_windows // (b * per_round) * per_round
-        check(count > 0, "train.eval_batches", "all",
-              f"the validation split has {valid_windows} windows of data.seq_len+1 tokens, fewer "
-              f"than one micro-batch (train.micro_batch_size={b}) on each of the DP={dp} x "
-              f"PP={pp} pipelines; use more validation data or a smaller micro-batch")
+        check(
+            count > 0,
+            "train.eval_batches",
+            "all",
+            f"the validation split has {valid_windows} windows of data.seq_len+1 tokens, fewer "
+            f"than one micro-batch (train.micro_batch_size={b}) on each of the DP={dp} x "
+            f"PP={pp} pipelines; use more validation data or a smaller micro-batch",
+        )
         return count
-    check(valid_windows is None or train.eval_batches * b <= valid_windows,
-          "train.eval_batches", train.eval_batches,
-          f"asks for {train.eval_batches * b} windows (x micro_batch_size={b}), but the "
-          f"validation split has {valid_windows}; use train.eval_batches=all or at most "
-          f"{(valid_windows or 0) // b}")
+    check(
+        valid_windows is None or train.eval_batches * b <= valid_windows,
+        "train.eval_batches",
+        train.eval_batches,
+        f"asks for {train.eval_batches * b} windows (x micro_batch_size={b}), but the "
+        f"validation split has {valid_windows}; use train.eval_batches=all or at most "
+        f"{(valid_windows or 0) // b}",
+    )
     return train.eval_batches
 
 
@@ -98,8 +136,11 @@ def params_per_rank(model, tp: int, pp: int, pp_rank: int) -> int:
     count = layer * model.num_layers // pp
     first, last = pp_rank == 0, pp_rank == pp - 1
     if first:
-        recurrence = {"none": 0, "rmsnorm": d,
-                      "damping": d if model.damping_shape == "channel" else 1}
+        recurrence = {
+            "none": 0,
+            "rmsnorm": d,
+            "damping": d if model.damping_shape == "channel" else 1,
+        }
         count += V * d // tp + recurrence[model.recurrence]
     if last:
         shared = model.loop_norm == "shared"
@@ -140,6 +181,7 @@ def loss_exits(cfg) -> int:
 # `shared`: split over TP ranks (attention and MLP internals); `replicated`: the residual stream
 # and the norms, which every TP rank keeps whole (no sequence parallelism).
 
+
 def _layer_values(model, seq_len: int, tp: int, recompute: str) -> tuple[float, float]:
     """(replicated, shared) values per token of one layer application."""
     d, f, h = model.hidden_size, model.ffn_size, model.num_heads
@@ -148,19 +190,25 @@ def _layer_values(model, seq_len: int, tp: int, recompute: str) -> tuple[float, 
         return (d if recompute == "full" else 0), 0.0
     norms = 4 if model.layer_norms == "sandwich" else 2
     replicated = d + norms * (2 * d + 1)  # the layer's input; each norm's input x·rstd and output
-    shared = 3 * d + 3 * kv + h + 5 * f   # qkv, q and k copies, SDPA out and log-sum-exp, SwiGLU
+    shared = 3 * d + 3 * kv + h + 5 * f  # qkv, q and k copies, SDPA out and log-sum-exp, SwiGLU
     if model.attention == "megatron" and recompute != "selective":
-        shared += 2 * h * seq_len         # the s×s scores and their softmax
+        shared += 2 * h * seq_len  # the s×s scores and their softmax
     return replicated, shared / tp
 
 
 def _exit_values(model, tp: int, loop: int, keep_logits: bool) -> float:
     """Values per token one exit keeps: its fp32 logits (the CE's softmax), its norm, the gate."""
     d = model.hidden_size
-    normed = model.loop_norm == "shared" or model.readout == "norm" or (
-        model.readout == "final_norm" and loop == model.num_loops)
-    return (model.vocab_size / tp * (2 if keep_logits else 1) + (2 * d + 1 if normed else 0)
-            + (d + 2 if model.exit_gate else 0))
+    normed = (
+        model.loop_norm == "shared"
+        or model.readout == "norm"
+        or (model.readout == "final_norm" and loop == model.num_loops)
+    )
+    return (
+        model.vocab_size / tp * (2 if keep_logits else 1)
+        + (2 * d + 1 if normed else 0)
+        + (d + 2 if model.exit_gate else 0)
+    )
 
 
 def in_flight(pp: int, rank: int, chunks: int, microbatches: int) -> int:
@@ -183,8 +231,9 @@ def activation_bytes(cfg, tp: int, pp: int, dp: int, micro_batch: int) -> dict:
     s, K, layers = cfg.data.seq_len, model.num_loops, model.num_layers // pp
     tokens = s * micro_batch
     replicated, shared = _layer_values(model, s, tp, train.recompute)
-    bf16_copies = 4 * model.hidden_size if train.bf16 and train.recompute in (
-        "none", "selective") else 0
+    bf16_copies = (
+        4 * model.hidden_size if train.bf16 and train.recompute in ("none", "selective") else 0
+    )
     layer = 4 * replicated + (2 if train.bf16 else 4) * shared + bf16_copies
     if train.recompute == "loop":
         layer, per_lap = 0.0, 4.0 * model.hidden_size
@@ -195,8 +244,11 @@ def activation_bytes(cfg, tp: int, pp: int, dp: int, micro_batch: int) -> dict:
     worst = {"per_loop": 0, "total": 0}
     for rank in range(pp):
         last = rank == pp - 1
-        laps = [tokens * (layers * layer + per_lap + (4 * _exit_values(model, tp, k, keep)
-                                                      if last else 0)) for k in range(1, K + 1)]
+        laps = [
+            tokens
+            * (layers * layer + per_lap + (4 * _exit_values(model, tp, k, keep) if last else 0))
+            for k in range(1, K + 1)
+        ]
         first = 4 * tokens * (model.hidden_size + 2) if rank == 0 else 0
         if pp == 1:
             total = sum(laps) + first
@@ -208,6 +260,7 @@ def activation_bytes(cfg, tp: int, pp: int, dp: int, micro_batch: int) -> dict:
 
 
 # -- weights, gradients and optimizer state -----------------------------------------------------
+
 
 def state_bytes(cfg, tp: int, pp: int, dp: int) -> dict:
     """Bytes of weights, gradients and optimizer state on the largest stage's rank, for the
@@ -222,9 +275,12 @@ def state_bytes(cfg, tp: int, pp: int, dp: int) -> dict:
         return {"params": n, "weights": 4 * n, "grads": 4 * n, "optimizer": 8 * n / dp}
     stage, width = cfg.deepspeed.zero_stage, 2 if cfg.train.bf16 else 4
     sharded = lambda on: n / dp if on else n  # noqa: E731
-    return {"params": n, "weights": width * sharded(stage == 3),
-            "grads": width * sharded(stage >= 2),
-            "optimizer": 8 * n if stage == 0 and not cfg.train.bf16 else 12 * n / dp}
+    return {
+        "params": n,
+        "weights": width * sharded(stage == 3),
+        "grads": width * sharded(stage >= 2),
+        "optimizer": 8 * n if stage == 0 and not cfg.train.bf16 else 12 * n / dp,
+    }
 
 
 # -- the plan: one layout's memory and time, and the search over layouts ---------------------------
@@ -237,7 +293,7 @@ fragmentation and communication buffers take the rest)."""
 @dataclass
 class Plan:
     engine: str
-    zero_stage: Optional[int]
+    zero_stage: int | None
     recompute: str
     tp: int
     pp: int
@@ -252,8 +308,8 @@ class Plan:
     activations_per_loop: int
     max_micro_batch: int
     """The largest micro-batch whose memory fits (0: not even one sequence)."""
-    step_seconds: Optional[float]
-    tokens_per_day: Optional[float]
+    step_seconds: float | None
+    tokens_per_day: float | None
 
     @property
     def total(self) -> float:
@@ -265,8 +321,10 @@ class Plan:
     @property
     def name(self) -> str:
         engine = self.engine if self.zero_stage is None else f"deepspeed ZeRO-{self.zero_stage}"
-        return (f"{engine}, TP={self.tp} PP={self.pp} DP={self.dp}, micro-batch "
-                f"{self.micro_batch}, recompute={self.recompute}")
+        return (
+            f"{engine}, TP={self.tp} PP={self.pp} DP={self.dp}, micro-batch "
+            f"{self.micro_batch}, recompute={self.recompute}"
+        )
 
 
 def step_seconds(cfg, gpus: int, tflops: float, mfu: float, dp: int) -> float:
@@ -278,8 +336,10 @@ def step_seconds(cfg, gpus: int, tflops: float, mfu: float, dp: int) -> float:
     flops = flops_per_token(model, s, loss_exits(cfg))
     applications = model.num_layers * model.num_loops
     if train.recompute in ("full", "loop"):
-        flops += (flops_per_token(model, s, 0) - 2 * model.hidden_size * model.vocab_size
-                  * model.num_loops) / 3
+        flops += (
+            flops_per_token(model, s, 0)
+            - 2 * model.hidden_size * model.vocab_size * model.num_loops
+        ) / 3
     elif train.recompute == "selective":
         flops += 4 * s * model.hidden_size * applications
     seconds = flops * train.global_batch_size * s / (gpus * tflops * 1e12 * mfu)
@@ -302,10 +362,24 @@ def plan(cfg, gpus: int, gpu_mem_gib: float, tflops: float, mfu: float) -> Plan:
     per_sample = activation_bytes(cfg, tp, pp, dp, 1)["total"]
     seconds = step_seconds(cfg, gpus, tflops, mfu, dp)
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
-    return Plan(cfg.engine, cfg.deepspeed.zero_stage if cfg.engine == "deepspeed" else None,
-                cfg.train.recompute, tp, pp, dp, b, state["params"], state["weights"],
-                state["grads"], state["optimizer"], acts["total"], acts["per_loop"],
-                max(0, int(free // per_sample)), seconds, 86400 * tokens / seconds)
+    return Plan(
+        cfg.engine,
+        cfg.deepspeed.zero_stage if cfg.engine == "deepspeed" else None,
+        cfg.train.recompute,
+        tp,
+        pp,
+        dp,
+        b,
+        state["params"],
+        state["weights"],
+        state["grads"],
+        state["optimizer"],
+        acts["total"],
+        acts["per_loop"],
+        max(0, int(free // per_sample)),
+        seconds,
+        86400 * tokens / seconds,
+    )
 
 
 def candidates(cfg, gpus_per_node: int):
@@ -321,7 +395,7 @@ def candidates(cfg, gpus_per_node: int):
                 yield "deepspeed", stage, tp, 1, recompute
 
 
-def with_layout(cfg, engine: str, stage: Optional[int], tp: int, pp: int, recompute: str):
+def with_layout(cfg, engine: str, stage: int | None, tp: int, pp: int, recompute: str):
     out = copy.deepcopy(cfg)
     out.engine, out.parallel.tp, out.parallel.pp, out.train.recompute = engine, tp, pp, recompute
     if stage is not None:
@@ -329,8 +403,9 @@ def with_layout(cfg, engine: str, stage: Optional[int], tp: int, pp: int, recomp
     return out
 
 
-def search(cfg, gpus: int, gpu_mem_gib: float, tflops: float, mfu: float,
-           gpus_per_node: int = 8) -> tuple[list[Plan], list[str]]:
+def search(
+    cfg, gpus: int, gpu_mem_gib: float, tflops: float, mfu: float, gpus_per_node: int = 8
+) -> tuple[list[Plan], list[str]]:
     """The layouts that fit `gpus` GPUs of `gpu_mem_gib`, fastest first; among equal times the
     smallest model-parallel degree (Megatron's advice), then anything but ZeRO-3 (which
     all-gathers the shared stack again at every loop), then the megatron engine, then the least
@@ -347,8 +422,15 @@ def search(cfg, gpus: int, gpu_mem_gib: float, tflops: float, mfu: float,
             plans.append(p)
         else:
             left_out.append(f"{p.name}: {p.total / 2**30:.1f} GiB")
-    plans.sort(key=lambda p: (round(p.step_seconds, 6), p.tp * p.pp, p.zero_stage == 3,
-                              p.engine != "megatron", p.total))
+    plans.sort(
+        key=lambda p: (
+            round(p.step_seconds, 6),
+            p.tp * p.pp,
+            p.zero_stage == 3,
+            p.engine != "megatron",
+            p.total,
+        )
+    )
     return plans, left_out
 
 
@@ -356,10 +438,12 @@ def describe_model(cfg) -> str:
     model, s = cfg.model, cfg.data.seq_len
     counts = parameter_counts(model)
     train = flops_per_token(model, s, loss_exits(cfg))
-    return (f"parameters: {counts['total']:,} ({counts['embedding']:,} embedding, "
-            f"{counts['non_embedding']:,} non-embedding)\n"
-            f"FLOPs per token, training at K={model.num_loops}, seq {s} (matmuls; every exit's "
-            f"logits, backward through the {loss_exits(cfg)} the loss reads): {train:.4g}")
+    return (
+        f"parameters: {counts['total']:,} ({counts['embedding']:,} embedding, "
+        f"{counts['non_embedding']:,} non-embedding)\n"
+        f"FLOPs per token, training at K={model.num_loops}, seq {s} (matmuls; every exit's "
+        f"logits, backward through the {loss_exits(cfg)} the loss reads): {train:.4g}"
+    )
 
 
 def _gib(x: float) -> str:
@@ -369,34 +453,44 @@ def _gib(x: float) -> str:
 def describe(p: Plan, cfg, gpu_mem_gib: float, tflops: float, mfu: float) -> str:
     usable = USABLE * gpu_mem_gib * 2**30
     verdict = "fits" if p.fits(gpu_mem_gib) else "does NOT fit"
-    return "\n".join([
-        f"layout: {p.name}",
-        f"per GPU (the largest stage's rank: {p.params:,} parameters):",
-        f"  weights      {_gib(p.weights)}",
-        f"  gradients    {_gib(p.grads)}",
-        f"  optimizer    {_gib(p.optimizer)}",
-        f"  activations  {_gib(p.activations)} (one loop of one micro-batch: "
-        f"{_gib(p.activations_per_loop)}; K={cfg.model.num_loops}, peak over the schedule)",
-        f"  total        {_gib(p.total)}: {verdict} in {USABLE:.0%} of {gpu_mem_gib:g} GiB "
-        f"({_gib(usable)})",
-        f"largest micro-batch that fits: {p.max_micro_batch}",
-        f"step ({cfg.train.global_batch_size} x {cfg.data.seq_len} tokens): "
-        f"{p.step_seconds:.3g} s at {mfu:.0%} MFU of {tflops:g} TFLOP/s per GPU; "
-        f"{p.tokens_per_day / 1e9:.3g}B tokens/day"])
+    return "\n".join(
+        [
+            f"layout: {p.name}",
+            f"per GPU (the largest stage's rank: {p.params:,} parameters):",
+            f"  weights      {_gib(p.weights)}",
+            f"  gradients    {_gib(p.grads)}",
+            f"  optimizer    {_gib(p.optimizer)}",
+            f"  activations  {_gib(p.activations)} (one loop of one micro-batch: "
+            f"{_gib(p.activations_per_loop)}; K={cfg.model.num_loops}, peak over the schedule)",
+            f"  total        {_gib(p.total)}: {verdict} in {USABLE:.0%} of {gpu_mem_gib:g} GiB "
+            f"({_gib(usable)})",
+            f"largest micro-batch that fits: {p.max_micro_batch}",
+            f"step ({cfg.train.global_batch_size} x {cfg.data.seq_len} tokens): "
+            f"{p.step_seconds:.3g} s at {mfu:.0%} MFU of {tflops:g} TFLOP/s per GPU; "
+            f"{p.tokens_per_day / 1e9:.3g}B tokens/day",
+        ]
+    )
 
 
-def ranking(plans: list[Plan], left_out: list[str], gpus: int, gpu_mem_gib: float,
-            top: int = 20) -> str:
-    lines = [f"{len(plans)} layouts fit {gpus} GPUs of {gpu_mem_gib:g} GiB, fastest first "
-             f"(compute, recompute and pipeline bubble; communication not modelled: among equal "
-             f"times prefer the top row, the smallest TP x PP):", "",
-             "| # | engine | TP | PP | DP | recompute | GiB per GPU | max micro-batch | step (s) "
-             "| tokens/day |", "|---|---|---|---|---|---|---|---|---|---|"]
+def ranking(
+    plans: list[Plan], left_out: list[str], gpus: int, gpu_mem_gib: float, top: int = 20
+) -> str:
+    lines = [
+        f"{len(plans)} layouts fit {gpus} GPUs of {gpu_mem_gib:g} GiB, fastest first "
+        f"(compute, recompute and pipeline bubble; communication not modelled: among equal "
+        f"times prefer the top row, the smallest TP x PP):",
+        "",
+        "| # | engine | TP | PP | DP | recompute | GiB per GPU | max micro-batch | step (s) "
+        "| tokens/day |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for i, p in enumerate(plans[:top], 1):
         engine = p.engine if p.zero_stage is None else f"ZeRO-{p.zero_stage}"
-        lines.append(f"| {i} | {engine} | {p.tp} | {p.pp} | {p.dp} | {p.recompute} | "
-                     f"{p.total / 2**30:.1f} | {p.max_micro_batch} | {p.step_seconds:.3g} | "
-                     f"{p.tokens_per_day / 1e9:.3g}B |")
+        lines.append(
+            f"| {i} | {engine} | {p.tp} | {p.pp} | {p.dp} | {p.recompute} | "
+            f"{p.total / 2**30:.1f} | {p.max_micro_batch} | {p.step_seconds:.3g} | "
+            f"{p.tokens_per_day / 1e9:.3g}B |"
+        )
     if len(plans) > top:
         lines.append(f"... and {len(plans) - top} slower or larger")
     if not plans:
@@ -419,8 +513,11 @@ def choose_layout(cfg, world: int, gpus_per_node: int, gpu_memory_gib: float) ->
     memory needs it), tensor parallel within a node before pipeline stages. Without GPUs there
     is no memory to fit: pure DP. Raises ConfigError when nothing fits."""
     tps = [t for t in (1, 2, 4, 8) if t <= max(gpus_per_node, 1)]
-    pps = [p for p in range(1, cfg.model.num_layers + 1) if cfg.model.num_layers % p == 0
-           and (cfg.engine == "megatron" or p == 1)]
+    pps = [
+        p
+        for p in range(1, cfg.model.num_layers + 1)
+        if cfg.model.num_layers % p == 0 and (cfg.engine == "megatron" or p == 1)
+    ]
     best, errors = None, []
     for tp, pp in sorted(((t, p) for t in tps for p in pps), key=lambda c: (c[0] * c[1], c[1])):
         trial = with_layout(cfg, cfg.engine, None, tp, pp, cfg.train.recompute)
@@ -432,27 +529,38 @@ def choose_layout(cfg, world: int, gpus_per_node: int, gpu_memory_gib: float) ->
         if best is None or p.total < best.total:
             best = p
         if gpus_per_node == 0 or p.fits(gpu_memory_gib):
-            fits = ("no GPUs: pure data parallel" if gpus_per_node == 0 else
-                    f"~{p.total / 2**30:.1f} GiB per rank (weights, gradients, optimizer state, "
-                    f"activations: `megaloop plan`) fits {USABLE:.0%} of {gpu_memory_gib:g} GiB")
+            fits = (
+                "no GPUs: pure data parallel"
+                if gpus_per_node == 0
+                else f"~{p.total / 2**30:.1f} GiB per rank (weights, gradients, optimizer state, "
+                f"activations: `megaloop plan`) fits {USABLE:.0%} of {gpu_memory_gib:g} GiB"
+            )
             smaller = "; the smallest model-parallel degree that does" if tp * pp > 1 else ""
             return Layout(tp, pp, p.dp, int(p.total), fits + smaller)
     if best is None:
-        raise ConfigError(f"no TP x PP layout fits {world} ranks and this config's batch: "
-                          + "; ".join(errors[:3]))
-    raise ConfigError(f"no layout fits {gpu_memory_gib:g} GiB per GPU: the smallest estimate is "
-                      f"{best.total / 2**30:.1f} GiB (TP={best.tp} PP={best.pp}); lower "
-                      f"train.micro_batch_size or data.seq_len, set train.recompute=full, or use "
-                      f"more GPUs per node (`megaloop plan CONFIG --search` ranks the layouts)")
+        raise ConfigError(
+            f"no TP x PP layout fits {world} ranks and this config's batch: "
+            + "; ".join(errors[:3])
+        )
+    raise ConfigError(
+        f"no layout fits {gpu_memory_gib:g} GiB per GPU: the smallest estimate is "
+        f"{best.total / 2**30:.1f} GiB (TP={best.tp} PP={best.pp}); lower "
+        f"train.micro_batch_size or data.seq_len, set train.recompute=full, or use "
+        f"more GPUs per node (`megaloop plan CONFIG --search` ranks the layouts)"
+    )
 
 
 def memory_per_rank(model, tp: int, pp: int, dp: int) -> dict:
     """Bytes of the largest stage's rank under the megatron engine: fp32 parameters, fp32
     gradient buffer, and Adam's two fp32 moments sharded over DP (activations not included)."""
     params = max(params_per_rank(model, tp, pp, r) for r in range(pp))
-    return {"params": params, "param_bytes": 4 * params, "grad_bytes": 4 * params,
-            "optimizer_bytes": 8 * params // dp,
-            "total_bytes": 8 * params + 8 * params // dp}
+    return {
+        "params": params,
+        "param_bytes": 4 * params,
+        "grad_bytes": 4 * params,
+        "optimizer_bytes": 8 * params // dp,
+        "total_bytes": 8 * params + 8 * params // dp,
+    }
 
 
 def optimizer_state_bytes(optimizer, module) -> int:

@@ -11,7 +11,6 @@ import contextlib
 import math
 import types
 from functools import partial
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -34,7 +33,6 @@ from megaloop.parallel.distributed import reduce_terms, terms_finite
 from megaloop.parallel.layout import optimizer_state_bytes
 from megaloop.parallel.pipeline import ExitStore, LapChunk
 from megaloop.safe_load import untrusted
-
 
 OPTIMIZER_CHECKPOINT = {"distrib_optim_sharding_type": "fully_reshardable"}
 
@@ -79,27 +77,36 @@ class Engine:
         )
         per_rank = L // par.pp
         self.module = LoopedLM(
-            model_cfg, self.config, pre_process=self.pp_rank == 0,
+            model_cfg,
+            self.config,
+            pre_process=self.pp_rank == 0,
             post_process=self.pp_rank == par.pp - 1,
             layer_ids=range(self.pp_rank * per_rank, (self.pp_rank + 1) * per_rank),
-            vp_stage=0 if pipelined else None, recompute=cfg.train.recompute)
+            vp_stage=0 if pipelined else None,
+            recompute=cfg.train.recompute,
+        )
         init_weights(self.module, cfg.train.seed)
         self.ddp = DistributedDataParallel(
             self.config,
             DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True),
-            self.module)
+            self.module,
+        )
         self.config.no_sync_func = self.ddp.no_sync
-        self.config.finalize_model_grads_func = (
-            lambda _chunks, *args, **kwargs: finalize_model_grads([self.ddp], *args, **kwargs))
+        self.config.finalize_model_grads_func = lambda _chunks, *args, **kwargs: (
+            finalize_model_grads([self.ddp], *args, **kwargs)
+        )
         self.optimizer, self.scheduler = cfg.optim.build([self.ddp], cfg.train.steps)
         for opt in self.optimizer.chained_optimizers:
             if isinstance(opt, DistributedOptimizer):
                 opt._set_main_param_and_optimizer_states = types.MethodType(
-                    _copy_only_loaded_optimizer_states, opt)
+                    _copy_only_loaded_optimizer_states, opt
+                )
         self.store = ExitStore()
         if pipelined:
-            self.chunks = [LapChunk(self.module, lap, self.objective, self.store, self.pp_rank,
-                                    par.pp) for lap in range(K)]
+            self.chunks = [
+                LapChunk(self.module, lap, self.objective, self.store, self.pp_rank, par.pp)
+                for lap in range(K)
+            ]
         else:
             self.chunks = [self.ddp]
 
@@ -116,8 +123,11 @@ class Engine:
         self.module.train(mode)
 
     def layout(self) -> dict:
-        return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": self.pp_size,
-                "dp": self.dp_size}
+        return {
+            "tp": ps.get_tensor_model_parallel_world_size(),
+            "pp": self.pp_size,
+            "dp": self.dp_size,
+        }
 
     def train_step(self, microbatches: list) -> tuple[list[dict], float, float, bool]:
         """One optimizer step over this rank's micro-batches: (terms, grad norm, lr used, whether
@@ -136,13 +146,15 @@ class Engine:
             params = opt.get_parameters()
             if opt.config.clip_grad > 0.0 and params:
                 megatron_optimizer.clip_grad_by_total_norm_fp32(
-                    params, max_norm=opt.config.clip_grad, total_norm=grad_norm)
+                    params, max_norm=opt.config.clip_grad, total_norm=grad_norm
+                )
         self.optimizer.step_with_ready_grads()
         self.scheduler.step(increment=1)
         return outputs, grad_norm, lr, True
 
-    def step(self, microbatches: list, forward_only: bool = False,
-             num_loops: Optional[int] = None) -> list[dict]:
+    def step(
+        self, microbatches: list, forward_only: bool = False, num_loops: int | None = None
+    ) -> list[dict]:
         """Forward (and backward) over this rank's micro-batches ([b, s+1] tokens each); returns
         the objective's terms per micro-batch on last-stage ranks, [] elsewhere."""
         if not forward_only:
@@ -150,23 +162,34 @@ class Engine:
         self.store.reset(len(microbatches))
         if self.pp_size > 1:
             if num_loops not in (None, self.module.cfg.num_loops):
-                raise ValueError("a pipelined model runs exactly model.num_loops laps; evaluate "
-                                 "other depths on one process (or an exported model)")
+                raise ValueError(
+                    "a pipelined model runs exactly model.num_loops laps; evaluate "
+                    "other depths on one process (or an exported model)"
+                )
             for chunk in self.chunks:
                 chunk.microbatch = 0
             step_fn, data = self._pipelined_step, [iter(microbatches) for _ in self.chunks]
         else:
             step_fn, data = partial(self._whole_step, num_loops=num_loops), iter(microbatches)
         return get_forward_backward_func()(
-            forward_step_func=step_fn, data_iterator=data, model=self.chunks,
-            num_microbatches=len(microbatches), seq_length=self.seq_len,
-            micro_batch_size=self.micro_batch_size, forward_only=forward_only)
+            forward_step_func=step_fn,
+            data_iterator=data,
+            model=self.chunks,
+            num_microbatches=len(microbatches),
+            seq_length=self.seq_len,
+            micro_batch_size=self.micro_batch_size,
+            forward_only=forward_only,
+        )
 
     def _whole_step(self, data_iterator, model, num_loops=None):
         batch = next(data_iterator)
         with self.autocast():
-            out = model(batch[:, :-1], labels=batch[:, 1:], num_loops=num_loops,
-                        keep_logits=self.objective.needs_logits)
+            out = model(
+                batch[:, :-1],
+                labels=batch[:, 1:],
+                num_loops=num_loops,
+                keep_logits=self.objective.needs_logits,
+            )
         return out, self._loss_of_output
 
     def _loss_of_output(self, out):
@@ -192,35 +215,59 @@ class Engine:
         and a check that PP really splits the stack."""
         params = list(self.module.parameters())
         layer = sum(p.numel() for n, p in self.module.named_parameters() if n.startswith("layers."))
-        grads = sum(buf.grad_data.numel() * buf.grad_data.element_size() for buf in self.ddp.buffers)
-        optim = sum(optimizer_state_bytes(opt.optimizer, self.module)
-                    for opt in self.optimizer.chained_optimizers)
-        mine = {"rank": dist.get_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
-                "pp_rank": self.pp_rank, "dp_rank": self.dp_rank,
-                "params": sum(p.numel() for p in params), "layer_params": layer,
-                "param_bytes": sum(p.numel() * p.element_size() for p in params),
-                "grad_bytes": grads, "optimizer_bytes": optim}
+        grads = sum(
+            buf.grad_data.numel() * buf.grad_data.element_size() for buf in self.ddp.buffers
+        )
+        optim = sum(
+            optimizer_state_bytes(opt.optimizer, self.module)
+            for opt in self.optimizer.chained_optimizers
+        )
+        mine = {
+            "rank": dist.get_rank(),
+            "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "pp_rank": self.pp_rank,
+            "dp_rank": self.dp_rank,
+            "params": sum(p.numel() for p in params),
+            "layer_params": layer,
+            "param_bytes": sum(p.numel() * p.element_size() for p in params),
+            "grad_bytes": grads,
+            "optimizer_bytes": optim,
+        }
         ranks = comm.all_gather_object(mine)
-        return {"tp": self.config.tensor_model_parallel_size, "pp": self.pp_size,
-                "dp": self.dp_size, "ranks": ranks}
+        return {
+            "tp": self.config.tensor_model_parallel_size,
+            "pp": self.pp_size,
+            "dp": self.dp_size,
+            "ranks": ranks,
+        }
 
     # -- checkpoints: megatron-core dist_checkpointing (torch_dist) ----------------------------
 
     def _sharded_state(self, loading: bool) -> dict:
         model = self.module.sharded_state_dict()
-        return {"model": model,
-                "optimizer": self.optimizer.sharded_state_dict(model, is_loading=loading,
-                                                               metadata=OPTIMIZER_CHECKPOINT)}
+        return {
+            "model": model,
+            "optimizer": self.optimizer.sharded_state_dict(
+                model, is_loading=loading, metadata=OPTIMIZER_CHECKPOINT
+            ),
+        }
 
     def _rng_state(self) -> ShardedObject:
         """This rank's RNG states; restored only into the same layout (the data order does not
         depend on them: it is a function of the sample index)."""
         layout = self.layout()
-        state = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states(),
-                 "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-        return ShardedObject("rng_state", state, (layout["pp"], layout["tp"], layout["dp"]),
-                             (self.pp_rank, ps.get_tensor_model_parallel_rank(), self.dp_rank),
-                             replica_id=0)
+        state = {
+            "cpu": torch.get_rng_state(),
+            "tracker": get_cuda_rng_tracker().get_states(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        }
+        return ShardedObject(
+            "rng_state",
+            state,
+            (layout["pp"], layout["tp"], layout["dp"]),
+            (self.pp_rank, ps.get_tensor_model_parallel_rank(), self.dp_rank),
+            replica_id=0,
+        )
 
     def save_state(self, folder, position: dict) -> None:
         state = self._sharded_state(loading=False)
@@ -231,8 +278,9 @@ class Engine:
         """Only the model's weights of a checkpoint of any layout (train.init_from); the
         optimizer's fp32 main parameters are copied from them again."""
         with untrusted(folder):
-            loaded = dist_checkpointing.load({"model": self.module.sharded_state_dict()},
-                                             str(folder))
+            loaded = dist_checkpointing.load(
+                {"model": self.module.sharded_state_dict()}, str(folder)
+            )
         self.module.load_state_dict(loaded["model"])
         self.optimizer.reload_model_params()
 
@@ -272,5 +320,8 @@ def consolidated_state(folder, cfg, layout: dict) -> dict[str, torch.Tensor]:
     with untrusted(folder):
         loaded = dist_checkpointing.load({"model": module.sharded_state_dict()}, str(folder))
     module.load_state_dict(loaded["model"])
-    return {k: v.detach().contiguous() for k, v in module.state_dict().items()
-            if isinstance(v, torch.Tensor) and "_extra_state" not in k}
+    return {
+        k: v.detach().contiguous()
+        for k, v in module.state_dict().items()
+        if isinstance(v, torch.Tensor) and "_extra_state" not in k
+    }

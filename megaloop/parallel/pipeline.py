@@ -66,8 +66,9 @@ class ExitCoupling(torch.autograd.Function):
 class LapChunk(torch.nn.Module):
     """Virtual pipeline stage `lap` of this rank: a view of the rank's module for one lap."""
 
-    def __init__(self, stage: LoopedLM, lap: int, objective, store: ExitStore, pp_rank: int,
-                 pp_size: int):
+    def __init__(
+        self, stage: LoopedLM, lap: int, objective, store: ExitStore, pp_rank: int, pp_size: int
+    ):
         super().__init__()
         object.__setattr__(self, "stage", stage)  # not a submodule: no second copy of its params
         self.lap, self.num_loops = lap, stage.cfg.num_loops
@@ -87,8 +88,11 @@ class LapChunk(torch.nn.Module):
         stage, mb = self.stage, self.microbatch
         self.microbatch += 1
         if self.first_rank:
-            h = stage.embedding(tokens, position_ids=None) if self.lap == 0 else stage.recurrence(
-                self.input_tensor)
+            h = (
+                stage.embedding(tokens, position_ids=None)
+                if self.lap == 0
+                else stage.recurrence(self.input_tensor)
+            )
         else:
             h = self.input_tensor
         h = stage.stack(h, stage.rotary_pos_emb(tokens.shape[1]))
@@ -109,22 +113,27 @@ class LapChunk(torch.nn.Module):
             # for the earlier laps, handed back through ExitCoupling. A graph of its own, so no
             # backward runs twice through one graph (megatron-core's CE backward is in place).
             leaves = [tuple(t.detach().requires_grad_() for t in terms) for terms in earlier]
-            f, _ = objectives.compute(self.objective, self.exit_terms(
-                leaves + [tuple(t.detach() for t in live)], labels))
+            f, _ = objectives.compute(
+                self.objective, self.exit_terms(leaves + [tuple(t.detach() for t in live)], labels)
+            )
             flat = [t for terms in leaves for t in terms]
             grads = torch.autograd.grad(f, flat, allow_unused=True)
             grads = [None if g is None else g * self.store.scale for g in grads]
             n = len(live)
             for j in range(len(earlier)):
-                self.store.grads[(mb, j)] = tuple(grads[j * n:(j + 1) * n])
-        loss, self.terms = objectives.compute(self.objective,
-                                              self.exit_terms(earlier + [live], labels))
+                self.store.grads[(mb, j)] = tuple(grads[j * n : (j + 1) * n])
+        loss, self.terms = objectives.compute(
+            self.objective, self.exit_terms(earlier + [live], labels)
+        )
         return loss
 
     def exit_terms(self, laps: list[tuple], labels: torch.Tensor) -> objectives.ExitTerms:
         """Each lap's (CE, ‖H‖²_rms, [λ], [logits]) as the objective's ExitTerms."""
         gated, mixture = self.objective.gated, self.objective.needs_logits
-        return objectives.ExitTerms(ce=[t[0] for t in laps], mean_square=[t[1] for t in laps],
-                                    gates=[t[2] for t in laps] if gated else [],
-                                    logits=[t[-1] for t in laps] if mixture else [],
-                                    labels=labels)
+        return objectives.ExitTerms(
+            ce=[t[0] for t in laps],
+            mean_square=[t[1] for t in laps],
+            gates=[t[2] for t in laps] if gated else [],
+            logits=[t[-1] for t in laps] if mixture else [],
+            labels=labels,
+        )

@@ -9,9 +9,10 @@ A checkpoint is written into `.tmp_step_*` and renamed into place after every ra
 finished and rank 0 has written `manifest.json` (size and xxh64 of every file), so a folder
 named `step_*` is complete by construction. Resuming verifies the manifest of the newest one and
 falls back to older ones, reporting each it skips; if none is loadable the run stops, naming
-each, rather than train from step 0 beside them. `keep_last` counts loadable checkpoints only. What goes inside is the engine's business
-(`save_state` / `load_state`): megatron-core dist checkpoints for the megatron engine (they load
-into any TP × PP × DP layout), DeepSpeed's own for the DeepSpeed engine.
+each, rather than train from step 0 beside them. `keep_last` counts loadable checkpoints only.
+What goes inside is the engine's business (`save_state` / `load_state`): megatron-core dist
+checkpoints for the megatron engine (they load into any TP × PP × DP layout), DeepSpeed's own
+for the DeepSpeed engine.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
 
 import torch.distributed as dist
 import xxhash
@@ -49,12 +49,15 @@ def _file_digest(path: Path) -> str:
 
 
 def _write_manifest(folder: Path) -> None:
-    files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "xxh64": _file_digest(p)}
-             for p in sorted(folder.rglob("*")) if p.is_file()}
+    files = {
+        str(p.relative_to(folder)): {"bytes": p.stat().st_size, "xxh64": _file_digest(p)}
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
     (folder / MANIFEST).write_text(json.dumps(files, indent=1))
 
 
-def verify(folder: Path) -> Optional[str]:
+def verify(folder: Path) -> str | None:
     """None if `folder` is a complete checkpoint, else why not."""
     manifest = folder / MANIFEST
     if not manifest.is_file():
@@ -96,9 +99,16 @@ def save(root: Path, engine, position: dict, config: dict, keep_last: int) -> Pa
         engine.save_state(tmp, position)
         comm.barrier()
         if _is_rank0():
-            write_meta(tmp, {**position, "engine": engine.name, "layout": engine.layout(),
-                             "num_loops_trained": config["model"]["num_loops"],
-                             "config": config})
+            write_meta(
+                tmp,
+                {
+                    **position,
+                    "engine": engine.name,
+                    "layout": engine.layout(),
+                    "num_loops_trained": config["model"]["num_loops"],
+                    "config": config,
+                },
+            )
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             marker = root / "latest.tmp"
@@ -108,18 +118,23 @@ def save(root: Path, engine, position: dict, config: dict, keep_last: int) -> Pa
     except (Exception, CheckpointException) as e:  # a full disk, a quota, a size limit
         shutil.rmtree(tmp, ignore_errors=True)
         previous = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
-        kept = (f"the previous checkpoint {previous} is intact" if previous else
-                "no earlier checkpoint exists")
+        kept = (
+            f"the previous checkpoint {previous} is intact"
+            if previous
+            else "no earlier checkpoint exists"
+        )
         cause = [line for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
         free = shutil.disk_usage(root).free / 2**30
-        raise CheckpointError(f"saving checkpoint {final.name} in {root} failed ({cause[-1]}; "
-                              f"{free:.1f} GiB free there); {kept}. Free space and relaunch to "
-                              f"resume from it") from None
+        raise CheckpointError(
+            f"saving checkpoint {final.name} in {root} failed ({cause[-1]}; "
+            f"{free:.1f} GiB free there); {kept}. Free space and relaunch to "
+            f"resume from it"
+        ) from None
     comm.barrier()
     return final
 
 
-def prune(root: Path, keep_last: int, fresh: Optional[Path] = None) -> None:
+def prune(root: Path, keep_last: int, fresh: Path | None = None) -> None:
     """Keep the newest `keep_last` loadable checkpoints; delete the older ones. Unloadable ones
     do not count towards `keep_last` (a corrupt checkpoint never pushes out a good one); those
     newer than the oldest kept stay, for someone to look at. `fresh` (just written, its manifest
@@ -130,12 +145,12 @@ def prune(root: Path, keep_last: int, fresh: Optional[Path] = None) -> None:
     for i, folder in enumerate(folders):
         kept += folder == fresh or verify(folder) is None
         if kept == keep_last:
-            for old in folders[i + 1:]:
+            for old in folders[i + 1 :]:
                 shutil.rmtree(old, ignore_errors=True)
             return
 
 
-def find_latest(root: Path) -> Optional[Path]:
+def find_latest(root: Path) -> Path | None:
     """The newest complete checkpoint under `root` (rank 0 checks, every rank gets the answer);
     incomplete or corrupt ones are reported and skipped. None if there are none; if there are
     some and none is loadable, CheckpointError on every rank, listing each and why."""
@@ -153,7 +168,8 @@ def find_latest(root: Path) -> Optional[Path]:
         raise CheckpointError(
             f"{root} holds {len(problems)} checkpoint(s) and none is loadable ("
             f"{'; '.join(problems)}); starting over here would train from step 0 beside them. "
-            f"Move them away to start a new run in this directory, or give another train.dir")
+            f"Move them away to start a new run in this directory, or give another train.dir"
+        )
     return Path(choice) if choice else None
 
 
@@ -165,8 +181,10 @@ def load(folder: Path, engine) -> dict:
     """Restore the engine from `folder`; returns the data position {"step", "consumed_samples"}."""
     meta = read_meta(folder)
     if meta["engine"] != engine.name:
-        raise ValueError(f"checkpoint {folder} was written by the {meta['engine']} engine; "
-                         f"resume it with engine={meta['engine']} (or start a new train.dir)")
+        raise ValueError(
+            f"checkpoint {folder} was written by the {meta['engine']} engine; "
+            f"resume it with engine={meta['engine']} (or start a new train.dir)"
+        )
     engine.load_state(folder, same_layout=meta["layout"] == engine.layout())
     return {"step": meta["step"], "consumed_samples": meta["consumed_samples"]}
 
@@ -180,6 +198,8 @@ def resolve(path: Path) -> Path:
         return path
     folder = find_latest(path / "checkpoints") if (path / "checkpoints").is_dir() else None
     if folder is None:
-        raise ValueError(f"{path} is neither a checkpoint folder (with meta.json) nor a run "
-                         f"directory with a complete checkpoint under checkpoints/")
+        raise ValueError(
+            f"{path} is neither a checkpoint folder (with meta.json) nor a run "
+            f"directory with a complete checkpoint under checkpoints/"
+        )
     return folder

@@ -28,8 +28,9 @@ def file_limit(step: int) -> None:
     at, _, size = os.environ.get("MEGALOOP_TEST_FILE_LIMIT_AT", "").partition(":")
     if at and int(at) == step:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE,
-                           (int(size), resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        resource.setrlimit(
+            resource.RLIMIT_FSIZE, (int(size), resource.getrlimit(resource.RLIMIT_FSIZE)[1])
+        )
 
 
 @contextmanager

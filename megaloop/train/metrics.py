@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 from tqdm import tqdm
 
@@ -24,8 +24,8 @@ class WandbConfig(Config):
     mode: Literal["offline", "online", "disabled"] = "offline"
     """offline writes the run under RUN_DIR/wandb for a later `wandb sync`."""
     project: str = "megaloop"
-    entity: Optional[str] = None
-    name: Optional[str] = None
+    entity: str | None = None
+    name: str | None = None
 
 
 def write_json_atomic(path: Path, data) -> None:
@@ -46,25 +46,45 @@ def flatten(record: dict) -> dict:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, config: dict, wandb_cfg: WandbConfig, total_steps: int,
-                 start_step: int = 0, enabled: bool = True, history: Optional[dict] = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        config: dict,
+        wandb_cfg: WandbConfig,
+        total_steps: int,
+        start_step: int = 0,
+        enabled: bool = True,
+        history: dict | None = None,
+    ):
         self.enabled = enabled
         self.path = run_dir / "metrics.json"
-        self.data = {"config": config, "steps": [], "evals": [], "alarms": [],
-                     "skipped_steps": []}
+        self.data = {"config": config, "steps": [], "evals": [], "alarms": [], "skipped_steps": []}
         if history:
             for kind in ("steps", "evals", "alarms", "skipped_steps"):
                 self.data[kind] = [r for r in history.get(kind, []) if r["step"] <= start_step]
-        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
-                        dynamic_ncols=True, disable=not enabled or None)
+        self.bar = tqdm(
+            total=total_steps,
+            initial=start_step,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            disable=not enabled or None,
+        )
         self.wandb = None
         if enabled and wandb_cfg.mode != "disabled":
             import wandb
 
             self.wandb = wandb.init(
-                project=wandb_cfg.project, entity=wandb_cfg.entity, name=wandb_cfg.name,
-                mode=wandb_cfg.mode, dir=str(run_dir), config=config, resume="allow",
-                id=wandb_cfg.name or run_dir.resolve().name, settings=wandb.Settings(silent=True))
+                project=wandb_cfg.project,
+                entity=wandb_cfg.entity,
+                name=wandb_cfg.name,
+                mode=wandb_cfg.mode,
+                dir=str(run_dir),
+                config=config,
+                resume="allow",
+                id=wandb_cfg.name or run_dir.resolve().name,
+                settings=wandb.Settings(silent=True),
+            )
 
     def advance(self, steps: int = 1) -> None:
         if self.enabled:
@@ -82,13 +102,16 @@ class MetricsLogger:
             ce = " ".join(f"{c:.3f}" for c in record["ce"])
             rms = " ".join(f"{r:.3g}" for r in record["hidden_rms"])
             top = " ".join(f"{r:.3g}" for r in record["hidden_rms_max"])
-            self.bar.set_postfix_str(f"loss {record['loss']:.4f} | CE/loop {ce} | RMS/loop {rms}"
-                                     f" | max {top}")
+            self.bar.set_postfix_str(
+                f"loss {record['loss']:.4f} | CE/loop {ce} | RMS/loop {rms} | max {top}"
+            )
         else:
-            self.bar.write(f"step {record['step']}: valid CE/loop "
-                           + " ".join(f"{c:.4f}" for c in record["ce"])
-                           + f" ({record['valid_windows']} windows, {record['valid_tokens']} "
-                             f"tokens)")
+            self.bar.write(
+                f"step {record['step']}: valid CE/loop "
+                + " ".join(f"{c:.4f}" for c in record["ce"])
+                + f" ({record['valid_windows']} windows, {record['valid_tokens']} "
+                f"tokens)"
+            )
 
     def alarm(self, alarm: dict, message: str) -> None:
         """A scale alarm: a log line, an entry in metrics.json, and in wandb a value
@@ -99,10 +122,13 @@ class MetricsLogger:
         write_json_atomic(self.path, self.data)
         self.bar.write(f"megaloop: {message}")
         if self.wandb is not None:
-            self.wandb.log({f"scale_alarm/{alarm['rule']}/loop{alarm['loop']}": alarm["value"]},
-                           step=alarm["step"])
-            self.wandb.alert(title=f"megaloop scale alarm, loop {alarm['loop']}", text=message,
-                             level="WARN")
+            self.wandb.log(
+                {f"scale_alarm/{alarm['rule']}/loop{alarm['loop']}": alarm["value"]},
+                step=alarm["step"],
+            )
+            self.wandb.alert(
+                title=f"megaloop scale alarm, loop {alarm['loop']}", text=message, level="WARN"
+            )
 
     def skipped(self, step: int, what: str) -> None:
         """A step whose update was not applied (train.nonfinite=skip): counted in metrics.json

@@ -27,8 +27,12 @@ class OptimConfig(Config):
 
     def validate(self, prefix: str = "") -> None:
         check(self.lr > 0, prefix + "lr", self.lr, "must be > 0")
-        check(0 <= self.min_lr <= self.lr, prefix + "min_lr", self.min_lr,
-              f"must lie in [0, lr={self.lr}]")
+        check(
+            0 <= self.min_lr <= self.lr,
+            prefix + "min_lr",
+            self.min_lr,
+            f"must lie in [0, lr={self.lr}]",
+        )
         check(self.warmup_steps >= 0, prefix + "warmup_steps", self.warmup_steps, "must be >= 0")
         check(self.weight_decay >= 0, prefix + "weight_decay", self.weight_decay, "must be >= 0")
         for name in ("beta1", "beta2"):
@@ -43,13 +47,29 @@ class OptimConfig(Config):
         plain optimizer), so every layout writes the same reshardable checkpoint format."""
         optimizer = get_megatron_optimizer(
             OptimizerConfig(
-                optimizer="adam", lr=self.lr, min_lr=self.min_lr, weight_decay=self.weight_decay,
-                adam_beta1=self.beta1, adam_beta2=self.beta2, adam_eps=self.eps,
-                clip_grad=self.clip_grad, use_distributed_optimizer=True),
-            model_chunks)
+                optimizer="adam",
+                lr=self.lr,
+                min_lr=self.min_lr,
+                weight_decay=self.weight_decay,
+                adam_beta1=self.beta1,
+                adam_beta2=self.beta2,
+                adam_eps=self.eps,
+                clip_grad=self.clip_grad,
+                use_distributed_optimizer=True,
+            ),
+            model_chunks,
+        )
         scheduler = OptimizerParamScheduler(
-            optimizer, init_lr=0.0, max_lr=self.lr, min_lr=self.min_lr,
-            lr_warmup_steps=self.warmup_steps, lr_decay_steps=max(steps, self.warmup_steps + 1),
-            lr_decay_style="cosine", start_wd=self.weight_decay, end_wd=self.weight_decay,
-            wd_incr_steps=max(steps, 1), wd_incr_style="constant")
+            optimizer,
+            init_lr=0.0,
+            max_lr=self.lr,
+            min_lr=self.min_lr,
+            lr_warmup_steps=self.warmup_steps,
+            lr_decay_steps=max(steps, self.warmup_steps + 1),
+            lr_decay_style="cosine",
+            start_wd=self.weight_decay,
+            end_wd=self.weight_decay,
+            wd_incr_steps=max(steps, 1),
+            wd_incr_style="constant",
+        )
         return optimizer, scheduler

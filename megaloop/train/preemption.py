@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
-from typing import Optional
 
 from megaloop.parallel import comm
 
@@ -21,7 +20,7 @@ class Preempted(Exception):
 
 
 class PreemptionWatch:
-    def __init__(self, stop_file: Optional[Path] = None):
+    def __init__(self, stop_file: Path | None = None):
         self.stop_file = stop_file
         self._signal = 0
         for sig in (signal.SIGTERM, signal.SIGUSR1):

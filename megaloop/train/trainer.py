@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -22,21 +22,26 @@ from megaloop.parallel.layout import eval_microbatches
 from megaloop.train import checkpoint, faults
 from megaloop.train.metrics import MetricsLogger
 from megaloop.train.preemption import Preempted, PreemptionWatch
-from megaloop.train.watchdog import (STOP_MARKER, ScaleAlarmConfig, ScaleWatchdog, UnhealthyRun,
-                                     write_stop_marker)
+from megaloop.train.watchdog import (
+    STOP_MARKER,
+    ScaleAlarmConfig,
+    ScaleWatchdog,
+    UnhealthyRun,
+    write_stop_marker,
+)
 
 
 @dataclass
 class TrainConfig(Config):
-    dir: Optional[str] = None
+    dir: str | None = None
     """The run directory (checkpoints/, metrics.json, wandb/); null: built from the config
     file's path and the seed, runs/<path under configs/experiments>/seed<seed>, so seeds and
     variants never share one (megaloop.experiment.default_run_dir)."""
-    steps: Optional[int] = None
+    steps: int | None = None
     """Optimizer steps. Null with data.epochs set: as many as those epochs take. Given together
     with data.epochs, train.steps wins (and the run says so)."""
     seed: int = 0
-    init_from: Optional[str] = None
+    init_from: str | None = None
     """A checkpoint folder or run directory (e.g. a `megaloop import ouro` folder) whose model
     weights a new run starts from: weights only, fresh optimizer, any layout. A run directory
     that already holds a checkpoint resumes from that instead."""
@@ -46,7 +51,7 @@ class TrainConfig(Config):
     log_every: int = 10
     eval_every: int = 0
     """Validation every N steps; 0 = only after the last step."""
-    eval_batches: Union[int, Literal["all"]] = 4
+    eval_batches: int | Literal["all"] = 4
     """Validation micro-batches: the first N·micro_batch_size windows of the validation split in
     file order, or `all` of it (the longest prefix that splits evenly over DP and PP)."""
     save_every: int = 0
@@ -69,15 +74,26 @@ class TrainConfig(Config):
         for name in ("micro_batch_size", "global_batch_size", "log_every", "keep_last"):
             check(getattr(self, name) >= 1, prefix + name, getattr(self, name), "must be >= 1")
         check(0 <= self.seed < 2**63, prefix + "seed", self.seed, "must be in [0, 2**63)")
-        check(self.steps is None or self.steps >= 1, prefix + "steps", self.steps,
-              "must be >= 1 (or null to train for data.epochs)")
-        check(self.eval_batches == "all" or self.eval_batches >= 1, prefix + "eval_batches",
-              self.eval_batches, "must be >= 1, or `all`")
+        check(
+            self.steps is None or self.steps >= 1,
+            prefix + "steps",
+            self.steps,
+            "must be >= 1 (or null to train for data.epochs)",
+        )
+        check(
+            self.eval_batches == "all" or self.eval_batches >= 1,
+            prefix + "eval_batches",
+            self.eval_batches,
+            "must be >= 1, or `all`",
+        )
         for name in ("eval_every", "save_every"):
             check(getattr(self, name) >= 0, prefix + name, getattr(self, name), "must be >= 0")
-        check(self.global_batch_size % self.micro_batch_size == 0, prefix + "global_batch_size",
-              self.global_batch_size,
-              f"must be a multiple of train.micro_batch_size={self.micro_batch_size}")
+        check(
+            self.global_batch_size % self.micro_batch_size == 0,
+            prefix + "global_batch_size",
+            self.global_batch_size,
+            f"must be a multiple of train.micro_batch_size={self.micro_batch_size}",
+        )
 
 
 class ValidMicrobatches(Sequence):
@@ -101,10 +117,15 @@ class Trainer:
         self.engine = engine
         self.dataset = dataset
         self.run_dir = Path(cfg.train.dir)
-        self.batches = dataset.batches(cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                                       dp_rank=engine.dp_rank, dp_size=engine.dp_size)
-        self.eval_microbatches = eval_microbatches(cfg.train, dataset.valid_windows,
-                                                   engine.dp_size, engine.layout()["pp"])
+        self.batches = dataset.batches(
+            cfg.train.global_batch_size,
+            cfg.train.micro_batch_size,
+            dp_rank=engine.dp_rank,
+            dp_size=engine.dp_size,
+        )
+        self.eval_microbatches = eval_microbatches(
+            cfg.train, dataset.valid_windows, engine.dp_size, engine.layout()["pp"]
+        )
         self.step = 0
         self.log_enabled = log
         self.is_main = dist.get_rank() == 0
@@ -118,24 +139,30 @@ class Trainer:
         elapsed = time.perf_counter() - start
         tokens = self.cfg.train.global_batch_size * self.dataset.seq_len
         record = {"step": self.step, **self.engine.reduce(outputs)}
-        record.update(lr=lr, grad_norm=grad_norm, tokens_per_s=tokens / elapsed,
-                      step_time_s=elapsed)
+        record.update(
+            lr=lr, grad_norm=grad_norm, tokens_per_s=tokens / elapsed, step_time_s=elapsed
+        )
         if not applied:
             record["skipped"] = True
         return record
 
     @torch.no_grad()
-    def evaluate(self, num_loops: Optional[int] = None) -> dict:
+    def evaluate(self, num_loops: int | None = None) -> dict:
         """Validation terms per loop over the first `eval_microbatches` micro-batches of the
         validation split (the same windows every time, for every seed and layout), split over
         data-parallel ranks; the record states the prefix it covers."""
         self.engine.train(False)
         mbs, n = self.cfg.train.micro_batch_size, self.eval_microbatches
-        mine = ValidMicrobatches(self.dataset, range(self.engine.dp_rank, n, self.engine.dp_size),
-                                 mbs)
+        mine = ValidMicrobatches(
+            self.dataset, range(self.engine.dp_rank, n, self.engine.dp_size), mbs
+        )
         outputs = self.engine.step(mine, forward_only=True, num_loops=num_loops)
-        return {"step": self.step, **self.engine.reduce(outputs), "valid_windows": n * mbs,
-                "valid_tokens": n * mbs * self.dataset.seq_len}
+        return {
+            "step": self.step,
+            **self.engine.reduce(outputs),
+            "valid_windows": n * mbs,
+            "valid_tokens": n * mbs * self.dataset.seq_len,
+        }
 
     @property
     def checkpoints(self) -> Path:
@@ -143,10 +170,11 @@ class Trainer:
 
     def save(self) -> Path:
         position = {"step": self.step, "consumed_samples": self.batches.consumed_samples}
-        return checkpoint.save(self.checkpoints, self.engine, position, self.cfg.to_dict(),
-                               self.cfg.train.keep_last)
+        return checkpoint.save(
+            self.checkpoints, self.engine, position, self.cfg.to_dict(), self.cfg.train.keep_last
+        )
 
-    def resume(self) -> Optional[Path]:
+    def resume(self) -> Path | None:
         """Continue from the newest complete checkpoint of the run directory, if any."""
         folder = checkpoint.find_latest(self.checkpoints)
         if folder is not None:
@@ -157,7 +185,7 @@ class Trainer:
             self.engine.load_weights(checkpoint.resolve(Path(self.cfg.train.init_from)))
         return folder
 
-    def _history(self) -> Optional[dict]:
+    def _history(self) -> dict | None:
         path = self.run_dir / "metrics.json"
         return json.loads(path.read_text()) if self.step and path.is_file() else None
 
@@ -176,8 +204,9 @@ class Trainer:
         raise UnhealthyRun (every rank)."""
         folder = self.save() if save else checkpoint.find_latest(self.checkpoints)
         if self.is_main:
-            write_stop_marker(self.run_dir, reason, message, step=self.step,
-                              checkpoint=str(folder), **details)
+            write_stop_marker(
+                self.run_dir, reason, message, step=self.step, checkpoint=str(folder), **details
+            )
         kept = f"checkpoint {folder} saved" if save else f"newest checkpoint: {folder}"
         raise UnhealthyRun(f"stopped at step {self.step}: {message}; {kept}")
 
@@ -196,9 +225,15 @@ class Trainer:
         if resumed is not None and self.log_enabled:
             print(f"megaloop: resumed from {resumed} (step {self.step})", flush=True)
         preemption = PreemptionWatch(stop_file=self.run_dir / "PREEMPT")
-        logger = MetricsLogger(self.run_dir, self.cfg.to_dict(), self.cfg.wandb, t.steps,
-                               start_step=self.step, enabled=self.log_enabled,
-                               history=self._history() if self.log_enabled else None)
+        logger = MetricsLogger(
+            self.run_dir,
+            self.cfg.to_dict(),
+            self.cfg.wandb,
+            t.steps,
+            start_step=self.step,
+            enabled=self.log_enabled,
+            history=self._history() if self.log_enabled else None,
+        )
         watchdog = ScaleWatchdog(t.scale_alarm)
         hold_at = faults.hold_at_step()
         try:
@@ -220,8 +255,11 @@ class Trainer:
                 for alarm in alarms:
                     logger.alarm(alarm.to_dict(), alarm.message())
                 if alarms and t.scale_alarm.action == "stop":
-                    self.stop_unhealthy("scale_alarm", "scale alarm, " + "; ".join(
-                        a.what() for a in alarms), alarms=[a.to_dict() for a in alarms])
+                    self.stop_unhealthy(
+                        "scale_alarm",
+                        "scale alarm, " + "; ".join(a.what() for a in alarms),
+                        alarms=[a.to_dict() for a in alarms],
+                    )
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
                     logger.log(self.evaluate(), kind="evals")
                 if self.step == hold_at:  # a preemption at a chosen step, without a race

@@ -23,7 +23,7 @@ import math
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 from megaloop.config import Config, check
 
@@ -51,9 +51,9 @@ def write_stop_marker(run_dir: Path, reason: str, message: str, **details) -> Pa
 
 @dataclass
 class ScaleAlarmConfig(Config):
-    max_rms: Optional[float] = None
+    max_rms: float | None = None
     """Alarm when a loop's largest per-token ‖H_k‖_rms in a step exceeds this; null = off."""
-    growth: Optional[float] = None
+    growth: float | None = None
     """Alarm when a loop's mean ‖H_k‖_rms has grown by this factor (> 1) over `window` steps;
     null = off."""
     window: int = 100
@@ -62,10 +62,18 @@ class ScaleAlarmConfig(Config):
     """warn: log it and go on; stop: save a checkpoint and exit with EXIT_UNHEALTHY (65)."""
 
     def validate(self, prefix: str = "") -> None:
-        check(self.max_rms is None or self.max_rms > 0, prefix + "max_rms", self.max_rms,
-              "must be > 0, or null to turn the rule off")
-        check(self.growth is None or self.growth > 1, prefix + "growth", self.growth,
-              "is a growth factor and must be > 1, or null to turn the rule off")
+        check(
+            self.max_rms is None or self.max_rms > 0,
+            prefix + "max_rms",
+            self.max_rms,
+            "must be > 0, or null to turn the rule off",
+        )
+        check(
+            self.growth is None or self.growth > 1,
+            prefix + "growth",
+            self.growth,
+            "is a growth factor and must be > 1, or null to turn the rule off",
+        )
         check(self.window >= 1, prefix + "window", self.window, "must be >= 1 (steps)")
 
 
@@ -78,15 +86,19 @@ class Alarm:
     value: float
     """max_rms: the token max; growth: the factor over the window."""
     limit: float
-    window: Optional[int] = None
+    window: int | None = None
     """growth: the steps the factor is measured over."""
 
     def what(self) -> str:
         if self.rule == "max_rms":
-            return (f"loop {self.loop}: max hidden RMS {self.value:.4g} > "
-                    f"train.scale_alarm.max_rms={self.limit:g}")
-        return (f"loop {self.loop}: mean hidden RMS grew x{self.value:.4g} over {self.window} "
-                f"steps (train.scale_alarm.growth={self.limit:g})")
+            return (
+                f"loop {self.loop}: max hidden RMS {self.value:.4g} > "
+                f"train.scale_alarm.max_rms={self.limit:g}"
+            )
+        return (
+            f"loop {self.loop}: mean hidden RMS grew x{self.value:.4g} over {self.window} "
+            f"steps (train.scale_alarm.growth={self.limit:g})"
+        )
 
     def message(self) -> str:
         return f"scale alarm at step {self.step}, {self.what()}"
@@ -116,8 +128,7 @@ class ScaleWatchdog:
                 for k, (now, then) in enumerate(zip(record["hidden_rms"], self.means[0]), 1):
                     factor = now / then if then > 0 else math.inf
                     if not factor < cfg.growth:
-                        active.append(Alarm(step, k, "growth", factor, cfg.growth,
-                                            cfg.window))
+                        active.append(Alarm(step, k, "growth", factor, cfg.growth, cfg.window))
         new = [a for a in active if (a.rule, a.loop) not in self.firing]
         self.firing = {(a.rule, a.loop) for a in active}
         return new
