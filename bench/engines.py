@@ -17,9 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megaloop import _cpu_compat, experiment, objectives
-from megaloop.model.init import init_weights
-from megaloop.model.looped import LoopedLM
-from megaloop.model.specs import transformer_config
+from megaloop.model.looped import build_model
 from megaloop.parallel import distributed
 
 DEFAULTS = [
@@ -42,8 +40,7 @@ class TorchDDP:
 
     def __init__(self, cfg):
         self.cfg = cfg
-        self.module = LoopedLM(cfg.model, transformer_config(cfg.model))
-        init_weights(self.module, cfg.train.seed)
+        self.module = build_model(cfg.model, cfg.train.seed)
         self.ddp = torch.nn.parallel.DistributedDataParallel(self.module)
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(

@@ -17,9 +17,7 @@ import argparse
 import torch
 
 from megaloop import _cpu_compat, experiment
-from megaloop.model.init import init_weights
-from megaloop.model.looped import LoopedLM
-from megaloop.model.specs import recompute_config, transformer_config
+from megaloop.model.looped import LoopedLM, build_model
 from megaloop.parallel import distributed
 from megaloop.parallel.layout import activation_bytes, saved_activation_bytes
 
@@ -28,16 +26,12 @@ OPTIONS = ("none", "selective", "full", "loop")
 
 def build(cfg, device: str) -> LoopedLM:
     with torch.device(device):
-        model = LoopedLM(
+        model = build_model(
             cfg.model,
-            transformer_config(
-                cfg.model,
-                use_cpu_initialization=device == "cpu",
-                **recompute_config(cfg.train.recompute),
-            ),
+            0,
             recompute=cfg.train.recompute,
+            use_cpu_initialization=device == "cpu",
         )
-    init_weights(model, 0)
     return model.train()
 
 

@@ -245,7 +245,7 @@ def check_init_from(cfg: ExperimentConfig) -> None:
 def build_trainer(cfg: ExperimentConfig, log: bool = True):
     """The chain: process groups → data → engine (model + parallelism) → trainer."""
     from megaloop.parallel import distributed, layout
-    from megaloop.parallel.megatron import Engine
+    from megaloop.parallel.megatron import MegatronEngine
     from megaloop.train.trainer import Trainer
 
     cfg.data.check_files()
@@ -277,7 +277,7 @@ def build_trainer(cfg: ExperimentConfig, log: bool = True):
         for prefix in dict.fromkeys(p for p in (cfg.data.path, cfg.data.valid_path) if p):
             check_indexed(prefix, cfg.model.vocab_size)
     layout.eval_microbatches(t, dataset.valid_windows, dp, cfg.parallel.pp)  # before the model
-    engine_class = Engine
+    engine_class = MegatronEngine
     if cfg.engine == "deepspeed":
         from megaloop.parallel.deepspeed import DeepSpeedEngine as engine_class
     engine = engine_class(cfg, cfg.data.seq_len, cfg.train.micro_batch_size)

@@ -266,8 +266,7 @@ def import_ouro(src: Path, out: Path) -> Path:
     from megatron.core import dist_checkpointing
 
     from megaloop.experiment import ExperimentConfig
-    from megaloop.model.looped import LoopedLM
-    from megaloop.model.specs import transformer_config
+    from megaloop.model.looped import build_model
     from megaloop.train import checkpoint
 
     if not (src / "config.json").is_file():
@@ -281,7 +280,7 @@ def import_ouro(src: Path, out: Path) -> Path:
     seq_len = min(ExperimentConfig().data.seq_len, model.max_seq_len)
     cfg = ExperimentConfig.from_dict({"model": model.to_dict(), "data": {"seq_len": seq_len}})
     state = from_ouro(tensors, model)
-    module = LoopedLM(model, transformer_config(model))
+    module = build_model(model, seed=None)
     missing, unexpected = module.load_state_dict(state, strict=False)
     missing = [m for m in missing if "_extra_state" not in m]
     if missing or unexpected:

@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from megaloop import experiment
 from megaloop.parallel import distributed
+from megaloop.parallel.engine import RANK_REPORT_KEYS
 from megaloop.parallel.layout import state_bytes
 from multiproc import BASE, OBJECTIVES, TINY, assert_same_curve, kill_9_then_resume, metrics, train
 
@@ -50,6 +51,7 @@ def test_zero_equals_one_process_megatron_engine(reference_run, ds_run, name, me
     report = run["layout"]
     planned = state_bytes(cfg, report["tp"], 1, report["dp"])
     for r in report["ranks"]:
+        assert RANK_REPORT_KEYS <= set(r)  # the engine contract's report
         assert r["param_bytes"] == planned["weights"]
         assert r["optimizer_bytes"] == planned["optimizer"]
     written = json.loads((run_dir / "deepspeed.json").read_text())

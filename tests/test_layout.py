@@ -7,9 +7,7 @@ import pytest
 import torch
 
 from megaloop import experiment
-from megaloop.model.init import init_weights
-from megaloop.model.looped import LoopedLM
-from megaloop.model.specs import recompute_config, transformer_config
+from megaloop.model.looped import build_model
 from megaloop.parallel import layout
 
 TINY = "configs/experiments/tiny.yaml"
@@ -26,12 +24,7 @@ TOLERANCE = 0.15
 
 
 def measured(cfg) -> int:
-    model = LoopedLM(
-        cfg.model,
-        transformer_config(cfg.model, **recompute_config(cfg.train.recompute)),
-        recompute=cfg.train.recompute,
-    )
-    init_weights(model, 0)
+    model = build_model(cfg.model, 0, recompute=cfg.train.recompute)
     model.train()
     tokens = torch.randint(
         0,
@@ -80,7 +73,7 @@ def test_activation_figures_follow_the_architecture(overrides):
 
 def real_counts(model_cfg) -> dict:
     with torch.device("meta"):
-        model = LoopedLM(model_cfg, transformer_config(model_cfg, use_cpu_initialization=True))
+        model = build_model(model_cfg, seed=None, use_cpu_initialization=True)
     return model.num_parameters()
 
 

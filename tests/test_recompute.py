@@ -80,9 +80,8 @@ def test_full_and_loop_recompute_keep_fewer_activations(tiny_cfg):
 
 def test_selective_turns_on_megatron_cores_core_attention_recompute(tiny_cfg):
     """Its equality test above would also pass if the option did nothing."""
-    from megaloop.model.looped import LoopedLM
-    from megaloop.model.specs import recompute_config, transformer_config
+    from megaloop.model.looped import build_model
 
     for option, expected in (("none", False), ("selective", True)):
-        model = LoopedLM(tiny_cfg, transformer_config(tiny_cfg, **recompute_config(option)))
+        model = build_model(tiny_cfg, recompute=option)
         assert model.layers[0].self_attention.checkpoint_core_attention is expected

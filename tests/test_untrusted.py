@@ -223,10 +223,10 @@ def test_a_payload_in_a_sharded_object_of_the_distcp_shards_is_refused_on_resume
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from megaloop.parallel.megatron import Engine
+    from megaloop.parallel.megatron import MegatronEngine
 
     marker = tmp_path / "PAYLOAD_RAN"
-    real = Engine._rng_state
+    real = MegatronEngine._rng_state
 
     def poisoned(self):
         obj = real(self)
@@ -234,9 +234,9 @@ def test_a_payload_in_a_sharded_object_of_the_distcp_shards_is_refused_on_resume
         return obj
 
     run_dir = tmp_path / "run"
-    monkeypatch.setattr(Engine, "_rng_state", poisoned)
+    monkeypatch.setattr(MegatronEngine, "_rng_state", poisoned)
     train_here(run_dir, STEPS)
-    monkeypatch.setattr(Engine, "_rng_state", real)
+    monkeypatch.setattr(MegatronEngine, "_rng_state", real)
     folder = run_dir / "checkpoints" / STEP
     assert checkpoint.verify(folder) is None and not marker.exists()
 

@@ -237,7 +237,7 @@ def test_too_few_windows_for_all_or_a_number_is_refused_before_the_model(
     def no_model(*args, **kwargs):
         raise AssertionError("the model was built before the check")
 
-    monkeypatch.setattr(megatron, "Engine", no_model)
+    monkeypatch.setattr(megatron, "MegatronEngine", no_model)
     cfg = text_run(
         tmp_path,
         text_files,

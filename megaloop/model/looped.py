@@ -381,12 +381,34 @@ class LoopedLM(LanguageModule):
         return {"embedding": embedding, "non_embedding": total - embedding, "total": total}
 
 
-def build_model(cfg: ModelConfig, seed: int = 0, **transformer_overrides) -> LoopedLM:
-    """The whole model on one device, initialised from `seed`; parallelism builds its stages
-    from the same class and the same initialisation (megaloop.model.init)."""
+def build_model(
+    cfg: ModelConfig,
+    seed: int | None = 0,
+    *,
+    recompute: Recompute = "none",
+    pre_process: bool = True,
+    post_process: bool = True,
+    layer_ids: range | None = None,
+    vp_stage: int | None = None,
+    **transformer_overrides,
+) -> LoopedLM:
+    """The one way a LoopedLM is made: the whole model on one device, or (given the stage's
+    place and megatron-core's parallel sizes in `transformer_overrides`) one pipeline stage,
+    built already tensor-parallel sharded. Initialised from `seed` the same way in every layout
+    (megaloop.model.init); `seed=None` leaves it for weights loaded next."""
     from megaloop.model.init import init_weights
-    from megaloop.model.specs import transformer_config
+    from megaloop.model.specs import recompute_config, transformer_config
 
-    model = LoopedLM(cfg, transformer_config(cfg, **transformer_overrides))
-    init_weights(model, seed)
+    config = transformer_config(cfg, **recompute_config(recompute), **transformer_overrides)
+    model = LoopedLM(
+        cfg,
+        config,
+        pre_process=pre_process,
+        post_process=post_process,
+        layer_ids=layer_ids,
+        vp_stage=vp_stage,
+        recompute=recompute,
+    )
+    if seed is not None:
+        init_weights(model, seed)
     return model

@@ -25,12 +25,11 @@ from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from megaloop import objectives
-from megaloop.config import Config, check
-from megaloop.model.init import init_weights
-from megaloop.model.looped import LoopedLM
-from megaloop.model.specs import recompute_config, transformer_config
+from megaloop.config import Config, ConfigError, check
+from megaloop.model.looped import build_model
 from megaloop.parallel import comm
 from megaloop.parallel.distributed import NonFiniteUpdate, reduce_terms, terms_finite
+from megaloop.parallel.engine import StepResult
 from megaloop.parallel.layout import optimizer_state_bytes
 from megaloop.safe_load import deepspeed_globals, untrusted
 
@@ -135,13 +134,13 @@ class DeepSpeedEngine:
         self.objective = cfg.objective
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.stage = cfg.deepspeed.zero_stage
-        self.config = transformer_config(
+        self.module = build_model(
             cfg.model,
+            cfg.train.seed,
+            recompute=cfg.train.recompute,
             tensor_model_parallel_size=cfg.parallel.tp,
-            **recompute_config(cfg.train.recompute),
         )
-        self.module = LoopedLM(cfg.model, self.config, recompute=cfg.train.recompute)
-        init_weights(self.module, cfg.train.seed)
+        self.config = self.module.config
         decay = [p for n, p in self.module.named_parameters() if p.ndim > 1]
         no_decay = [p for n, p in self.module.named_parameters() if p.ndim <= 1]
         groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -175,7 +174,7 @@ class DeepSpeedEngine:
     def train(self, mode: bool = True) -> None:
         self.ds.train(mode)
 
-    def train_step(self, microbatches: list) -> tuple[list[dict], float, float, bool]:
+    def train_step(self, microbatches: list) -> StepResult:
         """(terms, grad norm, lr used, whether the update was applied). A non-finite loss on any
         rank stops before DeepSpeed's update (train.nonfinite=stop; skipping would desynchronise
         its accumulation counter, so `skip` is refused at config time). A non-finite gradient
@@ -190,7 +189,7 @@ class DeepSpeedEngine:
             self.ds.backward(loss)  # DeepSpeed divides by the accumulation steps
             outputs.append({"loss": loss.detach().clone(), **terms})
             if i == len(microbatches) - 1 and comm.any_rank(not terms_finite(outputs)):
-                return outputs, float("nan"), lr, False
+                return StepResult(outputs, float("nan"), lr, False)
             self.ds.step()  # an optimizer step only at the accumulation boundary
         norm = self.ds.get_global_grad_norm()  # None under ZeRO-0 (DeepSpeed does not keep it)
         if norm is not None and not math.isfinite(float(norm)):
@@ -198,7 +197,7 @@ class DeepSpeedEngine:
                 f"DeepSpeed applied a non-finite gradient (norm {norm}): the "
                 f"weights in memory are lost; the newest checkpoint is intact"
             )
-        return outputs, None if norm is None else float(norm), lr, True
+        return StepResult(outputs, None if norm is None else float(norm), lr, True)
 
     def step(
         self, microbatches: list, forward_only: bool = True, num_loops: int | None = None
@@ -253,6 +252,12 @@ class DeepSpeedEngine:
         rng = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
         self.ds.save_checkpoint(
             str(folder), tag=TAG, client_state={"rng": rng, **position}, save_latest=False
+        )
+
+    def load_weights(self, folder) -> None:
+        raise ConfigError(
+            "train.init_from is read by engine=megatron only (megatron-core dist checkpoints, any "
+            "layout); start from it with engine=megatron"
         )
 
     def load_state(self, folder, same_layout: bool) -> None:

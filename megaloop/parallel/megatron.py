@@ -25,11 +25,10 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from megaloop import objectives
-from megaloop.model.init import init_weights
-from megaloop.model.looped import LoopedLM
-from megaloop.model.specs import recompute_config, transformer_config
+from megaloop.model.looped import build_model
 from megaloop.parallel import comm
 from megaloop.parallel.distributed import reduce_terms, terms_finite
+from megaloop.parallel.engine import StepResult
 from megaloop.parallel.layout import optimizer_state_bytes
 from megaloop.parallel.pipeline import ExitStore, LapChunk
 from megaloop.safe_load import untrusted
@@ -50,7 +49,7 @@ def _copy_only_loaded_optimizer_states(self, model_param, tensors):
         destination[key].copy_(value)
 
 
-class Engine:
+class MegatronEngine:
     name = "megatron"
 
     def __init__(self, cfg, seq_len: int, micro_batch_size: int):
@@ -64,8 +63,15 @@ class Engine:
         self.dp_size = ps.get_data_parallel_world_size()
         pipelined = par.pp > 1
         K, L = model_cfg.num_loops, model_cfg.num_layers
-        self.config = transformer_config(
+        per_rank = L // par.pp
+        self.module = build_model(
             model_cfg,
+            cfg.train.seed,
+            recompute=cfg.train.recompute,
+            pre_process=self.pp_rank == 0,
+            post_process=self.pp_rank == par.pp - 1,
+            layer_ids=range(self.pp_rank * per_rank, (self.pp_rank + 1) * per_rank),
+            vp_stage=0 if pipelined else None,
             tensor_model_parallel_size=par.tp,
             pipeline_model_parallel_size=par.pp,
             # the ring is K·L layer applications: K virtual stages of L/PP layers per rank
@@ -73,19 +79,8 @@ class Engine:
             num_layers=K * L if pipelined else L,
             pipeline_dtype=torch.float32,
             batch_p2p_comm=False,
-            **recompute_config(cfg.train.recompute),
         )
-        per_rank = L // par.pp
-        self.module = LoopedLM(
-            model_cfg,
-            self.config,
-            pre_process=self.pp_rank == 0,
-            post_process=self.pp_rank == par.pp - 1,
-            layer_ids=range(self.pp_rank * per_rank, (self.pp_rank + 1) * per_rank),
-            vp_stage=0 if pipelined else None,
-            recompute=cfg.train.recompute,
-        )
-        init_weights(self.module, cfg.train.seed)
+        self.config = self.module.config
         self.ddp = DistributedDataParallel(
             self.config,
             DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True),
@@ -129,19 +124,19 @@ class Engine:
             "dp": self.dp_size,
         }
 
-    def train_step(self, microbatches: list) -> tuple[list[dict], float, float, bool]:
+    def train_step(self, microbatches: list) -> StepResult:
         """One optimizer step over this rank's micro-batches: (terms, grad norm, lr used, whether
         the update was applied). A non-finite loss on any rank or a non-finite gradient norm
         leaves weights, optimizer and schedule as they were (megatron-core's own step checks
         only fp16's loss scaler): every rank decides the same from the same collectives."""
         self.optimizer.zero_grad()  # param.grad aliases the DDP buffer after a step: unlink it
-        outputs = self.step(microbatches)
+        outputs = self.step(microbatches, forward_only=False)
         lr = self.optimizer.param_groups[0]["lr"]
         finite_loss = not comm.any_rank(not terms_finite(outputs))
         self.optimizer.prepare_grads()
         grad_norm = self.optimizer.get_grad_norm()
         if not (finite_loss and math.isfinite(grad_norm)):
-            return outputs, grad_norm, lr, False
+            return StepResult(outputs, grad_norm, lr, False)
         for opt in self.optimizer.chained_optimizers:  # ChainedOptimizer.step's clip, then step
             params = opt.get_parameters()
             if opt.config.clip_grad > 0.0 and params:
@@ -150,10 +145,10 @@ class Engine:
                 )
         self.optimizer.step_with_ready_grads()
         self.scheduler.step(increment=1)
-        return outputs, grad_norm, lr, True
+        return StepResult(outputs, grad_norm, lr, True)
 
     def step(
-        self, microbatches: list, forward_only: bool = False, num_loops: int | None = None
+        self, microbatches: list, forward_only: bool = True, num_loops: int | None = None
     ) -> list[dict]:
         """Forward (and backward) over this rank's micro-batches ([b, s+1] tokens each); returns
         the objective's terms per micro-batch on last-stage ranks, [] elsewhere."""
@@ -316,7 +311,7 @@ class Engine:
 
 def consolidated_state(folder, cfg, layout: dict) -> dict[str, torch.Tensor]:
     """The whole model's tensors from a megatron checkpoint of any layout (one process)."""
-    module = LoopedLM(cfg.model, transformer_config(cfg.model))
+    module = build_model(cfg.model, seed=None)
     with untrusted(folder):
         loaded = dist_checkpointing.load({"model": module.sharded_state_dict()}, str(folder))
     module.load_state_dict(loaded["model"])
