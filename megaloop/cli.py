@@ -10,6 +10,7 @@ import warnings
 
 from megaloop.config import ConfigError
 from megaloop.evaluation.exported import EvalError
+from megaloop.extras import require
 from megaloop.parallel.launch import LaunchError
 
 
@@ -88,6 +89,18 @@ def cmd_params(args) -> int:
     return 0
 
 
+def cmd_configs(args) -> int:
+    from megaloop.config import CONFIG_ROOT, shipped_configs
+
+    print(
+        f"shipped configs ({CONFIG_ROOT}); give one by name, e.g. `megaloop params model/129m` "
+        f"or `megaloop train experiments/tiny`:"
+    )
+    for name in shipped_configs():
+        print(f"  {name}")
+    return 0
+
+
 def cmd_plan(args) -> int:
     cfg = _config(args)
     from megaloop.parallel import layout
@@ -144,6 +157,7 @@ def cmd_ckpt_consolidate(args) -> int:
 
 
 def cmd_export(args) -> int:
+    require("eval", "megaloop export", ("transformers",))
     from pathlib import Path
 
     from megaloop.export import export
@@ -184,6 +198,7 @@ def cmd_import_ouro(args) -> int:
 
 
 def cmd_eval_downstream(args) -> int:
+    require("eval", "megaloop eval downstream")
     from pathlib import Path
 
     from megaloop.evaluation import downstream
@@ -220,6 +235,7 @@ def cmd_eval_compare(args) -> int:
 
 
 def cmd_bench_fixed_k(args) -> int:
+    require("eval", "megaloop bench fixed-k", ("transformers",))
     from pathlib import Path
 
     from megaloop.evaluation import fixed_k, harness
@@ -240,6 +256,7 @@ def cmd_bench_fixed_k(args) -> int:
 
 
 def cmd_depth(args) -> int:
+    require("eval", "megaloop depth", ("transformers",))
     from pathlib import Path
 
     from megaloop.evaluation import depth, harness
@@ -260,6 +277,7 @@ def cmd_depth(args) -> int:
 
 
 def cmd_halt(args) -> int:
+    require("eval", "megaloop halt", ("transformers",))
     from pathlib import Path
 
     from megaloop.evaluation import halting
@@ -293,6 +311,7 @@ def cmd_halt(args) -> int:
 
 
 def cmd_diagnose(args) -> int:
+    require("eval", "megaloop diagnose", ("transformers",))
     from pathlib import Path
 
     from megaloop.evaluation import diagnostics
@@ -321,6 +340,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_prep(args) -> int:
+    require("prep", "megaloop prep")
     import data_prep
     from data_prep.common import PrepError
 
@@ -487,6 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="also show memory per rank for the config's parallel.tp/pp on this many ranks",
     )
     params.set_defaults(fn=cmd_params)
+    sub.add_parser(
+        "configs", help="list the shipped configs (any command takes one by name)"
+    ).set_defaults(fn=cmd_configs)
     plan = with_config(
         sub.add_parser(
             "plan",

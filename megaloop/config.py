@@ -9,6 +9,7 @@ allowed, before any compute starts.
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import math
 import types
 import typing
@@ -17,7 +18,9 @@ from typing import Any, Literal, Union
 
 import yaml
 
-CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_ROOT = Path(str(importlib.resources.files("megaloop") / "_files" / "configs")).resolve()
+"""The shipped configs: the repository's configs/ (megaloop/_files/configs links to it), package
+data in a wheel. A config given by name is looked up here: `megaloop params 129m`."""
 
 
 class ConfigError(ValueError):
@@ -158,13 +161,32 @@ def _deep_merge(base: dict, update: dict) -> dict:
 
 
 def _resolve(ref: str, relative_to: Path) -> Path:
-    for candidate in (relative_to / ref, CONFIG_ROOT / ref, Path(ref)):
-        if candidate.is_file():
-            return candidate
+    """A config file: a path (beside the including file, or from the working directory), or a
+    shipped config by name: 129m, experiments/tiny, wikitext103/44m/per_loop_norm."""
+    names = [ref] if ref.endswith((".yaml", ".yml")) else [ref, ref + ".yaml"]
+    roots = (relative_to, CONFIG_ROOT, Path(), CONFIG_ROOT / "model", CONFIG_ROOT / "experiments")
+    for root in roots:
+        for name in names:
+            if (root / name).is_file():
+                return root / name
     raise ConfigError(
-        f"config file '{ref}' (from {relative_to}) not found; looked beside it, "
-        f"in {CONFIG_ROOT} and in the working directory"
+        f"config file '{ref}' (from {relative_to}) not found; looked beside it, in the working "
+        f"directory and among the shipped configs in {CONFIG_ROOT} (`megaloop configs` lists "
+        f"them)"
     )
+
+
+def find_config(ref: str | Path) -> Path:
+    """A config given on the command line: a path, or a shipped config's name."""
+    return _resolve(str(ref), Path.cwd()).resolve()
+
+
+def shipped_configs() -> list[str]:
+    """Every shipped config, by a name that finds it (`megaloop configs`); the model/ and
+    experiments/ prefixes may be left out where that is unambiguous (129m)."""
+    return [
+        str(p.relative_to(CONFIG_ROOT).with_suffix("")) for p in sorted(CONFIG_ROOT.rglob("*.yaml"))
+    ]
 
 
 def read_yaml(path: Path, _seen: tuple = ()) -> dict:
@@ -222,7 +244,7 @@ def parse_override(text: str) -> dict:
 
 
 def load(cls: type[Config], path: str | Path | None, overrides: list[str] = ()) -> Config:
-    data = read_yaml(_resolve(str(path), Path.cwd())) if path is not None else {}
+    data = read_yaml(find_config(path)) if path is not None else {}
     for text in overrides:
         data = _deep_merge(data, parse_override(text))
     return cls.from_dict(data)

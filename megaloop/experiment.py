@@ -20,6 +20,7 @@ from typing import Literal
 from megaloop import config as config_lib
 from megaloop.config import CONFIG_ROOT, Config, ConfigError, check, flatten
 from megaloop.data import DataConfig
+from megaloop.extras import require
 from megaloop.model import ModelConfig
 from megaloop.objectives import ObjectiveConfig
 from megaloop.parallel.deepspeed import DeepSpeedConfig
@@ -125,7 +126,7 @@ def default_run_dir(path, seed: int) -> Path:
     runs/wikitext103/44m/per_loop_norm/seed1."""
     if path is None:
         return Path("runs", "default", f"seed{seed}")
-    resolved = Path(path).resolve()
+    resolved = config_lib.find_config(path)
     for root in (CONFIG_ROOT / "experiments", CONFIG_ROOT):
         if resolved.is_relative_to(root):
             return Path("runs", resolved.relative_to(root).with_suffix(""), f"seed{seed}")
@@ -248,6 +249,8 @@ def build_trainer(cfg: ExperimentConfig, log: bool = True):
     from megaloop.parallel.megatron import MegatronEngine
     from megaloop.train.trainer import Trainer
 
+    if cfg.engine == "deepspeed":
+        require("deepspeed", "engine=deepspeed")
     cfg.data.check_files()
     note = resolve_steps(cfg)
     dp = layout.data_parallel_size(cfg, distributed.world_size())

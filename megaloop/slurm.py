@@ -11,6 +11,7 @@ Kept free of torch imports: `megaloop slurm submit` runs on login nodes.
 
 from __future__ import annotations
 
+import importlib.resources
 import re
 import shlex
 import subprocess
@@ -18,11 +19,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from megaloop.config import find_config
 from megaloop.parallel.launch import LaunchError
 from megaloop.parallel.layout import Layout, choose_layout
 from megaloop.parallel.layout import plan as plan_layout
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "slurm"
+TEMPLATES = Path(str(importlib.resources.files("megaloop") / "_files" / "slurm")).resolve()
+"""slurm/ (megaloop/_files/slurm links to it; package data in a wheel)."""
 
 
 # -- the job script -----------------------------------------------------------------------------
@@ -93,8 +96,7 @@ class TrainJob:
                 f"for --time {self.time}: the warning comes that long before the "
                 f"limit, and the run needs time to reach it"
             )
-        if not Path(self.config).is_file():
-            raise LaunchError(f"{self.config}: no such config file")
+        self.config = str(find_config(self.config))  # a path, or a shipped config's name
 
     @property
     def ranks_per_node(self) -> int:
@@ -116,7 +118,7 @@ class Run:
 
     def command(self) -> str:
         """Bash: RUN_DIR and the RUN array of `megaloop train` arguments, every value quoted."""
-        args = [str(Path(self.config).resolve()), *self.overrides]
+        args = [str(find_config(self.config)), *self.overrides]
         return (
             f"RUN_DIR={shlex.quote(str(self.run_dir))}; "
             f"RUN=({' '.join(shlex.quote(a) for a in args)})"

@@ -9,6 +9,7 @@ from megaloop.cli import build_parser
 SUBCOMMANDS = {
     "train": ["config", "overrides"],
     "params": ["config", "overrides", "world"],
+    "configs": [],
     "plan": ["config", "overrides", "gpus", "gpu_mem", "tflops", "mfu", "gpus_per_node", "search"],
     "demo": ["text", "tokenizer", "steps", "out", "seed", "seeds"],
     "ckpt": ["ckpt_command"],

@@ -216,7 +216,7 @@ def write(out: Path, command: str, result: dict, markdown: str) -> Path:
     payload = {
         "command": command,
         "schema": 1,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         **result,
     }
     tmp = out / f".{command}.json.tmp"
