@@ -1,0 +1,157 @@
+"""Every command the README and docs/ show either runs here, as written (at small sizes: extra
+arguments appended, which win), or is listed below with the reason it cannot. A documented
+command that fails fails this test; a new one fails it until it is listed."""
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from multiproc import env, free_port
+
+pytestmark = pytest.mark.multiprocess  # two torchrun launches among them
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "slurm/README.md"]
+PROGRAMS = ("megaloop", "torchrun", "make", "python", "bash", "srun", "sbatch")
+
+# In the order they run: later ones read what earlier ones wrote (runs/tiny, its export).
+RUN = {
+    "megaloop --help": [],
+    "megaloop params configs/model/129m.yaml": [],
+    "megaloop plan configs/experiments/fineweb/1p4b_42b_tokens.yaml --gpus 128 --gpu-mem 80 "
+    "--search": [],
+    "megaloop train configs/experiments/tiny.yaml train.dir=runs/tiny train.steps=200": [
+        "train.steps=6",
+        "train.eval_batches=1",
+    ],
+    "torchrun --nproc-per-node 4 -m megaloop train configs/experiments/tiny.yaml parallel.tp=2 "
+    "parallel.pp=2 train.micro_batch_size=4 train.dir=runs/tiny-tp2pp2": ["train.steps=2"],
+    "megaloop ckpt consolidate runs/tiny-tp2pp2 runs/tiny-tp2pp2/consolidated": [],
+    "torchrun --nproc-per-node 2 -m megaloop train configs/experiments/tiny.yaml engine=deepspeed "
+    "deepspeed.zero_stage=3 train.micro_batch_size=4 train.dir=runs/tiny-zero3": ["train.steps=2"],
+    "megaloop export runs/tiny runs/tiny/hf": [],
+    "megaloop bench fixed-k runs/tiny/hf --data held_out.txt --loops 1,2,3,4": [
+        "--batches",
+        "2",
+        "--warmup",
+        "1",
+        "--seq-len",
+        "64",
+    ],
+    "megaloop depth runs/tiny --data held_out.txt --loops 1,2,3,4,8 --out runs/tiny/measure": [
+        "--sequences",
+        "8",
+        "--seq-len",
+        "64",
+    ],
+    "megaloop halt runs/tiny --data held_out.txt --rho 1.01 --out runs/tiny/measure": [
+        "--calib",
+        "8",
+        "--bench",
+        "8",
+        "--seq-len",
+        "64",
+    ],
+    "megaloop diagnose runs/tiny --data held_out.txt --out runs/tiny/measure": [
+        "--tokens",
+        "256",
+        "--seq-len",
+        "64",
+        "--rollout",
+        "4",
+    ],
+    "megaloop report runs/ --out runs/report": [],
+}
+DRY_RUN = [  # Slurm submissions: rendered and checked, not submitted
+    "megaloop slurm submit configs/experiments/fineweb/1p4b_42b_tokens.yaml --nodes 16 --gpus-per-node 8 --partition gpu --time 2-00:00:00 --sbatch-arg=--exclusive --dry-run train.dir=/scratch/megaloop/runs/fineweb-1p4b",
+]
+SKIP = {
+    "make demo": "the demo itself (tests/test_demo.py runs it short)",
+    "make test": "this test suite",
+    "make test-fast": "this test suite, less the multi-process and Slurm tests",
+    "megaloop train configs/experiments/wikitext103/44m/per_loop_norm.yaml train.seed=1": "a 44M model on prepared WikiText-103 (bench/repro_mini trains the miniature)",
+    "megaloop sweep configs/experiments/wikitext103/44m/*.yaml --seeds 0,1,2": "33 full runs (tests/test_sweep.py sweeps the tiny config)",
+    "megaloop sweep configs/experiments/wikitext103/44m/*.yaml --seeds 0,1,2 --executor slurm --nodes 1 --gpus-per-node 8 --partition gpu --time 1-00:00:00": "a Slurm cluster with GPUs (tests/test_slurm.py submits sweeps to a local cluster)",
+    "megaloop sweep configs/experiments/fineweb/1p4b_{baseline,no_readout_norm}.yaml --seeds 0 --executor slurm --nodes 2 --gpus-per-node 8 --partition gpu": "a Slurm cluster with GPUs (tests/test_slurm.py)",
+    "megaloop prep fineweb --source HuggingFaceFW/fineweb/sample/10BT --tokenizer tokenizer.json --seq-len 4096 --out data/fineweb --executor slurm --partition cpu": "FineWeb from the hub, on a Slurm cluster (tests/test_data.py and tests/test_slurm.py prepare generated JSONL, locally and as a Slurm job)",
+    "megaloop eval downstream runs/tiny/hf --loops 4 --out runs/tiny/eval-K4": "the tasks' data come from the hub (tests/test_downstream_tasks.py runs it on local task files)",
+    "megaloop eval downstream runs/tiny/hf --loops 8 --out runs/tiny/eval-K8": "the tasks' data come from the hub (tests/test_downstream_tasks.py)",
+    "megaloop eval compare runs/tiny/eval-K4 runs/tiny/eval-K8": "reads the two downstream runs above (tests/test_evaluation.py compares generated ones)",
+    "megaloop import ouro path/to/Ouro-1.4B runs/ouro-1p4b": "Ouro-1.4B's weights from the hub (tests/test_ouro.py imports a generated Ouro folder)",
+    "megaloop train configs/experiments/fineweb/1p4b_baseline.yaml train.init_from=runs/ouro-1p4b": "a 1.4B model (tests/test_ouro.py trains from an import)",
+    "megaloop export runs/fineweb/1p4b_baseline/seed0 runs/1p4b-ouro --format ouro": "a 1.4B run (tests/test_ouro.py exports a small one in Ouro's format)",
+}
+
+
+def documented() -> list[str]:
+    """The commands in the docs' shell blocks: continuation lines joined, comments and the
+    `.venv/bin/` prefix dropped; synopses (CAPITALS or [options] as placeholders) left out."""
+    commands = []
+    for path in DOCS:
+        for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", path.read_text(), re.S):
+            for line in re.sub(r"\\\n\s*", "", block).splitlines():
+                line = re.sub(r"\s+#.*$", "", line.strip()).removeprefix(".venv/bin/")
+                words = line.split()
+                if not words or words[0] not in PROGRAMS or "..." in line:
+                    continue
+                if "[" in line or any(re.match(r"[A-Z][A-Z_]{2,}", w) for w in words):
+                    continue  # a synopsis: MODEL, CONFIG, DIR_..., [--options]
+                commands.append(" ".join(words))
+    return commands
+
+
+def test_every_documented_command_is_run_here_or_says_why_not():
+    unlisted = [c for c in documented() if c not in RUN and c not in DRY_RUN and c not in SKIP]
+    assert not unlisted, "documented commands this test does not know (add them): " + "\n".join(
+        unlisted
+    )
+    stale = [c for c in [*RUN, *DRY_RUN, *SKIP] if c not in documented()]
+    assert not stale, "listed here, documented nowhere: " + "\n".join(stale)
+
+
+def argv(command: str, extra: list[str]) -> list[str]:
+    words = shlex.split(command)
+    if words[0] == "megaloop":
+        return [sys.executable, "-m", "megaloop", *words[1:], *extra]
+    assert words[0] == "torchrun"
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--master-port={free_port()}",
+        *words[1:],
+        *extra,
+    ]
+
+
+def test_the_documented_commands_run(tmp_path):
+    rng = np.random.default_rng(0)
+    (tmp_path / "held_out.txt").write_text(
+        "".join(f"{a:04d}+{b:04d}={a + b:05d}\n" for a, b in rng.integers(0, 10**4, (400, 2)))
+    )
+    for command, extra in RUN.items():
+        proc = subprocess.run(
+            argv(command, extra),
+            cwd=tmp_path,
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    for command in DRY_RUN:
+        proc = subprocess.run(
+            argv(command, ["--dry-run"]),
+            cwd=tmp_path,
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0 and "#SBATCH --nodes=16" in proc.stdout, proc.stderr[-3000:]
+    assert (tmp_path / "runs/report").is_dir() and (tmp_path / "runs/tiny/hf/config.json").is_file()
