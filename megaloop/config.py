@@ -164,8 +164,14 @@ def _resolve(ref: str, relative_to: Path) -> Path:
     """A config file: a path (beside the including file, or from the working directory), or a
     shipped config by name: 129m, experiments/tiny, wikitext103/44m/per_loop_norm."""
     names = [ref] if ref.endswith((".yaml", ".yml")) else [ref, ref + ".yaml"]
-    roots = (relative_to, CONFIG_ROOT, Path(), CONFIG_ROOT / "model", CONFIG_ROOT / "experiments",
-             CONFIG_ROOT.parent)  # the last: configs/... as the docs write it, from anywhere
+    roots = (
+        relative_to,
+        CONFIG_ROOT,
+        Path(),
+        CONFIG_ROOT / "model",
+        CONFIG_ROOT / "experiments",
+        CONFIG_ROOT.parent,
+    )  # the last: configs/... as the docs write it, from anywhere
     for root in roots:
         for name in names:
             if (root / name).is_file():
