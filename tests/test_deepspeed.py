@@ -53,6 +53,8 @@ def test_zero_equals_one_process_megatron_engine(reference_run, ds_run, name, me
     for r in report["ranks"]:
         assert RANK_REPORT_KEYS <= set(r)  # the engine contract's report
         assert r["param_bytes"] == planned["weights"]
+        # between steps ZeRO-3 keeps its gradient partition; ZeRO-1/2 have freed theirs
+        assert r["grad_bytes"] == (planned["grads"] if "zero3" in name else 0)
         assert r["optimizer_bytes"] == planned["optimizer"]
     written = json.loads((run_dir / "deepspeed.json").read_text())
     assert written["gradient_clipping"] == 1.0 and written["optimizer"]["params"]["torch_adam"]

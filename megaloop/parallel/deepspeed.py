@@ -219,9 +219,10 @@ class DeepSpeedEngine:
         return reduce_terms(outputs, holds_terms=ps.get_tensor_model_parallel_rank() == 0)
 
     def memory_report(self) -> dict:
-        """Elements each rank holds (under ZeRO-3 a partitioned parameter keeps 1/DP of it) and
-        the optimizer's state, measured. Gradients are left at 0: DeepSpeed frees them between
-        steps, so only the planner's figure (megaloop.parallel.layout) describes them."""
+        """Elements each rank holds (under ZeRO-3 a partitioned parameter keeps 1/DP of it), the
+        gradient buffers and the optimizer's state, measured between steps. ZeRO-0/1/2 free
+        their gradients after each step (the planner counts their peak during backward); ZeRO-3
+        keeps its flat gradient partition."""
         local = {
             n: (
                 p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel(),
@@ -237,7 +238,7 @@ class DeepSpeedEngine:
             "params": sum(held for held, _ in local.values()),
             "layer_params": sum(h for n, (h, _) in local.items() if n.startswith("layers.")),
             "param_bytes": 4 * sum(held for held, _ in local.values()),
-            "grad_bytes": 0,
+            "grad_bytes": self._gradient_bytes(),
             "optimizer_bytes": optimizer_state_bytes(
                 getattr(self.ds.optimizer, "optimizer", self.ds.optimizer), self.module
             ),
@@ -245,6 +246,17 @@ class DeepSpeedEngine:
         }
         ranks = comm.all_gather_object(mine)
         return {**self.layout(), "ranks": ranks}
+
+    def _gradient_bytes(self) -> int:
+        held = {
+            id(p.grad): p.grad.numel() * p.grad.element_size()
+            for p in self.module.parameters()
+            if p.grad is not None
+        }
+        flat = getattr(self.ds.optimizer, "grad_partitions_flat_buffer", None)  # ZeRO-3
+        if isinstance(flat, torch.Tensor):
+            held[id(flat)] = flat.numel() * flat.element_size()
+        return sum(held.values())
 
     # -- checkpoints: DeepSpeed's own format, inside megaloop's atomic step folders ----------
 
