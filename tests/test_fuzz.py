@@ -18,6 +18,7 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from test_data import prep_args
 
 from megaloop import experiment
 from megaloop.config import Config, ConfigError, DataError
@@ -574,28 +575,6 @@ def test_webdataset_manifests(tmp_path):
 
 
 # -- data preparation (datatrove readers) ----------------------------------------------------
-
-
-def prep_args(corpus: str, **options):
-    from types import SimpleNamespace
-
-    defaults = dict(
-        executor="local",
-        workers=1,
-        partition=None,
-        time="01:00:00",
-        cpus_per_task=1,
-        max_array_size=1001,
-        job_name="test",
-        eos_token="<|endoftext|>",
-        max_doc_bytes=10 * 2**20,
-        corpus_module=f"data_prep.{corpus}",
-        seq_len=16,
-        shard_size=4,
-        lang_model=None,
-        lang_threshold=0.65,
-    )
-    return SimpleNamespace(**{**defaults, **options})
 
 
 @pytest.fixture(scope="module")

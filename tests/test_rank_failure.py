@@ -84,7 +84,5 @@ def test_a_dead_rank_stops_the_others_and_the_relaunch_resumes(tmp_path):
     outs = [p.communicate(timeout=300) for p in relaunch]
     assert all(p.returncode == 0 for p in relaunch), outs[0][1][-3000:]
     assert f"resumed from {run_dir}/checkpoints/step_0000004" in outs[0][0]
+    # metrics() also fails on any non-finite loss
     assert_same_curve(metrics(run_dir), metrics(reference), 1e-12, steps=range(5, 11))
-    assert all(
-        isinstance(s["loss"], float) and s["loss"] == s["loss"] for s in metrics(run_dir)["steps"]
-    )

@@ -134,10 +134,9 @@ class NonFiniteUpdate(RuntimeError):
 
 
 def terms_finite(outputs: list[dict]) -> bool:
-    """This rank's logged terms (losses, per-loop CE) are all finite."""
-    return all(
-        bool(torch.isfinite(v).all()) for o in outputs for v in o.values() if torch.is_tensor(v)
-    )
+    """This rank's logged terms (losses, per-loop CE) are all finite: one device sync a step."""
+    checks = [torch.isfinite(v).all() for o in outputs for v in o.values() if torch.is_tensor(v)]
+    return not checks or bool(torch.stack(checks).all())
 
 
 def reduce_terms(outputs: list[dict], holds_terms: bool) -> dict:

@@ -234,11 +234,8 @@ def activation_bytes(cfg, tp: int, pp: int, dp: int, micro_batch: int) -> dict:
     bf16_copies = (
         4 * model.hidden_size if train.bf16 and train.recompute in ("none", "selective") else 0
     )
-    layer = 4 * replicated + (2 if train.bf16 else 4) * shared + bf16_copies
-    if train.recompute == "loop":
-        layer, per_lap = 0.0, 4.0 * model.hidden_size
-    else:
-        per_lap = 0.0
+    layer = 4 * replicated + (2 if train.bf16 else 4) * shared + bf16_copies  # 0 under `loop`
+    per_lap = 4.0 * model.hidden_size if train.recompute == "loop" else 0.0  # a lap's input
     keep = cfg.objective.needs_logits
     microbatches = max(1, train.global_batch_size // (micro_batch * dp))
     worst = {"per_loop": 0, "total": 0}
@@ -548,19 +545,6 @@ def choose_layout(cfg, world: int, gpus_per_node: int, gpu_memory_gib: float) ->
         f"train.micro_batch_size or data.seq_len, set train.recompute=full, or use "
         f"more GPUs per node (`megaloop plan CONFIG --search` ranks the layouts)"
     )
-
-
-def memory_per_rank(model, tp: int, pp: int, dp: int) -> dict:
-    """Bytes of the largest stage's rank under the megatron engine: fp32 parameters, fp32
-    gradient buffer, and Adam's two fp32 moments sharded over DP (activations not included)."""
-    params = max(params_per_rank(model, tp, pp, r) for r in range(pp))
-    return {
-        "params": params,
-        "param_bytes": 4 * params,
-        "grad_bytes": 4 * params,
-        "optimizer_bytes": 8 * params // dp,
-        "total_bytes": 8 * params + 8 * params // dp,
-    }
 
 
 def optimizer_state_bytes(optimizer, module) -> int:
