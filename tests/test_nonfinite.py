@@ -4,12 +4,14 @@ weights, `stop` saves and stops (exit 65) naming the step and the loop. Under TP
 rank decides the same (a rank that stepped alone would hang the next collective)."""
 
 import math
+import re
 import subprocess
 
 import pytest
 import torch
 
 from megaloop import experiment
+from megaloop.config import ConfigError
 from megaloop.train import checkpoint
 from megaloop.train.watchdog import EXIT_UNHEALTHY, STOP_MARKER, UnhealthyRun
 from multiproc import BASE, TINY, command, env, metrics
@@ -77,7 +79,10 @@ def test_stop_saves_and_names_the_step_and_the_loop(tmp_path, monkeypatch, one_t
 
 
 def test_deepspeed_refuses_skip():
-    with pytest.raises(Exception, match="train.nonfinite.*skip needs engine=megatron"):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape("config key 'train.nonfinite': got 'skip'; skip needs engine=megatron"),
+    ):
         experiment.load(TINY, [*BASE, "engine=deepspeed", "train.nonfinite=skip"])
 
 
