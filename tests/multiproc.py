@@ -147,7 +147,10 @@ def assert_same_curve(run: dict, ref: dict, rel: float, steps=None) -> None:
             continue
         expected = ref_steps[r["step"]]
         assert close(r["loss"], expected["loss"], rel), (r["step"], r["loss"], expected["loss"])
-        for k, (got, want) in enumerate(zip(r["hidden_rms"], expected["hidden_rms"])):
+        # one value per loop on both sides: zip() alone would stop at the shorter list
+        got_rms, want_rms = r["hidden_rms"], expected["hidden_rms"]
+        assert len(got_rms) == len(want_rms) > 0, (r["step"], got_rms, want_rms)
+        for k, (got, want) in enumerate(zip(got_rms, want_rms, strict=True)):
             assert close(got, want, rel), (r["step"], k, got, want)
         checked += 1
     assert checked == (len(steps) if steps is not None else len(ref["steps"]))
