@@ -1,12 +1,14 @@
 """Training on one process: the loss falls, and a run directory holds what it promises."""
 
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from megaloop import experiment
@@ -118,28 +120,75 @@ def test_bf16_autocast_follows_fp32(tmp_path):
     assert losses[True] != losses[False]
 
 
+def objective_of(variant: str, r: dict) -> float:
+    """The loss each variant optimises, from its logged terms (per-loop means over the step)."""
+    ce = r["ce"]
+    loss = {
+        "terminal": ce[-1],
+        "exit_weighted": sum(r.get("weighted_ce", [])) - 0.1 * r.get("exit_entropy", 0.0),
+    }.get(variant, sum(ce) / len(ce))
+    return loss + sum(r["norm_penalty"])  # λ/K·Σ_k E‖H_k‖²_rms, 0 when off
+
+
 @pytest.mark.parametrize(
-    "objective",
+    "variant, objective, own",
     [
-        ["objective.kind=terminal"],
-        ["objective.kind=exit_weighted", "model.exit_gate=true", "objective.entropy_beta=0.1"],
-        ["model.recurrence=damping", "model.readout=final_norm"],
-        ["model.recurrence=rmsnorm", "objective.norm_penalty=0.1"],
+        ("terminal", ["objective.kind=terminal"], None),
+        (
+            "exit_weighted",
+            ["objective.kind=exit_weighted", "model.exit_gate=true", "objective.entropy_beta=0.1"],
+            "exit_gate.proj.weight",
+        ),
+        (
+            "damping",
+            ["model.recurrence=damping", "model.readout=final_norm"],
+            "recurrence.damping_logit",
+        ),
+        (
+            "norm_penalty",
+            ["model.recurrence=rmsnorm", "objective.norm_penalty=0.1"],
+            "recurrence.norm.weight",
+        ),
     ],
 )
-def test_every_variant_takes_training_steps(tmp_path, objective):
+def test_every_variant_takes_training_steps(tmp_path, variant, objective, own):
+    """Three steps of each variant: finite, with a gradient, the logged loss the variant's own
+    objective of its logged terms, and every weight moved, the variant's own parameter included
+    (tiny.yaml has no weight decay, so only a gradient moves a weight; step 1's learning rate is
+    0 in the warm-up, steps 2 and 3 move them)."""
     cfg = experiment.load(
         TINY,
         [
             f"train.dir={tmp_path}",
             "train.steps=3",
+            "train.log_every=1",
             "data.seq_len=32",
             "wandb.mode=disabled",
             *objective,
         ],
     )
-    result = experiment.build_trainer(cfg, log=False).fit()
+    assert cfg.optim.weight_decay == 0
+    trainer = experiment.build_trainer(cfg)
+    module = trainer.engine.module
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    assert own is None or own in before, sorted(before)
+    result = trainer.fit()
     assert len(result["ce"]) == 4
+    steps = read_metrics(tmp_path)["steps"]  # checks every loss and CE is finite
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        assert len(r["ce"]) == len(r["hidden_rms"]) == len(r["norm_penalty"]) == 4, r
+        assert math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0, r
+        assert r["loss"] == pytest.approx(objective_of(variant, r), rel=1e-5), r
+        if variant == "norm_penalty":
+            assert all(p > 0 for p in r["norm_penalty"]), r
+        else:
+            assert r["norm_penalty"] == [0.0] * 4, r
+        if variant == "exit_weighted":
+            assert sum(r["exit_prob"]) == pytest.approx(1.0) and r["exit_entropy"] > 0, r
+    assert steps[0]["lr"] == 0 and all(r["lr"] > 0 for r in steps[1:])
+    still = [n for n, p in module.named_parameters() if torch.equal(p.detach(), before[n])]
+    assert not still, f"not moved by 3 steps: {still}"
 
 
 def test_terminal_logs_ce_k_unscaled_over_many_micro_batches(tmp_path):
