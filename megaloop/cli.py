@@ -6,8 +6,8 @@ import argparse
 import json
 import os
 import sys
-import warnings
 
+from megaloop import known_warnings
 from megaloop.config import ConfigError
 from megaloop.evaluation.exported import EvalError
 from megaloop.extras import require
@@ -780,8 +780,50 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+NO_MEGATRON = frozenset({"configs", "params", "plan", "slurm", "sweep", "prep", "eval", "report"})
+"""Commands that never build a model in this process (they read configs and print, or hand the
+work to other processes): they import neither torch, megatron-core nor wandb, and start in a
+fraction of a second."""
+
+
+class ReaderSafeStdout:
+    """Standard output that outlives its reader. When the reader of a pipe goes (`| head -1`,
+    `| grep -q`), the next write fails with EPIPE; from then on output is dropped (fd 1 points
+    at /dev/null, so the interpreter's final flush succeeds too) and the command finishes and
+    exits as it would have, without a traceback. A training run piped into `head` keeps
+    training rather than dying mid-step."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.reader_gone = False
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._drop()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._drop()
+
+    def _drop(self) -> None:
+        self.reader_gone = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())
+        os.close(devnull)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 def main(argv=None) -> int:
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed")
+    if not isinstance(sys.stdout, ReaderSafeStdout) and sys.stdout is not None:
+        sys.stdout = ReaderSafeStdout(sys.stdout)
+    known_warnings.install()
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
     parser = build_parser()
@@ -792,7 +834,7 @@ def main(argv=None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:  # key=value overrides may also follow the options
         args.overrides = [*args.overrides, *extra]
-    if args.command not in ("prep", "eval", "report"):  # these never touch megatron-core
+    if args.command not in NO_MEGATRON:
         from megaloop import _cpu_compat
 
         _cpu_compat.apply()
@@ -802,9 +844,10 @@ def main(argv=None) -> int:
         print(f"megaloop: error: {e}", file=sys.stderr)
         return 2
     finally:
-        from megaloop.parallel import distributed
+        if "megaloop.parallel.distributed" in sys.modules:
+            from megaloop.parallel import distributed
 
-        distributed.shutdown()
+            distributed.shutdown()
 
 
 if __name__ == "__main__":

@@ -20,9 +20,9 @@ from megaloop.data import DataConfig, synthetic
 from megaloop.experiment import ExperimentConfig, build_trainer
 from megaloop.model import ModelConfig
 from megaloop.objectives import ObjectiveConfig, masked_mean
+from megaloop.train.config import TrainConfig
 from megaloop.train.metrics import WandbConfig, write_json_atomic
 from megaloop.train.optim import OptimConfig
-from megaloop.train.trainer import TrainConfig
 
 READOUTS = ("norm", "raw")
 DEFAULT_STEPS = 400

@@ -1,12 +1,12 @@
 """The root config of a run: one section per component, checked together before any compute.
 
-model:     ModelConfig       (megaloop/model/looped.py)
-objective: ObjectiveConfig   (megaloop/objectives.py)
+model:     ModelConfig       (megaloop/model/config.py)
+objective: ObjectiveConfig   (megaloop/objectives/__init__.py)
 data:      DataConfig        (megaloop/data/__init__.py)
 optim:     OptimConfig       (megaloop/train/optim.py)
-train:     TrainConfig       (megaloop/train/trainer.py)
+train:     TrainConfig       (megaloop/train/config.py)
 parallel:  ParallelConfig    (megaloop/parallel/layout.py)
-engine:    megatron | deepspeed, with deepspeed: DeepSpeedConfig (megaloop/parallel/deepspeed.py)
+engine:    megatron | deepspeed, with deepspeed: DeepSpeedConfig (megaloop/parallel/layout.py)
 wandb:     WandbConfig       (megaloop/train/metrics.py)
 """
 
@@ -23,12 +23,10 @@ from megaloop.data import DataConfig
 from megaloop.extras import require
 from megaloop.model import ModelConfig
 from megaloop.objectives import ObjectiveConfig
-from megaloop.parallel.deepspeed import DeepSpeedConfig
-from megaloop.parallel.layout import ParallelConfig, data_parallel_size
-from megaloop.train import checkpoint
+from megaloop.parallel.layout import DeepSpeedConfig, ParallelConfig, data_parallel_size
+from megaloop.train.config import TrainConfig
 from megaloop.train.metrics import WandbConfig
 from megaloop.train.optim import OptimConfig
-from megaloop.train.trainer import TrainConfig
 
 
 @dataclass
@@ -170,6 +168,8 @@ def config_changes(saved: dict, requested: dict) -> list[str]:
 def check_resume(cfg: ExperimentConfig) -> None:
     """Before any compute: the newest complete checkpoint of train.dir, if any, was written by
     this same experiment (collective)."""
+    from megaloop.train import checkpoint
+
     folder = checkpoint.find_latest(Path(cfg.train.dir) / "checkpoints")
     if folder is None:
         return
@@ -216,6 +216,8 @@ INIT_FREE = ("max_seq_len", "attention", "init_std", "damping_init")
 
 def check_init_from(cfg: ExperimentConfig) -> None:
     """Before any compute: train.init_from is a complete checkpoint of this same model."""
+    from megaloop.train import checkpoint
+
     if cfg.train.init_from is None:
         return
     try:
@@ -292,12 +294,16 @@ def build_trainer(cfg: ExperimentConfig, log: bool = True):
 
 def config_of(folder: Path) -> ExperimentConfig:
     """The config a checkpoint folder was written with."""
+    from megaloop.train import checkpoint
+
     return ExperimentConfig.from_dict(checkpoint.read_meta(folder)["config"])
 
 
 def consolidated(path: Path) -> tuple[dict, ExperimentConfig, Path]:
     """The whole model's tensors (one-process names), the run's config and the checkpoint
     folder, from a checkpoint of any engine and layout; runs in one process."""
+    from megaloop.train import checkpoint
+
     folder = checkpoint.resolve(path)
     meta = checkpoint.read_meta(folder)
     cfg = config_of(folder)
@@ -311,6 +317,8 @@ def consolidated(path: Path) -> tuple[dict, ExperimentConfig, Path]:
 def consolidate(path: Path, out: Path) -> Path:
     """One safetensors file of the whole model, plus its config."""
     from safetensors.torch import save_file
+
+    from megaloop.train import checkpoint
 
     tensors, cfg, folder = consolidated(path)
     out.mkdir(parents=True, exist_ok=True)

@@ -10,10 +10,17 @@ os.environ.setdefault("WANDB_SILENT", "true")
 import pytest
 import torch
 
-from megaloop import _cpu_compat
+from megaloop import _cpu_compat, known_warnings
+
+known_warnings.install()  # before megatron-core is imported: some warn at import
 
 _cpu_compat.apply()
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def pytest_configure(config):
+    for entry in known_warnings.pytest_filters():
+        config.addinivalue_line("filterwarnings", entry)
 
 
 @pytest.fixture(autouse=True)

@@ -161,6 +161,8 @@ def gpt_reference(cfg, looped):
     return gpt
 
 
+# megatron-core's stock GPT layer spec builds its MLP without ffn_hidden_size, and says so
+@pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning")
 @pytest.mark.parametrize("attention", ["sdpa", "megatron"])
 @pytest.mark.parametrize("tie", [True, False])
 def test_k1_norm_readout_is_an_ordinary_pre_norm_gpt(tiny_cfg, attention, tie):

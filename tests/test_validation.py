@@ -149,7 +149,7 @@ def test_webdataset_validation_is_the_held_out_sequences_in_order(tmp_path):
 
 def test_eval_microbatches_fit_dp_and_pp():
     from megaloop.parallel.layout import eval_microbatches
-    from megaloop.train.trainer import TrainConfig
+    from megaloop.train.config import TrainConfig
 
     train = TrainConfig(micro_batch_size=2, global_batch_size=8, eval_batches="all")
     assert eval_microbatches(train, 37, dp=1, pp=1) == 18  # 36 of 37 windows

@@ -13,12 +13,8 @@ by the exit-weighted objective in training and by dynamic halting at inference.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
-
-GateInput = Literal["normed", "raw"]
 
 
 class ExitGate(torch.nn.Module):

@@ -12,14 +12,13 @@ the shared loop norm's output, and a normalising exit reads that.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-ReadoutMode = Literal["norm", "raw", "final_norm"]
+from megaloop.model.config import ReadoutMode
+from megaloop.model.specs import tp_group
 
 
 class Readout(MegatronModule):
@@ -47,6 +46,7 @@ class Readout(MegatronModule):
             bias=False,
             gather_output=False,
             skip_weight_param_allocation=tied,
+            tp_group=tp_group(),
         )
 
     def normalizes(self, loop: int) -> bool:

@@ -8,12 +8,10 @@ factor in (0, 1), per channel or one scalar, a contraction of the recurrent map'
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 
-RecurrenceMode = Literal["none", "rmsnorm", "damping"]
-DampingShape = Literal["channel", "scalar"]
+from megaloop.model.config import DampingShape, RecurrenceMode
 
 
 class Recurrence(torch.nn.Module):

@@ -14,7 +14,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import RowParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
@@ -107,10 +107,17 @@ class PostNormLinear(RowParallelLinear):
         return self.post_norm(out), bias
 
 
-def layer_spec(attention: str = "sdpa", layer_norms: str = "pre") -> ModuleSpec:
+def tp_group():
+    """This rank's tensor-parallel group, given to the layers the model builds itself (megatron-core
+    deprecates finding it implicitly); None before megatron-core's parallel state exists."""
+    return parallel_state.get_tensor_model_parallel_group(check_initialized=False)
+
+
+def layer_spec(attention: str, layer_norms: str, ffn_hidden_size: int) -> ModuleSpec:
     """megatron-core's local GPT layer with RMSNorm; `attention` picks the core-attention slot,
     `layer_norms` (pre | sandwich) whether the sublayer outputs are normalised too."""
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.mlp.params = {"ffn_hidden_size": ffn_hidden_size}
     attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
     if attention == "sdpa":
         attn.core_attention = SDPAttention
@@ -150,6 +157,7 @@ def transformer_config(model, **overrides) -> TransformerConfig:
         persist_layer_norm=False,
         use_cpu_initialization=not torch.cuda.is_available(),
         params_dtype=torch.float32,
+        cuda_graph_scope=[],  # no CUDA graphs; megatron-core's default "full" is deprecated
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

@@ -16,7 +16,6 @@ import json
 import logging
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,7 +24,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from megaloop import objectives
-from megaloop.config import Config, ConfigError, check
+from megaloop.config import ConfigError
 from megaloop.model.looped import build_model
 from megaloop.parallel import comm
 from megaloop.parallel.distributed import NonFiniteUpdate, reduce_terms, terms_finite
@@ -34,28 +33,6 @@ from megaloop.parallel.layout import optimizer_state_bytes
 from megaloop.safe_load import deepspeed_globals, untrusted
 
 TAG = "deepspeed"
-
-
-@dataclass
-class DeepSpeedConfig(Config):
-    zero_stage: int = 1
-    """0 = plain data parallel, 1 = optimizer state, 2 = + gradients, 3 = + parameters sharded."""
-    param_persistence_threshold: int = 100_000
-    """ZeRO-3 keeps parameters with fewer elements than this whole on every rank."""
-
-    def validate(self, prefix: str = "") -> None:
-        check(
-            self.zero_stage in (0, 1, 2, 3),
-            prefix + "zero_stage",
-            self.zero_stage,
-            "allowed: 0, 1, 2, 3",
-        )
-        check(
-            self.param_persistence_threshold >= 0,
-            prefix + "param_persistence_threshold",
-            self.param_persistence_threshold,
-            "must be >= 0",
-        )
 
 
 class MegatronMPU:

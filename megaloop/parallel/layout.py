@@ -25,6 +25,28 @@ class ParallelConfig(Config):
         check(self.timeout_s > 0, prefix + "timeout_s", self.timeout_s, "must be > 0 seconds")
 
 
+@dataclass
+class DeepSpeedConfig(Config):
+    zero_stage: int = 1
+    """0 = plain data parallel, 1 = optimizer state, 2 = + gradients, 3 = + parameters sharded."""
+    param_persistence_threshold: int = 100_000
+    """ZeRO-3 keeps parameters with fewer elements than this whole on every rank."""
+
+    def validate(self, prefix: str = "") -> None:
+        check(
+            self.zero_stage in (0, 1, 2, 3),
+            prefix + "zero_stage",
+            self.zero_stage,
+            "allowed: 0, 1, 2, 3",
+        )
+        check(
+            self.param_persistence_threshold >= 0,
+            prefix + "param_persistence_threshold",
+            self.param_persistence_threshold,
+            "must be >= 0",
+        )
+
+
 def data_parallel_size(cfg, world_size: int) -> int:
     """Check the layout against the model, the batch and the world; return DP."""
     par, model, train = cfg.parallel, cfg.model, cfg.train

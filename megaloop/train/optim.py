@@ -5,9 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
 from megaloop.config import Config, check
 
 
@@ -45,6 +42,9 @@ class OptimConfig(Config):
         """(optimizer, scheduler) for `steps` optimizer steps. Always megatron-core's
         DistributedOptimizer (state sharded over data-parallel ranks; with one rank it is the
         plain optimizer), so every layout writes the same reshardable checkpoint format."""
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
         optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam",

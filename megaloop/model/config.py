@@ -1,0 +1,131 @@
+"""What a looped model is, as config: its shape, readout, recurrence, exit gate and norms.
+
+Torch-free, so that commands which only read configs (`megaloop params`, `plan`, `slurm submit`)
+start without importing torch or megatron-core; the modules that build the model import their
+mode types from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megaloop.config import Config, check
+
+ReadoutMode = Literal["norm", "raw", "final_norm"]
+RecurrenceMode = Literal["none", "rmsnorm", "damping"]
+DampingShape = Literal["channel", "scalar"]
+GateInput = Literal["normed", "raw"]
+LayerNorms = Literal["pre", "sandwich"]
+Recompute = Literal["none", "selective", "full", "loop"]
+LoopNorm = Literal["separate", "shared"]
+
+
+@dataclass
+class ModelConfig(Config):
+    vocab_size: int = 20480
+    hidden_size: int = 512
+    num_heads: int = 8
+    num_query_groups: int | None = None
+    """Key/value heads (grouped-query attention); None = one per query head."""
+    num_layers: int = 8
+    """L: layers in the shared stack (applied num_loops times)."""
+    ffn_hidden_size: int | None = None
+    """SwiGLU hidden size; None = 4 * hidden_size."""
+    num_loops: int = 4
+    """K_train, the depth trained at; any K >= 1 can be asked for at inference (checkpoints and
+    exports record it as `num_loops_trained`)."""
+    max_seq_len: int = 1024
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    tie_embeddings: bool = True
+    """Tie W_out to the token embedding."""
+    readout: ReadoutMode = "norm"
+    recurrence: RecurrenceMode = "none"
+    damping_init: float = 0.9
+    """Initial factor of the `damping` recurrence, in (0, 1)."""
+    damping_shape: DampingShape = "channel"
+    """`damping`: one learned factor per channel, or one `scalar` for the whole state."""
+    exit_gate: bool = False
+    """Ouro's per-token exit gate λ_k (needed by the exit-weighted objective)."""
+    exit_gate_input: GateInput = "normed"
+    """What the gate reads: H_k/‖H_k‖_rms (`normed`, no weights: CE stays blind to scale through
+    the gate) or H_k (`raw`, an ablation)."""
+    layer_norms: LayerNorms = "pre"
+    """`pre`: x + f(N(x)) per sublayer; `sandwich`: x + N₂(f(N₁(x))), Ouro's four norms a layer."""
+    loop_norm: LoopNorm = "separate"
+    """`separate`: the recurrence and the readout have their own norms (if any); `shared`: Ouro's
+    one norm after every loop, feeding the next loop, the exit gate and a normalising readout
+    (readout=raw then reads H_k before it: the study's no-readout-norm 1.4B model)."""
+    attention: Literal["sdpa", "megatron"] = "sdpa"
+    """Core attention: torch SDPA, or megatron-core's local DotProductAttention."""
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    def validate(self, prefix: str = "") -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_heads",
+            "num_layers",
+            "num_loops",
+            "max_seq_len",
+        ):
+            check(getattr(self, name) >= 1, prefix + name, getattr(self, name), "must be >= 1")
+        check(
+            self.hidden_size % self.num_heads == 0,
+            prefix + "num_heads",
+            self.num_heads,
+            f"must divide hidden_size={self.hidden_size}",
+        )
+        check(
+            self.num_query_groups is None or self.num_query_groups >= 1,
+            prefix + "num_query_groups",
+            self.num_query_groups,
+            "must be >= 1 (or null: one per query head)",
+        )
+        groups = self.num_query_groups or self.num_heads
+        check(
+            self.num_heads % groups == 0,
+            prefix + "num_query_groups",
+            self.num_query_groups,
+            f"must divide num_heads={self.num_heads}",
+        )
+        check(self.rope_base > 0, prefix + "rope_base", self.rope_base, "must be > 0")
+        check(
+            (self.hidden_size // self.num_heads) % 2 == 0,
+            prefix + "num_heads",
+            self.num_heads,
+            "head dimension hidden_size/num_heads must be even for RoPE",
+        )
+        check(
+            self.ffn_hidden_size is None or self.ffn_hidden_size >= 1,
+            prefix + "ffn_hidden_size",
+            self.ffn_hidden_size,
+            "must be >= 1 or null",
+        )
+        check(
+            0.0 < self.damping_init < 1.0,
+            prefix + "damping_init",
+            self.damping_init,
+            "must lie in (0, 1)",
+        )
+        check(self.norm_eps > 0, prefix + "norm_eps", self.norm_eps, "must be > 0")
+        shared = self.loop_norm == "shared"
+        check(
+            not shared or self.recurrence == "none",
+            prefix + "recurrence",
+            self.recurrence,
+            "model.loop_norm=shared is itself the inter-loop norm: set model.recurrence=none",
+        )
+        check(
+            not shared or self.exit_gate_input == "normed",
+            prefix + "exit_gate_input",
+            self.exit_gate_input,
+            "with model.loop_norm=shared the gate reads the shared loop "
+            "norm's output; leave exit_gate_input at normed",
+        )
+        check(self.init_std > 0, prefix + "init_std", self.init_std, "must be > 0")
