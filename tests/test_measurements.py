@@ -44,7 +44,7 @@ def runs(tmp_path_factory):
     return root
 
 
-def test_radial_fraction_and_clamp_separate_the_readouts(runs):
+def test_radial_fraction_and_clamp_separate_the_readouts(runs, tmp_path):
     results = {}
     for name in VARIANTS:
         results[name] = diagnostics.run(
@@ -53,7 +53,7 @@ def test_radial_fraction_and_clamp_separate_the_readouts(runs):
             tokens=512,
             seq_len=SEQ,
             rollout=6,
-            out=runs / "results" / name / "seed0",
+            out=tmp_path / name / "seed0",
         )
     norm, raw, final = (results[n]["radial"]["r"] for n in ("norm", "raw", "final_norm"))
     assert max(norm) < 1e-6 and min(raw) > 1e-4, (norm, raw)
@@ -70,7 +70,7 @@ def test_radial_fraction_and_clamp_separate_the_readouts(runs):
         assert stats["p50"] <= stats["p99"] <= stats["p99.9"] <= stats["max"]
         d = r["settings"]["hidden_size"]
         assert r["scale"][-1]["l2"]["mean"] == pytest.approx(stats["mean"] * d**0.5)
-    saved = json.loads((runs / "results/norm/seed0/diagnose.json").read_text())
+    saved = json.loads((tmp_path / "norm/seed0/diagnose.json").read_text())
     assert saved["command"] == "diagnose" and saved["settings"]["tokens"] == 512
     assert saved["model"]["run_config"]["model"]["readout"] == "norm"
 
@@ -269,19 +269,23 @@ def test_gate_rule_calibrates_q_like_the_exported_early_exit(runs, tmp_path):
 
 
 def test_report_renders_every_table_and_figure(runs, tmp_path):
+    # every input is this test's own: its results folder holds only what it writes here (it
+    # used to reuse runs/results, where another test's diagnostics at other settings were
+    # found or not depending on which tests ran before)
+    results = tmp_path / "results"
     for name in VARIANTS:
         for seed in (0, 1):
-            run, out = runs / "runs" / name / f"seed{seed}", runs / "results" / name / f"seed{seed}"
+            run, out = runs / "runs" / name / f"seed{seed}", results / name / f"seed{seed}"
             depth.run(run, runs / "held_out.txt", [1, 2, 3, 4], sequences=8, seq_len=SEQ, out=out)
             halting.run(
                 run, runs / "held_out.txt", calib=8, bench=8, batch_size=4, seq_len=SEQ, out=out
             )
-            if not (out / "diagnose.json").is_file():
-                diagnostics.run(
-                    run, runs / "held_out.txt", tokens=256, seq_len=SEQ, rollout=6, out=out
-                )
-    path = report.build([runs / "runs", runs / "results"], tmp_path / "report")
+            diagnostics.run(run, runs / "held_out.txt", tokens=256, seq_len=SEQ, rollout=6, out=out)
+    path = report.build([runs / "runs", results], tmp_path / "report")
     text = path.read_text()
+    for name in VARIANTS:  # runs | depth | halt | diagnose: both seeds of each, nothing else
+        rows = [line for line in text.splitlines() if line.startswith(f"| {name} | ")]
+        assert f"| {name} | 2 | 2 | 2 | 2 |" in rows, rows
     for title in (
         "(Table 2)",
         "(Table 5)",
@@ -296,7 +300,7 @@ def test_report_renders_every_table_and_figure(runs, tmp_path):
         assert f"| {name} | 2 | 40 |" in text  # named by their runs' folder
         assert f"| {name} | 2 | margin |" in text
     assert "No `megaloop" not in text
-    variants = report.group(*report.collect([runs / "runs", runs / "results"]))
+    variants = report.group(*report.collect([runs / "runs", results]))
     figures = report.figures(variants)
     assert set(figures) == {"ppl_vs_k", "frontier", "rollout", "scale_sweep", "norm_distribution"}
     for name, fig in figures.items():
