@@ -118,8 +118,9 @@ class DeepSpeedEngine:
             tensor_model_parallel_size=cfg.parallel.tp,
         )
         self.config = self.module.config
-        decay = [p for n, p in self.module.named_parameters() if p.ndim > 1]
-        no_decay = [p for n, p in self.module.named_parameters() if p.ndim <= 1]
+        named = list(self.module.named_parameters())
+        decay = [p for n, p in named if cfg.optim.decays(n, p)]
+        no_decay = [p for n, p in named if not cfg.optim.decays(n, p)]
         groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
         ds_json = deepspeed_config(cfg, self.dp_size)
         if dist.get_rank() == 0:

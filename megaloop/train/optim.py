@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from megaloop.config import Config, check
 
+EMBEDDING_WEIGHTS = ("embedding.word_embeddings.weight", "readout.output_layer.weight")
+"""The token embedding and W_out, as the model names them."""
+
 
 @dataclass
 class OptimConfig(Config):
@@ -15,7 +18,11 @@ class OptimConfig(Config):
     """The floor of the cosine decay."""
     warmup_steps: int = 100
     weight_decay: float = 0.1
-    """Decoupled (AdamW); norms and other 1-D parameters are not decayed."""
+    """Decoupled (AdamW); norms and other 1-D parameters are never decayed."""
+    decay_embeddings: bool = True
+    """Whether weight decay also reaches the token embedding and W_out (tied or not). Decay
+    shrinks W_out, which a raw readout must then make up with a larger hidden state: one of the
+    settings docs/drift_regime/ maps."""
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
@@ -38,12 +45,26 @@ class OptimConfig(Config):
         check(self.eps > 0, prefix + "eps", self.eps, "must be > 0")
         check(self.clip_grad >= 0, prefix + "clip_grad", self.clip_grad, "must be >= 0")
 
+    def decays(self, name: str, param) -> bool:
+        """Whether weight decay reaches the parameter `name` (any wrapper prefix)."""
+        if param.ndim <= 1:
+            return False
+        return self.decay_embeddings or not name.endswith(EMBEDDING_WEIGHTS)
+
     def build(self, model_chunks: list, steps: int):
         """(optimizer, scheduler) for `steps` optimizer steps. Always megatron-core's
         DistributedOptimizer (state sharded over data-parallel ranks; with one rank it is the
         plain optimizer), so every layout writes the same reshardable checkpoint format."""
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.optimizer.optimizer_config import ParamKey, ParamWithNamePredicate
+        from megatron.core.optimizer_param_scheduler import (
+            OptimizerParamScheduler,
+            ParamGroupOverride,
+        )
+
+        not_decayed = ParamWithNamePredicate(
+            name="megaloop_no_decay", fn=lambda param, name: not self.decays(name, param)
+        )
 
         optimizer = get_megatron_optimizer(
             OptimizerConfig(
@@ -58,6 +79,9 @@ class OptimConfig(Config):
                 use_distributed_optimizer=True,
             ),
             model_chunks,
+            config_overrides={
+                ParamKey(with_name_predicate=not_decayed): ParamGroupOverride(wd_mult=0.0)
+            },
         )
         scheduler = OptimizerParamScheduler(
             optimizer,
