@@ -77,7 +77,7 @@ def main() -> int:
     )
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("overrides", nargs="*")
-    args = p.parse_args()
+    args = p.parse_intermixed_args()  # OUT [--steps N --at N] key=value ...: options between
     overrides = [
         f"train.steps={args.steps}",
         "train.log_every=1",
