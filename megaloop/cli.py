@@ -324,6 +324,7 @@ def cmd_diagnose(args) -> int:
         args.rollout,
         args.batch_size,
         out=Path(args.out),
+        dtype=args.dtype,
     )
     print(diagnostics.markdown(result))
     return 0
@@ -725,6 +726,13 @@ def build_parser() -> argparse.ArgumentParser:
     dg.add_argument("--seq-len", type=int, default=256)
     dg.add_argument("--rollout", type=int, default=30, help="loops of the rollout")
     dg.add_argument("--batch-size", type=int, default=8)
+    dg.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "fp32", "bf16"],
+        help="the precision of the model and its radial gradients: float32 shows a normalising "
+        "readout's true floor (falling as the state grows), bfloat16 the study's (~1e-8)",
+    )
     dg.set_defaults(fn=cmd_diagnose)
     sw = sub.add_parser(
         "sweep",

@@ -45,7 +45,7 @@ SUBCOMMANDS = {
         "q",
         "dtype",
     ],
-    "diagnose": ["model", "data", "out", "tokens", "seq_len", "rollout", "batch_size"],
+    "diagnose": ["model", "data", "out", "tokens", "seq_len", "rollout", "batch_size", "dtype"],
     "report": ["inputs", "out"],
     "sweep": [
         "configs",

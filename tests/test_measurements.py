@@ -75,6 +75,33 @@ def test_radial_fraction_and_clamp_separate_the_readouts(runs, tmp_path):
     assert saved["model"]["run_config"]["model"]["readout"] == "norm"
 
 
+def test_bf16_radial_floor_lies_above_fp32s_for_a_norm_readout(runs, tmp_path):
+    """A normalising readout's r_k is a rounding floor: (ε/ms)² in float32, far higher in
+    bfloat16 (the study's ~1e-8), on the same checkpoint and slice; raw readouts' r_k is a real
+    share of the gradient (~1e-2) in both."""
+    r = {
+        (name, dtype): diagnostics.run(
+            runs / "runs" / name / "seed0",
+            runs / "held_out.txt",
+            tokens=256,
+            seq_len=SEQ,
+            rollout=2,
+            out=tmp_path / f"{name}-{dtype}",
+            dtype=dtype,
+        )["radial"]["r"]
+        for name in ("norm", "raw")
+        for dtype in ("fp32", "bf16")
+    }
+    norm32, norm16 = np.array(r["norm", "fp32"]), np.array(r["norm", "bf16"])
+    assert (norm16 > norm32).all(), (norm16, norm32)
+    # the float32 floor falls as the state grows over the loops; bfloat16's does not
+    assert (np.diff(norm32) < 0).all() and norm16[-1] > 100 * norm32[-1], (norm16, norm32)
+    assert (norm16 < 1e-4).all(), norm16  # still many orders below raw's
+    assert min(r["raw", "bf16"]) > 1e-4 and min(r["raw", "fp32"]) > 1e-4, r
+    saved = json.loads((tmp_path / "norm-bf16/diagnose.json").read_text())
+    assert saved["settings"]["dtype"] == "bfloat16"
+
+
 def test_the_clamp_holds_every_tokens_rms_at_loop_1(runs):
     opened = harness.open_model(runs / "runs/raw/seed0")
     tokens = harness.read_tokens(runs / "held_out.txt", opened.encode)

@@ -28,6 +28,8 @@ from megaloop.evaluation import harness
 from megaloop.evaluation.exported import EvalError
 
 PERCENTILES = (50, 90, 99, 99.9)
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+"""The short spellings `diagnose --dtype` also takes."""
 SCALES = np.logspace(-2, 2, 17)
 
 
@@ -88,7 +90,12 @@ def run(
     batch_size: int = 8,
     device: str | None = None,
     out: Path | None = None,
+    dtype: str = "float32",
 ) -> dict:
+    """`dtype` is the precision the model runs and the radial gradient is taken in: in float32 a
+    normalising readout's r_k is the (ε/mean square)² floor, which falls as the state grows; in
+    bfloat16 rounding sets a floor near 1e-8 at any scale (the study's precision). See
+    docs/diagnostics.md."""
     if rollout < 2:
         raise EvalError(f"--rollout {rollout}: needs at least 2 loops")
     if tokens < 1 or seq_len < 1 or batch_size < 1:
@@ -97,7 +104,7 @@ def run(
             f"slice measures nothing)"
         )
     harness.check_data(data)
-    device, dtype = harness.device_and_dtype("float32", device)
+    device, dtype = harness.device_and_dtype(DTYPES.get(dtype, dtype), device)
     opened = harness.open_model(model_path, device, dtype)
     harness.check_seq_len(opened, seq_len)
     model, K = opened.model, opened.trained_loops
