@@ -15,6 +15,7 @@ and prints both loss curves side by side. Exit status 1 if a loss differs by mor
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -89,6 +90,8 @@ def main() -> int:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     args.out.mkdir(parents=True, exist_ok=True)
     reference, held = args.out / "reference", args.out / "preempted"
+    for run_dir in (reference, held):  # this bench's own runs: a rerun starts them afresh
+        shutil.rmtree(run_dir, ignore_errors=True)
     with open(args.out / "reference.log", "w") as log:
         if launch(reference, overrides, env, log).wait(args.timeout) != 0:
             sys.exit(f"the reference run failed: {args.out / 'reference.log'}")

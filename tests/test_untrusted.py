@@ -23,6 +23,8 @@ from megaloop import experiment
 from megaloop.train import checkpoint
 from multiproc import BASE, TINY, env, train, train_here
 
+OPEN = f"{io.open.__module__}.open"
+"""How a pickle names io.open: `io.open` on Python 3.11, `_io.open` on 3.12."""
 STEPS = ["train.steps=2", "train.save_every=2"]
 STEP = "step_0000002"
 ENGINES = {"megatron": [], "deepspeed": ["engine=deepspeed", "deepspeed.zero_stage=1"]}
@@ -132,7 +134,7 @@ def assert_refused(proc: subprocess.CompletedProcess, path: Path, marker: Path) 
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"megaloop: error: {path}: refused to load: it would call io.open"), last
+    assert last.startswith(f"megaloop: error: {path}: refused to load: it would call {OPEN}"), last
 
 
 # DeepSpeed's files; torch_dist's `.metadata` (plain pickle) and `common.pt` (torch.load, here
@@ -257,7 +259,7 @@ def test_a_payload_in_a_sharded_object_of_the_distcp_shards_is_refused_on_resume
         .startswith(
             f"megaloop: error: an object stored in the *.distcp shards of {folder}: "
             f"refused to load: "
-            f"it would call io.open"
+            f"it would call {OPEN}"
         )
     )
     assert not (run_dir / "checkpoints/step_0000004").exists()
