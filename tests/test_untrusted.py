@@ -148,6 +148,8 @@ PAYLOADS = {
 NO_WEIGHTS_ONLY = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
 
 
+# torch says so when the variable is set, which this test does on purpose (and is refused anyway)
+@pytest.mark.filterwarnings("ignore:Environment variable TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
 @pytest.mark.parametrize("case", list(PAYLOADS))
 def test_a_pickle_payload_is_refused_by_resume_export_and_consolidate(
     runs, tmp_path, case, monkeypatch, megaloop_here
