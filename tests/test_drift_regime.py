@@ -1,0 +1,76 @@
+"""bench/drift_regime keeps working: its whole flow (prep, the grid of norm/raw pairs, the long
+run, the measurements, the extra cells, the report) at a toy size on generated WikiText-like text
+(the full run takes up to 2 hours and is not run here)."""
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_data import wikitext
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.multiprocess  # two training processes at a time
+def test_smoke_run_of_drift_regime_writes_the_report(tmp_path):
+    rng = random.Random(5)
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "wiki.test.raw").write_text(wikitext(rng, [f"Train {i}" for i in range(40)]))
+    (source / "wiki.valid.raw").write_text(wikitext(rng, [f"Valid {i}" for i in range(20)]))
+    out = tmp_path / "report"
+    env = {
+        **os.environ,
+        "SMOKE": "1",
+        "REPRO_SOURCE": str(source),
+        "DRIFT_WORK": str(tmp_path / "work"),
+        "DRIFT_BUDGET_MIN": "600",  # every step of the flow, however slow the machine
+        "PYTHON": sys.executable,
+    }
+    proc = subprocess.run(
+        [str(ROOT / "bench/drift_regime"), str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "skipped" not in proc.stdout, proc.stdout
+    info = json.loads((out / "drift_regime.json").read_text())
+    assert info["smoke"] and [c["cell"] for c in info["cells"]] == [
+        "wd0-tied-lr0.01",
+        "wd0-untied-lr0.01",
+    ]
+    for cell in info["cells"]:
+        for readout in ("norm", "raw"):
+            finals = cell[readout]["final_rms"]
+            assert len(finals) == 2 and all(x > 0 and math.isfinite(x) for x in finals), cell
+        assert cell["ratios"] == pytest.approx(
+            [n / r for n, r in zip(cell["norm"]["final_rms"], cell["raw"]["final_rms"])]
+        )
+        assert cell["drifts"] == (min(cell["ratios"]) >= 5)
+    extra = [c["cell"].rsplit("-", 1)[-1] for c in info["extra_cells"]]
+    assert extra == ["L8", "undecayed"], extra
+    long_fits = {k: f for k, f in info["fits"].items() if "-long/" in k}
+    assert len(long_fits) == 2 and all(f["steps"] == info["long_steps"] for f in long_fits.values())
+    assert all(math.isfinite(f["b"]) and f["rms_at_44m_steps"] > 0 for f in long_fits.values())
+    measured = info["consequences"]
+    assert {m["run"].split("/")[1] for m in measured} == {"norm", "raw"} and len(measured) >= 4
+    for m in measured:
+        assert m["ppl"]["1"] > 1 and 1 <= m["halt_mean_loops"] <= 4
+        # a norm readout's radial share is a rounding floor, bf16's above fp32's
+        if "/norm/" in m["run"]:
+            assert m["r_bf16"][-1] > m["r_fp32"][-1]
+    report = (out / "report.md").read_text()
+    assert "| wd0-tied-lr0.01 | 2 |" in report and "RMS 1,733" in report
+    assert {p.name for p in out.glob("*.png")} == {
+        "curves.png",
+        "ratio.png",
+        "curves_extra.png",
+        "long.png",
+    }
