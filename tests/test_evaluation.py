@@ -75,9 +75,10 @@ def test_lm_eval_runs_builtin_tasks_from_local_files(export_dir, tmp_path, capsy
         )
         == 0
     )
-    assert "| **macro** |" in capsys.readouterr().out
+    assert "| **macro** | | 12 |" in capsys.readouterr().out  # 7 + 5 examples scored
     results = json.loads((out / "results.json").read_text())
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["n"] == 12
     assert summary["loops"] == 2 and summary["split"] == "default"
     assert summary["splits"] == {"arc_easy": "test", "boolq": "validation"}
     for task, n in (("arc_easy", 7), ("boolq", 5)):

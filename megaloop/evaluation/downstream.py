@@ -261,7 +261,8 @@ def run(
 def write(results: dict, out: Path, run_info: dict) -> dict:
     """lm-eval's results.json (with `megaloop`: run_info) and samples_<task>.jsonl, plus
     summary.json: per task acc and acc_norm recomputed from the samples and the split
-    evaluated, and their macro averages."""
+    evaluated, their macro averages, and `n`, the examples scored in all (the study's nine full
+    validation splits hold 20,007; it reports 19,169)."""
     out.mkdir(parents=True, exist_ok=True)
     samples = results.pop("samples")
     (out / "results.json").write_text(
@@ -276,6 +277,7 @@ def write(results: dict, out: Path, run_info: dict) -> dict:
     summary = {
         **run_info,
         "tasks": per_task,
+        "n": sum(t["n"] for t in per_task.values()),
         "macro_acc": float(np.mean([t["acc"] for t in per_task.values()])),
         "macro_acc_norm": float(np.mean([t["acc_norm"] for t in per_task.values()])),
     }
@@ -300,6 +302,7 @@ def table(summary: dict) -> str:
             f"| {task} | {r.get('split')} | {r['n']} | {r['acc']:.4f} | {r['acc_norm']:.4f} |"
         )
     lines.append(
-        f"| **macro** | | | {summary['macro_acc']:.4f} | {summary['macro_acc_norm']:.4f} |"
+        f"| **macro** | | {summary['n']} | {summary['macro_acc']:.4f} "
+        f"| {summary['macro_acc_norm']:.4f} |"
     )
     return "\n".join(lines)
