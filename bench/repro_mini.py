@@ -1,6 +1,6 @@
 """The study in miniature on real WikiText text, end to end (run it as bench/repro_mini).
 
-    bench/repro_mini                 the full run: ~90 minutes on 2 CPU cores, rewrites
+    bench/repro_mini                 the full run: ~30 minutes on 2 CPU cores, rewrites
                                      docs/repro_mini/report.md, its PNGs and repro_mini.json
     SMOKE=1 bench/repro_mini OUT     two variants, a few steps: the same flow in about a minute
 

@@ -1,5 +1,5 @@
 """bench/repro_mini keeps working: its whole flow (prep, sweep, depth/halt/diagnose, report) at a
-toy size on generated WikiText-like text (the full run takes ~90 minutes and is not run here)."""
+toy size on generated WikiText-like text (the full run takes ~30 minutes and is not run here)."""
 
 import json
 import os
