@@ -40,6 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megaloop.train.metrics import read as read_metrics
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import repro_mini  # noqa: E402  (the miniature's data preparation)
 
@@ -127,17 +129,27 @@ class Bench:
     def __init__(self, work: Path, data: Path, python: str, budget_min: float):
         self.work, self.data, self.python = work, data, python
         self.start, self.budget_s = time.time(), budget_min * 60
-        self.seconds: dict[str, float] = {}
+        self.seconds_file = work / "run_seconds.json"
+        self.seconds: dict[str, float] = (
+            json.loads(self.seconds_file.read_text()) if self.seconds_file.is_file() else {}
+        )
+        """Wall seconds of each run's training, kept across reruns (a resumed bench reports the
+        runs it skipped with the time they took when they ran)."""
+        self.clock_file = work / "clock.json"
+        self.clock = (
+            json.loads(self.clock_file.read_text())
+            if self.clock_file.is_file()
+            else {"started": self.start, "last_work": self.start}
+        )
+        """When the first invocation started, and when the last training or measurement ended:
+        the bench's own wall time, however many invocations it took."""
 
     def run_dir(self, run: Run) -> Path:
         return self.work / "runs" / run.name
 
     def finished(self, run: Run) -> bool:
-        path = self.run_dir(run) / "metrics.json"
-        if not path.is_file():
-            return False
-        evals = json.loads(path.read_text())["evals"]
-        return bool(evals) and evals[-1]["step"] == run.cell.steps
+        m = read_metrics(self.run_dir(run))
+        return bool(m and m["evals"]) and m["evals"][-1]["step"] == run.cell.steps
 
     def train(self, runs: list[Run]) -> None:
         """Each run not yet finished, two at a time, one thread each; failures are recorded (a
@@ -168,6 +180,8 @@ class Bench:
             with open(log, "w") as f:
                 code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
             self.seconds[run.name] = time.time() - began
+            self.seconds_file.write_text(json.dumps(self.seconds, indent=1))
+            self.worked()
             print(
                 f"[{self.minutes():5.1f} min] {run.name}: exit {code}, "
                 f"{self.seconds[run.name]:.0f} s (log {log})",
@@ -176,6 +190,14 @@ class Bench:
 
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(one, sorted(runs, key=lambda r: -r.cell.steps)))
+
+    def worked(self) -> None:
+        self.clock["last_work"] = time.time()
+        self.clock_file.write_text(json.dumps(self.clock))
+
+    def wall_minutes(self) -> float:
+        """From the first invocation's start to the end of the last work done (any invocation)."""
+        return (self.clock["last_work"] - self.clock["started"]) / 60
 
     def minutes(self) -> float:
         return (time.time() - self.start) / 60
@@ -188,16 +210,20 @@ class Bench:
         grid_runs = [s for name, s in self.seconds.items() if "-L8" not in name]
         return float(np.median(grid_runs)) / STEPS if grid_runs else 0.15
 
+    def measured(self, run: Run) -> bool:
+        return (self.work / "measure" / run.name / "diagnose-bf16" / "diagnose.json").is_file()
+
     def measure(self, runs: list[Run]) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         valid = str(self.work / "source/wiki.valid.raw")
 
         def one(run: Run) -> None:
             out = self.work / "measure" / run.name
-            if (out / "diagnose-bf16" / "diagnose.json").is_file():
+            if self.measured(run):
                 return
             cmd = [self.python, __file__, "--measure", str(self.run_dir(run)), str(out), valid]
             subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+            self.worked()
             print(f"[{self.minutes():5.1f} min] measured {run.name}", flush=True)
 
         with ThreadPoolExecutor(2) as pool:
@@ -225,10 +251,9 @@ def measure_one(run_dir: Path, out: Path, data: Path) -> None:
 
 def curve(run_dir: Path) -> dict | None:
     """Final-loop RMS over training (every logged step and every validation) of one run."""
-    path = run_dir / "metrics.json"
-    if not path.is_file():
+    m = read_metrics(run_dir)
+    if m is None:
         return None
-    m = json.loads(path.read_text())
     steps = [r for r in m["steps"] if all(map(math.isfinite, r["hidden_rms"]))]
     evals = [r for r in m["evals"] if all(map(math.isfinite, r["hidden_rms"]))]
     return {
@@ -239,6 +264,7 @@ def curve(run_dir: Path) -> dict | None:
         "eval_ce": [r["ce"][-1] for r in evals],
         "d": m["config"]["model"]["hidden_size"],
         "planned": m["config"]["train"]["steps"],
+        "warmup": m["config"]["optim"]["warmup_steps"],
         "finished": bool(evals) and evals[-1]["step"] == m["config"]["train"]["steps"],
     }
 
@@ -252,17 +278,28 @@ def growth(c: dict) -> float | None:
 
 
 def power_law(c: dict) -> dict | None:
-    """log RMS = log a + b log step over the second half of the run's logged steps."""
+    """The growth phase's law: log RMS = log a + b log step from the end of the warmup to the
+    step of the largest RMS (under the cosine schedule the RMS may peak and fall as the learning
+    rate decays), with the peak and the last value beside it."""
     steps, rms = np.array(c["steps"], float), np.array(c["rms"], float)
-    keep = steps >= c["planned"] / 2
+    peak = int(np.argmax(rms))
+    keep = (steps >= c["warmup"]) & (steps <= steps[peak])
     if keep.sum() < 3:
         return None
     x, y = np.log(steps[keep]), np.log(rms[keep])
     b, log_a = np.polyfit(x, y, 1)
     residual = y - (log_a + b * x)
     r2 = 1 - residual.var() / y.var() if y.var() > 0 else 1.0
-    at = math.exp(log_a) * STEPS_44M**b
-    return {"a": math.exp(log_a), "b": float(b), "r2": float(r2), "rms_at_44m_steps": at}
+    return {
+        "a": math.exp(log_a),
+        "b": float(b),
+        "r2": float(r2),
+        "fit_steps": [int(steps[keep][0]), int(steps[keep][-1])],
+        "peak_rms": float(rms[peak]),
+        "peak_step": int(steps[peak]),
+        "last_rms": float(rms[-1]),
+        "rms_at_44m_steps": math.exp(log_a) * STEPS_44M**b,
+    }
 
 
 def summarize(bench: Bench, cells: list[Cell]) -> list[dict]:
@@ -412,13 +449,13 @@ def plot_long(bench: Bench, cell: Cell, fits: dict, path: Path) -> None:
         ax.plot(c["eval_steps"], c["eval_rms"], "o", color=color, ms=3, label=f"{readout} (valid)")
         fit = fits.get(readout)
         if fit:
-            x = np.linspace(c["planned"] / 2, c["planned"], 50)
+            x = np.linspace(*fit["fit_steps"], 50)
             ax.plot(x, fit["a"] * x ** fit["b"], ":", color="k")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("training step")
     ax.set_ylabel("final-loop ‖H_K‖_rms")
-    ax.set_title(f"{cell.name}: power-law fits over the second half (dotted)", fontsize=9)
+    ax.set_title(f"{cell.name}: power-law fits of the growth phase (dotted)", fontsize=9)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -466,8 +503,11 @@ def write_report(bench: Bench, out: Path, rows, extras, long_cell, fits, measure
     lines = [
         "# Where the drift lives: norm vs raw readouts over a grid of training settings",
         "",
-        f"Written by `bench/drift_regime` ({'SMOKE' if SMOKE else 'full run'}, "
-        f"{bench.minutes():.0f} minutes on {os.cpu_count()} CPU cores). Per-loop CE, K=4, the "
+        f"Written by `bench/drift_regime` ({'SMOKE' if SMOKE else 'full run'} on "
+        f"{os.cpu_count()} CPU cores: {bench.wall_minutes():.0f} minutes of training and "
+        f"measuring from its first start, {len(bench.seconds)} runs two at a time, "
+        f"{sum(bench.seconds.values()) / 60:.0f} run-minutes; this report's invocation "
+        f"{bench.minutes():.0f} minutes). Per-loop CE, K=4, the "
         f"miniature of bench/repro_mini, {STEPS} steps a run, seeds {', '.join(map(str, SEEDS))}. "
         "‖H_K‖_rms is the mean token RMS of the final loop's hidden state on the same 64 "
         "validation windows, at the last step; L2 = √d·RMS. The study's Table 2 norms read as "
@@ -486,21 +526,28 @@ def write_report(bench: Bench, out: Path, rows, extras, long_cell, fits, measure
     if extras:
         lines += ["## Extra cells (where the budget allowed)", "", *cell_table(extras), ""]
         lines += ["![extra curves](curves_extra.png)", ""]
-    lines += ["## Growth law of the final-loop RMS (second half of each run)", ""]
+    lines += ["## Growth law of the final-loop RMS", ""]
     if fits:
         lines += [
-            f"Power law ‖H_K‖_rms = a·step^b fitted to the logged training steps of the second "
-            f"half. Extrapolated to the 44M config's ~{STEPS_44M:,} steps (an **extrapolation**: "
-            f"d=96, not 512, and another batch and learning rate), beside the study's RMS "
-            f"{STUDY['44M'][0] / STUDY['44M'][1] ** 0.5:,.0f} (L2 39,207).",
+            "Power law ‖H_K‖_rms = a·step^b fitted to the logged training steps of the growth "
+            "phase: from the end of the warmup to the step of the largest RMS (under the cosine "
+            "schedule the RMS can peak and then fall as the learning rate decays; the peak and "
+            "the last value stand beside the fit). Continued to the 44M config's "
+            f"~{STEPS_44M:,} steps it is an **extrapolation** (d=96, not 512; another batch, "
+            "learning rate and schedule; and it assumes the growth phase lasts), set beside the "
+            f"study's RMS {STUDY['44M'][0] / STUDY['44M'][1] ** 0.5:,.0f} (L2 39,207).",
             "",
-            "| run | steps | a | b (exponent) | R² | RMS at 7,300 steps | L2 at 7,300 steps |",
-            "|---|---|---|---|---|---|---|",
+            "| run | steps | fitted steps | a | b (exponent) | R² | peak RMS (step) | last RMS "
+            f"| RMS at {STEPS_44M:,} steps | L2 at {STEPS_44M:,} steps |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, (steps, fit, d) in fits.items():
+            at = fit["rms_at_44m_steps"]
             lines.append(
-                f"| {name} | {steps} | {fmt(fit['a'])} | {fit['b']:.3f} | {fit['r2']:.3f} "
-                f"| {fmt(fit['rms_at_44m_steps'])} | {fmt(fit['rms_at_44m_steps'] * d**0.5)} |"
+                f"| {name} | {steps} | {fit['fit_steps'][0]}–{fit['fit_steps'][1]} "
+                f"| {fmt(fit['a'])} | {fit['b']:.3f} | {fit['r2']:.3f} "
+                f"| {fmt(fit['peak_rms'])} ({fit['peak_step']}) | {fmt(fit['last_rms'])} "
+                f"| {fmt(at)} | {fmt(at * d**0.5)} |"
             )
         if long_cell:
             lines += ["", "![long](long.png)"]
@@ -574,20 +621,26 @@ def extra_work(bench: Bench, best: Cell, least: Cell) -> tuple[Cell, list[dict],
     ]
     extras, measured = [], []
     for what, new_cells, estimate in plan:
-        if estimate > bench.left_s() - 180:
+        runs = [Run(c, r, s) for c in new_cells for r in READOUTS for s in c.seeds]
+        if not new_cells:  # the measurements of the runs that exist, done or not before
+            cells = dict.fromkeys((best, least, long_cell))  # best may be least: a tie
+            candidates = [Run(c, r, 0) for c in cells for r in READOUTS]
+            measured = [run for run in candidates if bench.finished(run)]
+            done = all(bench.measured(run) for run in measured)
+        else:
+            done = all(bench.finished(run) for run in runs)
+        if not done and estimate > bench.left_s() - 180:
             print(
                 f"[{bench.minutes():5.1f} min] skipped the {what}: needs ~{estimate / 60:.0f} "
                 f"min, {bench.left_s() / 60:.0f} left",
                 flush=True,
             )
-        elif new_cells:
-            bench.train([Run(c, r, s) for c in new_cells for r in READOUTS for s in c.seeds])
+            continue
+        if new_cells:
+            bench.train(runs)
             if long_cell not in new_cells:
                 extras += summarize(bench, new_cells)
         else:
-            cells = dict.fromkeys((best, least, long_cell))  # best may be least: a tie
-            candidates = [Run(c, r, 0) for c in cells for r in READOUTS]
-            measured = [run for run in candidates if bench.finished(run)]
             bench.measure(measured)
     return long_cell, extras, measured
 
@@ -638,6 +691,7 @@ def main() -> None:
     if long_cell:
         plot_long(bench, long_cell, long_fits, out / "long.png")
     measured = consequences(bench, measured_runs)
+    all_runs = [Run(c, r, s) for c in cells + extra_cells for r in READOUTS for s in c.seeds]
     write_report(bench, out, rows, extras, long_cell, fits, measured)
     (out / "drift_regime.json").write_text(
         json.dumps(
@@ -648,12 +702,18 @@ def main() -> None:
                 "seeds": SEEDS,
                 "budget_minutes": budget,
                 "minutes": round(bench.minutes(), 1),
+                "wall_minutes": round(bench.wall_minutes(), 1),
                 "cpus": os.cpu_count(),
                 "run_seconds": bench.seconds,
                 "cells": rows,
                 "extra_cells": extras,
                 "fits": {k: {"steps": s, **f, "d": d} for k, (s, f, d) in fits.items()},
                 "consequences": measured,
+                "curves": {
+                    run.name: {k: c[k] for k in ("eval_steps", "eval_rms", "eval_ce")}
+                    for run in all_runs
+                    if (c := curve(bench.run_dir(run)))
+                },
             },
             indent=1,
         )

@@ -13,7 +13,6 @@ and prints both loss curves side by side. Exit status 1 if a loss differs by mor
 """
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -21,6 +20,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from megaloop.train.metrics import read as read_metrics
 
 CONFIG = "configs/experiments/tiny.yaml"
 
@@ -44,10 +45,8 @@ def launch(run_dir: Path, overrides: list, env: dict, log) -> subprocess.Popen:
 
 
 def steps_logged(run_dir: Path) -> list:
-    try:
-        return json.loads((run_dir / "metrics.json").read_text())["steps"]
-    except (FileNotFoundError, json.JSONDecodeError, KeyError):
-        return []
+    data = read_metrics(run_dir)
+    return data["steps"] if data else []
 
 
 def worker_of(run_dir: Path) -> int:

@@ -150,7 +150,7 @@ def train(work: Path, data: Path, python: str) -> None:
 
 def measure(work: Path, python: str) -> list[Path]:
     """depth, halt and diagnose of every run, each run in a process of its own, two at a time."""
-    runs = sorted(p.parent for p in (work / "runs").rglob("metrics.json"))
+    runs = sorted(p.parent for p in (work / "runs").rglob("metrics.json*"))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     valid = str(work / "source/wiki.valid.raw")
 

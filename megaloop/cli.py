@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 
 from megaloop import known_warnings
 from megaloop.config import ConfigError
@@ -766,7 +767,7 @@ def build_parser() -> argparse.ArgumentParser:
         "inputs",
         nargs="+",
         metavar="RUN_OR_RESULT",
-        help="run directories (metrics.json) and folders or JSON files written by "
+        help="run directories (metrics.jsonl) and folders or JSON files written by "
         "depth / halt / diagnose",
     )
     rp.add_argument("--out", required=True, help="writes OUT/report.md and OUT/*.png")
@@ -832,6 +833,8 @@ def main(argv=None) -> int:
     if not isinstance(sys.stdout, ReaderSafeStdout) and sys.stdout is not None:
         sys.stdout = ReaderSafeStdout(sys.stdout)
     known_warnings.install()
+    if int(os.environ.get("RANK", "0")) != 0:  # every rank raises a dependency's warning alike
+        warnings.filterwarnings("ignore", module="(?!megaloop)")
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
     parser = build_parser()
@@ -851,6 +854,9 @@ def main(argv=None) -> int:
     except (ConfigError, LaunchError, EvalError) as e:
         print(f"megaloop: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\nmegaloop: aborted (Ctrl-C); what was already written is kept", file=sys.stderr)
+        return 130
     finally:
         if "megaloop.parallel.distributed" in sys.modules:
             from megaloop.parallel import distributed

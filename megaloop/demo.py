@@ -10,7 +10,6 @@ come out the same way, and clearly (MIN_EFFECT), in every one of its seeds.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ from megaloop.model import ModelConfig
 from megaloop.objectives import ObjectiveConfig, masked_mean
 from megaloop.train.config import TrainConfig
 from megaloop.train.metrics import WandbConfig, write_json_atomic
+from megaloop.train.metrics import read as read_metrics
 from megaloop.train.optim import OptimConfig
 
 READOUTS = ("norm", "raw")
@@ -218,9 +218,7 @@ def plot(results: dict, out_dir: Path, path: Path) -> None:
     for i, readout in enumerate(READOUTS):
         color = f"C{i}"
         for j, seed in enumerate(results):
-            steps = json.loads((out_dir / f"seed{seed}" / readout / "metrics.json").read_text())[
-                "steps"
-            ]
+            steps = read_metrics(out_dir / f"seed{seed}" / readout)["steps"]
             ax_rms.plot(
                 [s["step"] for s in steps],
                 [s["hidden_rms"][-1] for s in steps],

@@ -110,11 +110,14 @@ difference from the checkpoint's saved config stops the resume."""
 
 
 def load(path, overrides=()) -> ExperimentConfig:
-    """The resolved config of `path` with `overrides`; a run directory is filled in if none is
-    given (default_run_dir)."""
+    """The resolved config of `path` with `overrides`; a run directory (default_run_dir) and a
+    wandb name (the config's path and the seed) are filled in if none is given."""
     cfg = config_lib.load(ExperimentConfig, path, list(overrides))
+    default = default_run_dir(path, cfg.train.seed)
     if cfg.train.dir is None:
-        cfg.train.dir = str(default_run_dir(path, cfg.train.seed))
+        cfg.train.dir = str(default)
+    if cfg.wandb.name is None:
+        cfg.wandb.name = f"{default.parent.relative_to('runs')} seed{cfg.train.seed}"
     return cfg
 
 
@@ -245,6 +248,24 @@ def check_init_from(cfg: ExperimentConfig) -> None:
         )
 
 
+def hold_run_dir(cfg: ExperimentConfig) -> None:
+    """Rank 0 takes the run directory's lock (megaloop/train/run_lock.py); every rank stops if
+    it could not (collective), before anything is read or written there."""
+    from megaloop.parallel import comm, distributed
+    from megaloop.train import run_lock
+
+    busy = None
+    if distributed.is_main():
+        try:
+            run_lock.acquire(Path(cfg.train.dir))
+        except run_lock.RunDirBusy as e:
+            busy = e
+    if comm.any_rank(busy is not None):
+        raise busy or run_lock.RunDirBusy(
+            f"train.dir={cfg.train.dir} is in use by another run (rank 0 names it)"
+        )
+
+
 def build_trainer(cfg: ExperimentConfig, log: bool = True):
     """The chain: process groups → data → engine (model + parallelism) → trainer."""
     from megaloop.parallel import distributed, layout
@@ -265,6 +286,7 @@ def build_trainer(cfg: ExperimentConfig, log: bool = True):
     )
     if note and log and distributed.is_main():
         print(f"megaloop: {note}", flush=True)
+    hold_run_dir(cfg)
     check_resume(cfg)
     check_init_from(cfg)
     t = cfg.train

@@ -4,7 +4,7 @@
 
 Run i of a sweep is `megaloop train CONFIG train.seed=S train.dir=ROOT/<config path>/seedS`
 (experiment.default_run_dir), so a sweep and a hand-started run of the same config and seed
-share a directory. A run is finished when its metrics.json holds the final validation record of
+share a directory. A run is finished when its metrics.jsonl holds the final validation record of
 its step count; an unfinished one resumes from its newest checkpoint (which refuses a changed
 config). `local` trains the runs one after another in child processes; `slurm` submits one job
 array of slurm/train.sbatch (array task i trains run i, with the options of `slurm submit`).
@@ -12,7 +12,6 @@ array of slurm/train.sbatch (array task i trains run i, with the options of `slu
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -45,6 +44,12 @@ def plan(configs: list[str], seeds: list[int], overrides: list[str], root: Path)
             )
     if not seeds:
         raise ConfigError("--seeds: give at least one seed, e.g. --seeds 0,1,2")
+    twice = sorted({s for s in seeds if seeds.count(s) > 1})
+    if twice:
+        raise ConfigError(
+            f"--seeds gives seed {', '.join(map(str, twice))} more than once: two runs of one "
+            f"(config, seed) would write one run directory; give each seed once"
+        )
     runs = []
     for config in configs:
         for seed in seeds:
@@ -55,8 +60,8 @@ def plan(configs: list[str], seeds: list[int], overrides: list[str], root: Path)
     dirs = [r.run_dir.resolve() for r in runs]
     if len(set(dirs)) < len(dirs):
         raise ConfigError(
-            "two configs of the sweep map to one run directory (the same file "
-            "given twice?); give each config once"
+            "two configs of the sweep map to one run directory (the same file given twice, "
+            "or by two paths?); give each config once"
         )
     return runs
 
@@ -64,10 +69,11 @@ def plan(configs: list[str], seeds: list[int], overrides: list[str], root: Path)
 def finished(run: SweepRun) -> bool:
     """The run wrote the final validation record of its step count (the requested one, or the
     one its saved config resolved from data.epochs)."""
-    path = run.run_dir / "metrics.json"
-    if not path.is_file():
+    from megaloop.train.metrics import read
+
+    metrics = read(run.run_dir)
+    if metrics is None:
         return False
-    metrics = json.loads(path.read_text())
     steps = metrics["config"]["train"]["steps"]
     if run.steps is not None and run.steps != steps:
         return False

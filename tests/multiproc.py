@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from megaloop.train.metrics import read as read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs/experiments/tiny.yaml")
@@ -63,11 +64,10 @@ EXIT_ABORT = "terminate called without an active exception"
 
 
 def finished(run_dir: Path) -> bool:
-    """The run wrote its final validation record (metrics.json is rewritten atomically)."""
-    path = run_dir / "metrics.json"
-    if not path.is_file():
+    """The run wrote its final validation record."""
+    data = read_metrics(run_dir)
+    if data is None:
         return False
-    data = json.loads(path.read_text())
     steps = data["config"]["train"]["steps"]
     return bool(data["evals"]) and data["evals"][-1]["step"] == steps
 
@@ -124,9 +124,10 @@ OBJECTIVES = {
 
 
 def metrics(run_dir: Path, finite: bool = True) -> dict:
-    """A run's metrics.json; by default every logged loss and per-loop CE must be finite (a NaN
-    run must not pass as a run that trained)."""
-    data = json.loads((run_dir / "metrics.json").read_text())
+    """A run's records (metrics.jsonl, read by megaloop.train.metrics.read); by default every
+    logged loss and per-loop CE must be finite (a NaN run must not pass as a run that trained)."""
+    data = read_metrics(run_dir)
+    assert data is not None, f"{run_dir}: no metrics.jsonl"
     if finite:
         for record in data["steps"] + data["evals"]:
             values = [record.get("loss", 0.0), *record.get("ce", [])]
@@ -186,11 +187,9 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
 
     deadline = time.time() + timeout
     while True:
-        try:
-            if any(s["step"] == step for s in metrics(run_dir)["steps"]):
-                return
-        except (FileNotFoundError, json.JSONDecodeError):
-            pass
+        data = read_metrics(run_dir)  # None until the run has written its first record
+        if data is not None and any(s["step"] == step for s in data["steps"]):
+            return
         assert proc.poll() is None, f"the run ended before step {step}"
         assert time.time() < deadline, f"no step {step} within {timeout} s"
         time.sleep(0.05)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from megaloop.train.metrics import read as read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.multiprocess
 
@@ -299,9 +301,7 @@ def test_preempt_resume_smoke(tmp_path):
     rows = table_rows(out)
     assert [r[0] for r in rows] == ["1", "2", "3", "4"], out
     logged = {
-        name: [
-            s["loss"] for s in json.loads((tmp_path / name / "metrics.json").read_text())["steps"]
-        ]
+        name: [s["loss"] for s in read_metrics(tmp_path / name)["steps"]]
         for name in ("reference", "preempted")
     }
     for (step, uninterrupted, resumed, rel), a, b in zip(
@@ -389,3 +389,17 @@ def test_prep_throughput_smoke(tmp_path):
         assert rounded(100 * int(total) / read, float(share), 1), dropped
         if reasons:  # the reasons of a filter add up to its total
             assert sum(int(r.rsplit(" ", 1)[1]) for r in reasons.split(", ")) == int(total)
+
+
+def test_metrics_log_smoke():
+    """One log call's cost at each size, both sides: a table row per size and the growth line
+    (which side grows is the benchmark's to report, not this test's)."""
+    out = run("metrics_log.py", "--records", "10,200", "--calls", "3", smoke=False)
+    rows = re.findall(
+        r"^\| ([\d,]+) \| ([\d,]+) µs \| ([\d,]+) µs \| " + FLOAT + r"x \|$", out, re.M
+    )
+    assert [r[0] for r in rows] == ["10", "200"], out
+    for _, append, rewrite, ratio in rows:
+        a, r = (float(x.replace(",", "")) for x in (append, rewrite))
+        assert a > 0 and r > 0 and float(ratio) == pytest.approx(a / r, rel=0.05, abs=1e-4), out
+    assert re.search(r"one call at 200 records / at 10: append " + FLOAT + r"x \(goal <= 2\)", out)

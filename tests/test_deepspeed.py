@@ -11,6 +11,7 @@ from megaloop import experiment
 from megaloop.parallel import distributed
 from megaloop.parallel.engine import RANK_REPORT_KEYS
 from megaloop.parallel.layout import state_bytes
+from megaloop.train.metrics import read as read_metrics
 from multiproc import BASE, OBJECTIVES, TINY, assert_same_curve, kill_9_then_resume, metrics, train
 
 pytestmark = pytest.mark.multiprocess
@@ -123,4 +124,4 @@ def test_a_deepspeed_checkpoint_in_another_layout_is_refused_before_any_compute(
     )
     if nproc == 1:  # (torchrun adds its own report of the failed ranks)
         assert "Traceback" not in proc.stderr
-    assert json.loads((run_dir / "metrics.json").read_text())["steps"][-1]["step"] == 10
+    assert read_metrics(run_dir)["steps"][-1]["step"] == 10

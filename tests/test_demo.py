@@ -7,6 +7,7 @@ import pytest
 
 from megaloop.data import synthetic
 from megaloop.demo import conclusions, run_demo
+from megaloop.train.metrics import read as read_metrics
 
 
 def test_demo_prints_the_table_for_both_readouts_over_seeds(tmp_path, capsys):
@@ -21,10 +22,7 @@ def test_demo_prints_the_table_for_both_readouts_over_seeds(tmp_path, capsys):
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved == {str(k): v for k, v in results.items()}
     assert (tmp_path / "demo.png").read_bytes()[:4] == b"\x89PNG"
-    seeds = [
-        json.loads((tmp_path / f"seed{s}/norm/metrics.json").read_text())["config"]["train"]["seed"]
-        for s in (5, 6)
-    ]
+    seeds = [read_metrics(tmp_path / f"seed{s}/norm")["config"]["train"]["seed"] for s in (5, 6)]
     assert seeds == [5, 6]
 
 

@@ -5,7 +5,6 @@ The reader is made to stop before the command writes anything (the pipe's read e
 before the command starts), so the first write meets a closed pipe every time: the test does not
 depend on timing, unlike `cmd | head -1`, whose outcome depends on which side runs first."""
 
-import json
 import os
 import re
 import subprocess
@@ -13,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from megaloop.train.metrics import read as read_metrics
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 
@@ -68,7 +69,7 @@ def test_training_goes_on_when_its_reader_stops(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
-    metrics = json.loads((run / "metrics.json").read_text())
+    metrics = read_metrics(run)
     assert metrics["steps"][-1]["step"] == 3
     assert (run / "checkpoints" / "step_0000003").is_dir()
 

@@ -327,7 +327,7 @@ def test_time_limit_requeues_and_finishes_from_the_checkpoint(cluster, jobs, uni
     assert int(state["Restarts"]) >= 1, logs(tmp_path)
     first = (tmp_path / "logs/attempt-0.log").read_text()
     assert "USR1: time limit near" in first and "requeueing" in first
-    preempted = int(first.split("preempted at step ")[1].split(";")[0])
+    preempted = int(first.split("preempted at step ")[1].split()[0])
     assert preempted == 50
     resumed = (tmp_path / "logs/attempt-1.log").read_text()
     assert f"resumed from {tmp_path}/checkpoints/step_{preempted:07d}" in resumed

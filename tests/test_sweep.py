@@ -27,6 +27,16 @@ def test_two_seeds_of_one_config_get_two_run_directories():
     assert experiment.load(TINY, ["train.dir=elsewhere"]).train.dir == "elsewhere"
 
 
+def test_a_sweep_refuses_one_config_and_seed_twice(tmp_path):
+    from megaloop import sweep
+
+    with pytest.raises(ConfigError, match="seed 1 more than once"):
+        sweep.plan([str(TINY)], [0, 1, 1], QUICK, tmp_path)
+    with pytest.raises(ConfigError, match="one run directory"):
+        sweep.plan([str(TINY), str(TINY)], [0], QUICK, tmp_path)
+    assert len(sweep.plan([str(TINY)], [0, 1], QUICK, tmp_path)) == 2
+
+
 def train(run_dir: Path, *overrides) -> None:
     cfg = experiment.load(TINY, [*QUICK, f"train.dir={run_dir}", *overrides])
     experiment.build_trainer(cfg).fit()
@@ -39,7 +49,7 @@ def test_a_resume_with_another_model_stops_naming_the_key(tmp_path, capsys):
 
     run = tmp_path / "run"
     train(run)
-    before = (run / "metrics.json").read_text()
+    before = (run / "metrics.jsonl").read_text()
     capsys.readouterr()
     code = main(
         ["train", str(TINY), *QUICK, f"train.dir={run}", "model.readout=raw", "train.seed=1"]
@@ -47,7 +57,7 @@ def test_a_resume_with_another_model_stops_naming_the_key(tmp_path, capsys):
     err = [line for line in capsys.readouterr().err.splitlines() if "megaloop" in line]
     assert code == 2 and len(err) == 1 and err[0].startswith("megaloop: error: train.dir=")
     assert 'model.readout: "norm" -> "raw"' in err[0] and "train.seed: 0 -> 1" in err[0]
-    assert (run / "metrics.json").read_text() == before  # nothing written
+    assert (run / "metrics.jsonl").read_text() == before  # nothing written
     # the keys a resume may change: length, cadence, layout
     train(run, "train.steps=5", "train.log_every=2", "parallel.tp=1")
     assert read_metrics(run)["evals"][-1]["step"] == 5
@@ -96,12 +106,12 @@ def test_sweep_trains_each_seed_once_and_skips_finished_runs(tmp_path):
     metrics = [read_metrics(r) for r in runs]
     assert [m["config"]["train"]["seed"] for m in metrics] == [0, 1]
     assert metrics[0]["steps"][0]["loss"] != metrics[1]["steps"][0]["loss"]
-    stamps = [(r / "metrics.json").stat().st_mtime_ns for r in runs]
+    stamps = [(r / "metrics.jsonl").stat().st_mtime_ns for r in runs]
     again = sweep(tmp_path, "--seeds", "0,1")
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("is finished; skipped") == 2 and "all 2 runs are finished" in (
         again.stdout
     )
-    assert [(r / "metrics.json").stat().st_mtime_ns for r in runs] == stamps
+    assert [(r / "metrics.jsonl").stat().st_mtime_ns for r in runs] == stamps
     refused = sweep(tmp_path, "--seeds", "0", "train.dir=x")
     assert refused.returncode == 2 and "train.dir cannot be given to a sweep" in refused.stderr

@@ -1,6 +1,6 @@
 """`megaloop report`: the study's tables and figures from runs and measurement results.
 
-Inputs are run directories (their metrics.json), folders or files written by `megaloop depth`,
+Inputs are run directories (their metrics.jsonl), folders or files written by `megaloop depth`,
 `halt` and `diagnose`, or folders holding any of these further down. Everything is grouped into
 variants by the resolved training config with the seed, the run directory and the layout
 removed (IGNORED), so seeds pool; a variant is named by the config keys that differ between
@@ -18,6 +18,7 @@ import numpy as np
 
 from megaloop.config import flatten
 from megaloop.evaluation.exported import EvalError
+from megaloop.train.metrics import read as read_metrics
 
 COMMANDS = ("depth", "halt", "diagnose")
 IGNORED = (
@@ -80,8 +81,8 @@ def collect(inputs: list[Path]) -> tuple[list[dict], list[dict]]:
             elif top:
                 raise EvalError(f"{path}: not a result of megaloop {' / '.join(COMMANDS)}")
             return
-        if (path / "metrics.json").is_file():
-            metrics = json.loads((path / "metrics.json").read_text())
+        metrics = read_metrics(path)
+        if metrics is not None:
             runs.append({"path": str(path), "config": metrics["config"], "metrics": metrics})
         for command in COMMANDS:
             if (path / f"{command}.json").is_file():
@@ -96,7 +97,7 @@ def collect(inputs: list[Path]) -> tuple[list[dict], list[dict]]:
         visit(path, True)
     if not runs and not results:
         raise EvalError(
-            f"found no runs (metrics.json) and no {', '.join(COMMANDS)} results in "
+            f"found no runs (metrics.jsonl) and no {', '.join(COMMANDS)} results in "
             f"{', '.join(map(str, inputs))}"
         )
     return runs, results

@@ -13,7 +13,7 @@ from megaloop.train.watchdog import ScaleAlarmConfig
 @dataclass
 class TrainConfig(Config):
     dir: str | None = None
-    """The run directory (checkpoints/, metrics.json, wandb/); null: built from the config
+    """The run directory (checkpoints/, metrics.jsonl, wandb/); null: built from the config
     file's path and the seed, runs/<path under configs/experiments>/seed<seed>, so seeds and
     variants never share one (megaloop.experiment.default_run_dir)."""
     steps: int | None = None

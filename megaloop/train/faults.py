@@ -2,6 +2,8 @@
 a test never races the run it checks.
 
     MEGALOOP_TEST_HOLD_AT_STEP=N        after step N, wait until a preemption is requested
+    MEGALOOP_TEST_PAUSE_AT_STEP=N       after step N, wait until RUN_DIR/CONTINUE exists (then
+                                        remove it and go on: the run is as if never paused)
     MEGALOOP_TEST_NONFINITE_AT=N:K      during step N, loop K's hidden state becomes NaN
     MEGALOOP_TEST_NONFINITE_AT=N:grad   during step N, the gradients become inf (losses finite)
     MEGALOOP_TEST_FILE_LIMIT_AT=N:BYTES after step N, no file may grow past BYTES (a full disk:
@@ -13,13 +15,28 @@ from __future__ import annotations
 import os
 import resource
 import signal
+import time
 from contextlib import contextmanager
 
 import torch
 
+from megaloop.parallel import comm
+
 
 def hold_at_step() -> int:
     return int(os.environ.get("MEGALOOP_TEST_HOLD_AT_STEP", -1))
+
+
+def pause(run_dir, step: int) -> None:
+    """Wait after the configured step until RUN_DIR/CONTINUE appears (rank 0 removes it)."""
+    if int(os.environ.get("MEGALOOP_TEST_PAUSE_AT_STEP", -1)) != step:
+        return
+    marker = run_dir / "CONTINUE"
+    while not marker.exists():
+        time.sleep(0.2)
+    comm.barrier()
+    if int(os.environ.get("RANK", 0)) == 0:
+        marker.unlink()
 
 
 def file_limit(step: int) -> None:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megaloop.parallel.distributed import NonFiniteUpdate
 from megaloop.parallel.layout import eval_microbatches
-from megaloop.train import checkpoint, faults
+from megaloop.train import checkpoint, faults, run_lock
 from megaloop.train.metrics import MetricsLogger
 from megaloop.train.preemption import Preempted, PreemptionWatch
 from megaloop.train.watchdog import (
@@ -116,10 +116,6 @@ class Trainer:
             self.engine.load_weights(checkpoint.resolve(Path(self.cfg.train.init_from)))
         return folder
 
-    def _history(self) -> dict | None:
-        path = self.run_dir / "metrics.json"
-        return json.loads(path.read_text()) if self.step and path.is_file() else None
-
     def _clear_stop_marker(self) -> None:
         """A rerun of a stopped run is someone's decision to go on: report the old stop and
         remove its marker, so RUN_DIR/STOPPED always means this attempt stopped."""
@@ -155,7 +151,7 @@ class Trainer:
         resumed = self.resume()
         if resumed is not None and self.log_enabled:
             print(f"megaloop: resumed from {resumed} (step {self.step})", flush=True)
-        preemption = PreemptionWatch(stop_file=self.run_dir / "PREEMPT")
+        preemption = PreemptionWatch(stop_file=self.run_dir / "PREEMPT", announce=self.is_main)
         logger = MetricsLogger(
             self.run_dir,
             self.cfg.to_dict(),
@@ -163,7 +159,6 @@ class Trainer:
             t.steps,
             start_step=self.step,
             enabled=self.log_enabled,
-            history=self._history() if self.log_enabled else None,
         )
         watchdog = ScaleWatchdog(t.scale_alarm)
         hold_at = faults.hold_at_step()
@@ -178,8 +173,8 @@ class Trainer:
                 faults.file_limit(self.step)
                 if record.get("skipped"):
                     self._nonfinite(record, logger)
-                if "layout" not in logger.data:  # after a step: the optimizer's state exists
-                    logger.data["layout"] = self.engine.memory_report()
+                if not logger.has_layout:  # after a step: the optimizer's state exists
+                    logger.layout(self.engine.memory_report())
                 alarms = watchdog.check(record)
                 if self.step % t.log_every == 0 or self.step == t.steps or alarms:
                     logger.log(record)
@@ -193,6 +188,7 @@ class Trainer:
                     )
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
                     logger.log(self.evaluate(), kind="evals")
+                faults.pause(self.run_dir, self.step)
                 if self.step == hold_at:  # a preemption at a chosen step, without a race
                     while not preemption.requested():
                         time.sleep(0.2)
@@ -200,14 +196,18 @@ class Trainer:
                     self.save()
                     if self.log_enabled:
                         (self.run_dir / "PREEMPT").unlink(missing_ok=True)
-                    raise Preempted(f"preempted at step {self.step}; checkpoint saved")
+                    raise Preempted(
+                        f"preempted at step {self.step} ({preemption.reason}); checkpoint saved"
+                    )
                 if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
                     self.save()
-            if "layout" not in logger.data:  # resumed with no step left
-                logger.data["layout"] = self.engine.memory_report()
+            if not logger.has_layout:  # resumed with no step left
+                logger.layout(self.engine.memory_report())
             final_eval = self.evaluate()
             logger.log(final_eval, kind="evals")
             self.save()
         finally:
             logger.close()
+            if self.is_main:
+                run_lock.release(self.run_dir)
         return final_eval

@@ -1,0 +1,85 @@
+"""One writer per run directory. Rank 0 holds an exclusive lock on RUN_DIR/.lock for the life of
+the run; a second run on the same directory (a manual relaunch over a live Slurm job, two sweep
+workers given one seed) stops before any compute, naming the holder. The lock is the kernel's
+(flock), so it goes when its process does: kill -9, an OOM kill or a lost node leave nothing to
+clean by hand, and a requeued job or a relaunch after a crash proceeds.
+
+On a shared filesystem flock must reach every node: NFSv4 and Lustre mounted with `flock` do;
+where the filesystem refuses locks the run says so and goes on unguarded.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+from megaloop.config import ConfigError
+
+LOCK = ".lock"
+_held: dict[Path, int] = {}
+"""This process's locks, by resolved run directory (an in-process rerun reuses its own)."""
+
+
+class RunDirBusy(ConfigError):
+    """Another live run holds the run directory."""
+
+
+def acquire(run_dir: Path) -> None:
+    """Hold RUN_DIR/.lock until this process ends (or `release`); RunDirBusy if another holds
+    it. The holder's host, pid, start time and Slurm job are written into the file."""
+    run_dir = Path(run_dir).resolve()
+    if run_dir in _held:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
+            holder = _holder(fd)
+            os.close(fd)
+            raise RunDirBusy(
+                f"train.dir={run_dir} is in use by another run ({holder}); two runs writing "
+                f"one directory would mix their checkpoints and metrics. Wait for it to end, "
+                f"stop it (its checkpoints stay and a relaunch resumes from them), or give "
+                f"this run another train.dir"
+            ) from None
+        os.close(fd)
+        print(
+            f"megaloop: warning: {run_dir} cannot be locked ({e.strerror}: the filesystem "
+            f"refuses flock); nothing stops a second run from writing into it",
+            file=sys.stderr,
+        )
+        return
+    info = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "slurm_job": os.environ.get("SLURM_JOB_ID"),
+    }
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+    _held[run_dir] = fd
+
+
+def release(run_dir: Path) -> None:
+    fd = _held.pop(Path(run_dir).resolve(), None)
+    if fd is not None:
+        os.close(fd)  # closing the descriptor releases the flock
+
+
+def _holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (ValueError, OSError):
+        info = {}
+    if not info:
+        return "holder not yet recorded: it is starting"
+    job = f", Slurm job {info['slurm_job']}" if info.get("slurm_job") else ""
+    return f"pid {info.get('pid')} on {info.get('host')}{job}, since {info.get('since')}"
