@@ -94,6 +94,26 @@ def test_layout_equals_one_process(run, objective, layout, memory_report):
         assert per_stage[0] == one // 2 if report["tp"] == 1 else per_stage[0] < one // 2
 
 
+@pytest.mark.parametrize("readout", ["norm", "raw", "final_norm"])
+def test_untied_w_out_at_tp2xpp2_equals_one_process(readout, tmp_path):
+    """W_out as its own matrix (model.tie_embeddings=false): on the last pipeline stage, split
+    over the TP ranks like the tied copy, for every readout."""
+    overrides = [
+        "objective.kind=per_loop",
+        "model.tie_embeddings=false",
+        f"model.readout={readout}",
+    ]
+    train_here(tmp_path / "one", overrides)
+    train(4, tmp_path / "tp2xpp2", [*overrides, *LAYOUTS["tp2xpp2"][1]])
+    reference, parallel = metrics(tmp_path / "one"), metrics(tmp_path / "tp2xpp2")
+    assert len(parallel["steps"]) == 10
+    assert_same_curve(parallel, reference, REL)
+    model = experiment.load(TINY, [*BASE, *overrides]).model
+    assert not model.tie_embeddings
+    last_stage = [r for r in parallel["layout"]["ranks"] if r["pp_rank"] == 1]
+    assert all(r["params"] == params_per_rank(model, 2, 2, 1) for r in last_stage)
+
+
 def copy_run(source, run_dir, drop_after: int):
     """A copy of a finished run without its checkpoints after step `drop_after`."""
     shutil.copytree(source, run_dir)

@@ -1,0 +1,49 @@
+"""bench/final_norm_scale.py keeps working: its flow (prep, the tied and untied final_norm runs,
+the per-run measurement, the table) at a toy size on generated WikiText-like text."""
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_data import wikitext
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.multiprocess  # two training processes at a time
+def test_smoke_run_of_final_norm_scale_writes_its_table(tmp_path):
+    rng = random.Random(11)
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "wiki.test.raw").write_text(wikitext(rng, [f"Train {i}" for i in range(40)]))
+    (source / "wiki.valid.raw").write_text(wikitext(rng, [f"Valid {i}" for i in range(20)]))
+    out = tmp_path / "out"
+    env = {
+        **os.environ,
+        "SMOKE": "1",
+        "REPRO_SOURCE": str(source),
+        "FINAL_NORM_WORK": str(tmp_path / "work"),
+        "PYTHON": sys.executable,
+    }
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench/final_norm_scale.py"), str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / "final_norm_scale.json").read_text())
+    assert sorted(results) == ["tied/seed0", "tied/seed1", "untied/seed0", "untied/seed1"]
+    for r in results.values():
+        assert len(r["ce"]) == 4 and all(math.isfinite(c) for c in r["ce"])
+        assert r["ppl"] == pytest.approx([math.exp(c) for c in r["ce"]])
+        assert r["ce_at_t_star"] <= r["ce"][3] + 1e-9  # t = 1 is on the grid
+        assert r["gamma_mean"] > 0 and r["rms"][3] > 0
+    table = (out / "final_norm_scale.md").read_text()
+    assert table.count("| tied/seed") == 2 and table.count("| untied/seed") == 2
