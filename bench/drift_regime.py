@@ -136,13 +136,10 @@ class Bench:
         """Wall seconds of each run's training, kept across reruns (a resumed bench reports the
         runs it skipped with the time they took when they ran)."""
         self.clock_file = work / "clock.json"
-        self.clock = (
-            json.loads(self.clock_file.read_text())
-            if self.clock_file.is_file()
-            else {"started": self.start, "last_work": self.start}
-        )
-        """When the first invocation started, and when the last training or measurement ended:
-        the bench's own wall time, however many invocations it took."""
+        spans = json.loads(self.clock_file.read_text()) if self.clock_file.is_file() else []
+        self.spans = [*spans, [self.start, self.start]]
+        """[start, end of its last training or measurement] of every invocation: the bench's
+        own wall time, however many invocations (and pauses between them) it took."""
 
     def run_dir(self, run: Run) -> Path:
         return self.work / "runs" / run.name
@@ -192,12 +189,16 @@ class Bench:
             list(pool.map(one, sorted(runs, key=lambda r: -r.cell.steps)))
 
     def worked(self) -> None:
-        self.clock["last_work"] = time.time()
-        self.clock_file.write_text(json.dumps(self.clock))
+        self.spans[-1][1] = time.time()
+        self.clock_file.write_text(json.dumps(self.spans))
 
     def wall_minutes(self) -> float:
-        """From the first invocation's start to the end of the last work done (any invocation)."""
-        return (self.clock["last_work"] - self.clock["started"]) / 60
+        """The invocations' time from their start to their last work, summed."""
+        return sum(end - start for start, end in self.spans) / 60
+
+    def invocations(self) -> int:
+        """Those that trained or measured anything."""
+        return sum(end > start for start, end in self.spans)
 
     def minutes(self) -> float:
         return (time.time() - self.start) / 60
@@ -505,7 +506,8 @@ def write_report(bench: Bench, out: Path, rows, extras, long_cell, fits, measure
         "",
         f"Written by `bench/drift_regime` ({'SMOKE' if SMOKE else 'full run'} on "
         f"{os.cpu_count()} CPU cores: {bench.wall_minutes():.0f} minutes of training and "
-        f"measuring from its first start, {len(bench.seconds)} runs two at a time, "
+        f"measuring over {bench.invocations()} invocation(s), {len(bench.seconds)} runs two at "
+        "a time, "
         f"{sum(bench.seconds.values()) / 60:.0f} run-minutes; this report's invocation "
         f"{bench.minutes():.0f} minutes). Per-loop CE, K=4, the "
         f"miniature of bench/repro_mini, {STEPS} steps a run, seeds {', '.join(map(str, SEEDS))}. "
@@ -703,6 +705,7 @@ def main() -> None:
                 "budget_minutes": budget,
                 "minutes": round(bench.minutes(), 1),
                 "wall_minutes": round(bench.wall_minutes(), 1),
+                "invocations": bench.invocations(),
                 "cpus": os.cpu_count(),
                 "run_seconds": bench.seconds,
                 "cells": rows,

@@ -42,6 +42,7 @@ def test_smoke_run_of_drift_regime_writes_the_report(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "skipped" not in proc.stdout, proc.stdout
     info = json.loads((out / "drift_regime.json").read_text())
+    assert info["invocations"] == 1 and 0 < info["wall_minutes"] <= info["minutes"]
     assert info["smoke"] and [c["cell"] for c in info["cells"]] == [
         "wd0-tied-lr0.01",
         "wd0-untied-lr0.01",
