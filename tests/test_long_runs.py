@@ -29,8 +29,22 @@ pytestmark = pytest.mark.multiprocess
 OVERRIDES = [*OBJECTIVES["per_loop+penalty"], "train.save_every=2"]
 
 
+STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def no_run_outlives_its_test():
+    """A failed assertion must not leave a run paused at its hook for ever."""
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def start(run_dir, overrides=OVERRIDES, nproc=1, **extra_env):
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         command(nproc, run_dir, overrides),
         text=True,
         env={**env(), **extra_env},
@@ -38,6 +52,8 @@ def start(run_dir, overrides=OVERRIDES, nproc=1, **extra_env):
         stderr=subprocess.PIPE,
         start_new_session=True,
     )
+    STARTED.append(proc)
+    return proc
 
 
 def consolidated(run_dir, tmp_path, name):
