@@ -18,9 +18,7 @@ import torch
 
 from megaloop import _cpu_compat, experiment
 from megaloop.parallel import distributed
-from megaloop.parallel.layout import flops_per_token, loss_exits
-
-PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}  # dense, SXM
+from megaloop.parallel.layout import flops_per_token, loss_exits, peak_tflops
 
 
 def measure(config: str, overrides: list, steps: int, warmup: int) -> dict:
@@ -88,7 +86,7 @@ def main() -> None:
     peak = args.peak_tflops
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     if peak is None:
-        peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device), None)
+        peak = peak_tflops(device)
     looped = measure(args.config, args.overrides, args.steps, args.warmup)
     single = measure(args.config, [*args.overrides, "model.num_loops=1"], args.steps, args.warmup)
     print(

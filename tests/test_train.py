@@ -214,3 +214,20 @@ def test_terminal_logs_ce_k_unscaled_over_many_micro_batches(tmp_path):
     for record in metrics["steps"] + metrics["evals"]:
         assert record["ce"][-1] == pytest.approx(record["loss"], rel=1e-6), record
         assert record["ce"][-1] > 4.0  # ~ln(256) this early
+
+
+def test_progress_line_shows_mfu_where_the_device_peak_is_known(tmp_path):
+    from megaloop.parallel.layout import flops_per_token, peak_tflops
+    from megaloop.train.metrics import MetricsLogger, WandbConfig
+
+    assert peak_tflops("NVIDIA H200") == peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    assert peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0 and peak_tflops("cpu") is None
+    cfg = experiment.load(TINY)
+    logger = MetricsLogger(tmp_path, {}, WandbConfig(mode="disabled"), 100)
+    record = {"step": 10, "loss": 2.0, "ce": [2.1, 2.0], "hidden_rms": [1.0, 2.0], "lr": 1e-3}
+    record.update(grad_norm=0.5, tokens_per_s=1e6)
+    assert "MFU" not in logger.progress_line(record)  # a CPU run: no peak, no figure
+    fpt = flops_per_token(cfg.model, cfg.data.seq_len, cfg.model.num_loops)
+    record["mfu"] = 1e6 * fpt / (8 * 989.4e12)  # as the trainer computes it on 8 H200s
+    assert f"MFU {100 * record['mfu']:.1f}%" in logger.progress_line(record)
+    logger.close()

@@ -197,6 +197,16 @@ def loss_exits(cfg) -> int:
     return 1 if cfg.objective.kind == "terminal" else cfg.model.num_loops
 
 
+PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
+"""Dense bf16 peak of one GPU (SXM), by a name torch.cuda.get_device_name() contains: the
+denominator of MFU, as torchtitan and Megatron-LM count it (whatever precision the run uses)."""
+
+
+def peak_tflops(device_name: str) -> float | None:
+    """The device's dense bf16 peak, or None where unknown (CPUs, unlisted GPUs: no MFU)."""
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device_name), None)
+
+
 # -- activations: what autograd keeps for backward -----------------------------------------------
 # Values per token, counted from the tensors megatron-core's layers save with SDPA in the
 # core-attention slot (tests/test_layout.py holds the formula to the saved-tensor measurement).

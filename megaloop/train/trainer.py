@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megaloop.parallel.distributed import NonFiniteUpdate
-from megaloop.parallel.layout import eval_microbatches
+from megaloop.parallel.layout import eval_microbatches, flops_per_token, loss_exits, peak_tflops
 from megaloop.train import checkpoint, faults, run_lock
 from megaloop.train.metrics import MetricsLogger
 from megaloop.train.preemption import Preempted, PreemptionWatch
@@ -57,6 +57,9 @@ class Trainer:
         self.eval_microbatches = eval_microbatches(
             cfg.train, dataset.valid_windows, engine.dp_size, engine.layout()["pp"]
         )
+        peak = peak_tflops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+        self.peak_flops = peak * 1e12 * dist.get_world_size() if peak else None
+        self.flops_per_token = flops_per_token(cfg.model, self.dataset.seq_len, loss_exits(cfg))
         self.step = 0
         self.log_enabled = log
         self.is_main = dist.get_rank() == 0
@@ -73,6 +76,8 @@ class Trainer:
         record.update(
             lr=lr, grad_norm=grad_norm, tokens_per_s=tokens / elapsed, step_time_s=elapsed
         )
+        if self.peak_flops:
+            record["mfu"] = tokens / elapsed * self.flops_per_token / self.peak_flops
         if not applied:
             record["skipped"] = True
         return record
