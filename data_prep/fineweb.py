@@ -40,8 +40,6 @@ from data_prep.common import (
     write_manifest,
 )
 
-FILTERS = ("gopher_repetition", "gopher_quality", "c4_quality", "fineweb_quality")
-
 
 class PackedShardWriter(TokenizingStep):
     """Packs this task's token stream (documents joined by EOS) into sequences of seq_len+1

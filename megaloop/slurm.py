@@ -134,7 +134,7 @@ def plan(job: TrainJob, config: str, overrides: list) -> Run:
     explicit = any(o.split("=", 1)[0] in ("parallel.tp", "parallel.pp") for o in overrides)
     if explicit:
         p = plan_layout(cfg, world, job.gpu_memory_gib, 1.0, 1.0)
-        layout = Layout(p.tp, p.pp, p.dp, int(p.total), "given on the command line")
+        layout = Layout(p.tp, p.pp, p.dp, "given on the command line")
     else:
         layout = choose_layout(cfg, world, job.gpus_per_node, job.gpu_memory_gib)
     run_dir = Path(cfg.train.dir).resolve()

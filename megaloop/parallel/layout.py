@@ -532,7 +532,6 @@ class Layout:
     tp: int
     pp: int
     dp: int
-    bytes_per_rank: int
     why: str
 
 
@@ -565,7 +564,7 @@ def choose_layout(cfg, world: int, gpus_per_node: int, gpu_memory_gib: float) ->
                 f"activations: `megaloop plan`) fits {USABLE:.0%} of {gpu_memory_gib:g} GiB"
             )
             smaller = "; the smallest model-parallel degree that does" if tp * pp > 1 else ""
-            return Layout(tp, pp, p.dp, int(p.total), fits + smaller)
+            return Layout(tp, pp, p.dp, fits + smaller)
     if best is None:
         raise ConfigError(
             f"no TP x PP layout fits {world} ranks and this config's batch: "

@@ -105,10 +105,6 @@ class MegatronEngine:
         else:
             self.chunks = [self.ddp]
 
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
-
     def autocast(self):
         if not self.bf16:
             return contextlib.nullcontext()
