@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megaloop.train import metrics
 from megaloop.train.metrics import read as read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -145,8 +146,7 @@ class Bench:
         return self.work / "runs" / run.name
 
     def finished(self, run: Run) -> bool:
-        m = read_metrics(self.run_dir(run))
-        return bool(m and m["evals"]) and m["evals"][-1]["step"] == run.cell.steps
+        return metrics.finished(self.run_dir(run), run.cell.steps)
 
     def train(self, runs: list[Run]) -> None:
         """Each run not yet finished, two at a time, one thread each; failures are recorded (a

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megaloop.train import metrics
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import repro_mini  # noqa: E402  (the miniature's data and settings)
 
@@ -42,14 +44,6 @@ WINDOWS = 8 if SMOKE else 160
 TEMPERATURES = np.logspace(-0.5, 1.0, 31)
 
 
-def finished(run_dir: Path) -> bool:
-    """Its final validation is logged (a run stopped midway resumes instead)."""
-    from megaloop.train.metrics import read
-
-    m = read(run_dir)
-    return bool(m and m["evals"]) and m["evals"][-1]["step"] == m["config"]["train"]["steps"]
-
-
 def train(work: Path, data: Path, python: str) -> dict[str, Path]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     runs = {
@@ -60,7 +54,7 @@ def train(work: Path, data: Path, python: str) -> dict[str, Path]:
 
     def one(item):
         name, (run_dir, overrides, seed) = item
-        if finished(run_dir):
+        if metrics.finished(run_dir):  # a run stopped midway resumes instead
             return
         cmd = [python, "-m", "megaloop", "train", str(CONFIG), f"train.dir={run_dir}"]
         cmd += [f"train.seed={seed}", f"data.path={data / 'train'}"]

@@ -69,15 +69,9 @@ def plan(configs: list[str], seeds: list[int], overrides: list[str], root: Path)
 def finished(run: SweepRun) -> bool:
     """The run wrote the final validation record of its step count (the requested one, or the
     one its saved config resolved from data.epochs)."""
-    from megaloop.train.metrics import read
+    from megaloop.train import metrics
 
-    metrics = read(run.run_dir)
-    if metrics is None:
-        return False
-    steps = metrics["config"]["train"]["steps"]
-    if run.steps is not None and run.steps != steps:
-        return False
-    return bool(metrics["evals"]) and metrics["evals"][-1]["step"] == steps
+    return metrics.finished(run.run_dir, run.steps)
 
 
 def run_local(runs: list[SweepRun]) -> list[tuple[SweepRun, int]]:

@@ -67,6 +67,17 @@ def wikitext(rng, titles) -> str:
     return "".join(parts)
 
 
+def miniature_source(tmp_path: Path, seed: int) -> Path:
+    """TMP/source with bench/repro_mini's inputs: wiki.test.raw (trained on, 40 articles) and
+    wiki.valid.raw (20)."""
+    rng = random.Random(seed)
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "wiki.test.raw").write_text(wikitext(rng, [f"Train {i}" for i in range(40)]))
+    (source / "wiki.valid.raw").write_text(wikitext(rng, [f"Valid {i}" for i in range(20)]))
+    return source
+
+
 def test_articles_split_on_top_level_headings_only():
     rng = random.Random(0)
     text = wikitext(rng, ["Alpha", "Beta ( film )", "Gamma"])

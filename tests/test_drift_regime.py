@@ -5,24 +5,19 @@ run, the measurements, the extra cells, the report) at a toy size on generated W
 import json
 import math
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from test_data import wikitext
+from test_data import miniature_source
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.multiprocess  # two training processes at a time
 def test_smoke_run_of_drift_regime_writes_the_report(tmp_path):
-    rng = random.Random(5)
-    source = tmp_path / "source"
-    source.mkdir()
-    (source / "wiki.test.raw").write_text(wikitext(rng, [f"Train {i}" for i in range(40)]))
-    (source / "wiki.valid.raw").write_text(wikitext(rng, [f"Valid {i}" for i in range(20)]))
+    source = miniature_source(tmp_path, seed=5)
     out = tmp_path / "report"
     env = {
         **os.environ,

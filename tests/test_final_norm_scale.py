@@ -4,24 +4,19 @@ the per-run measurement, the table) at a toy size on generated WikiText-like tex
 import json
 import math
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from test_data import wikitext
+from test_data import miniature_source
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.multiprocess  # two training processes at a time
 def test_smoke_run_of_final_norm_scale_writes_its_table(tmp_path):
-    rng = random.Random(11)
-    source = tmp_path / "source"
-    source.mkdir()
-    (source / "wiki.test.raw").write_text(wikitext(rng, [f"Train {i}" for i in range(40)]))
-    (source / "wiki.valid.raw").write_text(wikitext(rng, [f"Valid {i}" for i in range(20)]))
+    source = miniature_source(tmp_path, seed=11)
     out = tmp_path / "out"
     env = {
         **os.environ,

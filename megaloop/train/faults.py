@@ -27,10 +27,12 @@ def hold_at_step() -> int:
     return int(os.environ.get("MEGALOOP_TEST_HOLD_AT_STEP", -1))
 
 
-def pause(run_dir, step: int) -> None:
-    """Wait after the configured step until RUN_DIR/CONTINUE appears (rank 0 removes it)."""
-    if int(os.environ.get("MEGALOOP_TEST_PAUSE_AT_STEP", -1)) != step:
-        return
+def pause_at_step() -> int:
+    return int(os.environ.get("MEGALOOP_TEST_PAUSE_AT_STEP", -1))
+
+
+def pause(run_dir) -> None:
+    """Wait until RUN_DIR/CONTINUE appears (rank 0 removes it)."""
     marker = run_dir / "CONTINUE"
     while not marker.exists():
         time.sleep(0.2)

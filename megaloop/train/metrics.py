@@ -77,6 +77,16 @@ def read(run_dir: Path) -> dict | None:
     return data
 
 
+def finished(run_dir: Path, steps: int | None = None) -> bool:
+    """The run logged the final validation of its step count: `steps` when given (another count
+    is not this run), else the one its saved config resolved."""
+    m = read(run_dir)
+    if m is None or not m["evals"]:
+        return False
+    planned = m["config"]["train"]["steps"]
+    return (steps is None or steps == planned) and m["evals"][-1]["step"] == planned
+
+
 def _kept(history: dict | None, start_step: int) -> dict:
     """What a run resuming at `start_step` keeps of its history: the records up to that step
     (the memory report is measured again, by every rank alike)."""
