@@ -12,28 +12,14 @@ import argparse
 import shutil
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 from tokenizers import Tokenizer
 
 import data_prep
+from data_prep import ExecutorConfig, FineWebConfig, WikiTextConfig
 from data_prep.wikitext103 import read_raw, split_articles
 
-
-def options(corpus, **kw):
-    return SimpleNamespace(
-        executor="local",
-        workers=1,
-        partition=None,
-        time="01:00:00",
-        cpus_per_task=1,
-        max_array_size=1001,
-        job_name="bench",
-        eos_token="<|endoftext|>",
-        max_doc_bytes=10 * 2**20,
-        corpus_module=f"data_prep.{corpus}",
-        **kw,
-    )
+BENCH = ExecutorConfig(workers=1, time="01:00:00", job_name="bench")
 
 
 def step_seconds(stats: list) -> float:
@@ -66,8 +52,8 @@ def main():
         shutil.copy(data / f"wikitext-103/wiki.{split}.raw", source / f"wiki.{split}.raw")
     start = time.perf_counter()
     manifests = data_prep.run(
-        options(
-            "wikitext103", source=str(source), tokenizer=str(tok_path), out=str(out / "wikitext")
+        WikiTextConfig(
+            source=str(source), tokenizer=str(tok_path), out=str(out / "wikitext"), execution=BENCH
         )
     )
     wall = time.perf_counter() - start
@@ -88,15 +74,13 @@ def main():
 
     start = time.perf_counter()
     m = data_prep.run(
-        options(
-            "fineweb",
+        FineWebConfig(
             source=str(data / "web/dolma-cc-sample"),
             tokenizer=str(tok_path),
             out=str(out / "web"),
             seq_len=1024,
             shard_size=64,
-            lang_model=None,
-            lang_threshold=0.65,
+            execution=BENCH,
         )
     )
     wall = time.perf_counter() - start

@@ -1,7 +1,8 @@
 """Data preparation recipes (datatrove pipelines), one module per corpus, run by `megaloop prep`.
 
 The command-line options live here so that `megaloop --help` (and every training rank) does
-not import datatrove; a corpus module is imported only when it runs.
+not import datatrove; a corpus module is imported only when it runs. Each recipe's options are
+a typed config (data_prep/config.py); the flags' defaults are read from it.
 """
 
 from __future__ import annotations
@@ -10,33 +11,56 @@ import argparse
 import importlib
 import importlib.util
 
-DEFAULT_VOCAB = 20480
-EOS = "<|endoftext|>"
+from data_prep.config import (
+    DEFAULT_VOCAB,
+    EOS,
+    ExecutorConfig,
+    FineWebConfig,
+    PrepError,
+    RecipeConfig,
+    WikiTextConfig,
+)
+
+__all__ = [
+    "DEFAULT_VOCAB",
+    "EOS",
+    "ExecutorConfig",
+    "FineWebConfig",
+    "PrepError",
+    "RecipeConfig",
+    "WikiTextConfig",
+    "config_from_args",
+    "run",
+]
 
 
 def _executor_options(parser) -> None:
+    d = ExecutorConfig()
     group = parser.add_argument_group("execution (datatrove)")
-    group.add_argument("--executor", choices=["local", "slurm"], default="local")
+    group.add_argument("--executor", choices=["local", "slurm"], default=d.executor)
     group.add_argument(
         "--workers",
         type=int,
-        default=1,
+        default=d.workers,
         help="local: processes; slurm: concurrent array tasks (-1: no limit)",
     )
-    group.add_argument("--partition", default=None, help="slurm partition")
-    group.add_argument("--time", default="04:00:00", help="slurm time limit per task")
-    group.add_argument("--cpus-per-task", type=int, default=1)
-    group.add_argument("--max-array-size", type=int, default=1001)
-    group.add_argument("--job-name", default="megaloop-prep")
+    group.add_argument("--partition", default=d.partition, help="slurm partition")
+    group.add_argument("--time", default=d.time, help="slurm time limit per task")
+    group.add_argument("--cpus-per-task", type=int, default=d.cpus_per_task)
+    group.add_argument("--max-array-size", type=int, default=d.max_array_size)
+    group.add_argument("--job-name", default=d.job_name)
 
 
-def _corpus(sub, name: str, help: str):
-    module = importlib.util.find_spec(f"data_prep.{name}")
+def _corpus(sub, config: type[RecipeConfig], help: str):
+    module = importlib.util.find_spec(f"data_prep.{config.recipe}")
     doc = _module_doc(module.origin)
     p = sub.add_parser(
-        name, help=help, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+        config.recipe,
+        help=help,
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.set_defaults(corpus_module=f"data_prep.{name}")
+    p.set_defaults(prep_config=config)
     return p
 
 
@@ -48,29 +72,29 @@ def _module_doc(path: str) -> str:
 
 
 def add_parsers(sub) -> list[argparse.ArgumentParser]:
-    wt = _corpus(sub, "wikitext103", "WikiText-103 → megatron-core indexed datasets")
+    wt = _corpus(sub, WikiTextConfig, "WikiText-103 → megatron-core indexed datasets")
     wt.add_argument(
         "--source",
-        default="Salesforce/wikitext",
+        default=WikiTextConfig.source,
         help="folder with wiki.{train,valid,test}.raw, or Salesforce/wikitext (hub)",
     )
     wt.add_argument(
         "--tokenizer",
-        default=f"train:{DEFAULT_VOCAB}",
+        default=WikiTextConfig.tokenizer,
         help="tokenizer.json path, hub name, or train:N (byte-level BPE, default "
-        f"train:{DEFAULT_VOCAB})",
+        f"{WikiTextConfig.tokenizer})",
     )
     wt.add_argument("--out", required=True)
-    wt.add_argument("--eos-token", default=EOS)
+    wt.add_argument("--eos-token", default=WikiTextConfig.eos_token)
     wt.add_argument(
         "--max-doc-bytes",
         type=int,
-        default=10 * 2**20,
+        default=WikiTextConfig.max_doc_bytes,
         help="larger single documents are dropped (and counted)",
     )
     _executor_options(wt)
 
-    fw = _corpus(sub, "fineweb", "web text → filtered, packed webdataset shards")
+    fw = _corpus(sub, FineWebConfig, "web text → filtered, packed webdataset shards")
     fw.add_argument(
         "--source",
         required=True,
@@ -79,18 +103,29 @@ def add_parsers(sub) -> list[argparse.ArgumentParser]:
     fw.add_argument("--tokenizer", required=True, help="tokenizer.json path or hub name")
     fw.add_argument("--out", required=True)
     fw.add_argument("--seq-len", type=int, required=True)
-    fw.add_argument("--shard-size", type=int, default=1024, help="sequences per tar shard")
-    fw.add_argument("--eos-token", default=EOS)
-    fw.add_argument("--max-doc-bytes", type=int, default=10 * 2**20)
+    fw.add_argument(
+        "--shard-size",
+        type=int,
+        default=FineWebConfig.shard_size,
+        help="sequences per tar shard",
+    )
+    fw.add_argument("--eos-token", default=FineWebConfig.eos_token)
+    fw.add_argument("--max-doc-bytes", type=int, default=FineWebConfig.max_doc_bytes)
     fw.add_argument(
         "--lang-model",
-        default=None,
+        default=FineWebConfig.lang_model,
         help="local fastText language-ID model (optional; needs the fasttext package)",
     )
-    fw.add_argument("--lang-threshold", type=float, default=0.65)
+    fw.add_argument("--lang-threshold", type=float, default=FineWebConfig.lang_threshold)
     _executor_options(fw)
     return [wt, fw]
 
 
-def run(args) -> dict:
-    return importlib.import_module(args.corpus_module).prepare(args)
+def config_from_args(args: argparse.Namespace) -> RecipeConfig:
+    """The typed config of `megaloop prep NAME ...`: the one place flags become a config."""
+    return args.prep_config.from_args(args)
+
+
+def run(config: RecipeConfig) -> dict:
+    """Run one recipe; returns what it wrote in its manifest(s)."""
+    return importlib.import_module(f"data_prep.{config.recipe}").prepare(config)

@@ -20,11 +20,12 @@ from datatrove.pipeline.readers.base import BaseDiskReader
 from datatrove.utils.tokenization import PipelineStepWithTokenizer
 from tqdm import tqdm
 
-from data_prep import DEFAULT_VOCAB, EOS  # noqa: F401  (re-exported for the corpora)
-
-
-class PrepError(ValueError):
-    """Bad input that leaves nothing to prepare, or a bad option: one message, no traceback."""
+from data_prep.config import (  # noqa: F401  (EOS and PrepError re-exported for the corpora)
+    DEFAULT_VOCAB,
+    EOS,
+    ExecutorConfig,
+    PrepError,
+)
 
 
 def sha256_file(path: Path) -> str:
@@ -313,37 +314,44 @@ def merge_indexed(output_dir: Path, prefix: str, parts: int, dtype) -> Path:
 # -- executors and stats ---------------------------------------------------------------------
 
 
-def make_executor(pipeline: list[PipelineStep], logging_dir: Path, tasks: int, args):
+def make_executor(
+    pipeline: list[PipelineStep], logging_dir: Path, tasks: int, execution: ExecutorConfig
+):
     """datatrove's local or Slurm executor; completion markers in `logging_dir` make a re-run
     resume where the last one stopped (finished tasks are skipped)."""
-    if args.executor == "slurm":
+    if execution.executor == "slurm":
         from datatrove.executor.slurm import SlurmPipelineExecutor
 
         return SlurmPipelineExecutor(
             pipeline,
             tasks=tasks,
-            time=args.time,
-            partition=args.partition,
-            cpus_per_task=args.cpus_per_task,
-            job_name=args.job_name,
+            time=execution.time,
+            partition=execution.partition,
+            cpus_per_task=execution.cpus_per_task,
+            job_name=execution.job_name,
             logging_dir=str(logging_dir),
-            max_array_size=args.max_array_size,
-            workers=args.workers,
+            max_array_size=execution.max_array_size,
+            workers=execution.workers,
             venv_path=_venv_activate(),
         )
     from datatrove.executor.local import LocalPipelineExecutor
 
     return LocalPipelineExecutor(
-        pipeline, tasks=tasks, workers=min(args.workers, tasks), logging_dir=str(logging_dir)
+        pipeline, tasks=tasks, workers=min(execution.workers, tasks), logging_dir=str(logging_dir)
     )
 
 
-def run_pipeline(pipeline: list[PipelineStep], logging_dir: Path, tasks: int, args) -> bool:
+def run_pipeline(
+    pipeline: list[PipelineStep], logging_dir: Path, tasks: int, execution: ExecutorConfig
+) -> bool:
     """Run (locally) or submit (Slurm) the pipeline; true when all its tasks have completed,
     false while submitted Slurm tasks are still to finish (run the command again then)."""
-    executor = make_executor(pipeline, logging_dir, tasks, args)
+    executor = make_executor(pipeline, logging_dir, tasks, execution)
     executor.run()
-    if args.executor == "slurm" and not all(executor.is_rank_completed(r) for r in range(tasks)):
+    pending = execution.executor == "slurm" and not all(
+        executor.is_rank_completed(r) for r in range(tasks)
+    )
+    if pending:
         print(
             f"megaloop prep: {tasks} task(s) are queued or running on Slurm (logs in "
             f"{logging_dir}); run the same command again when they are done to finish",
@@ -391,10 +399,3 @@ def write_manifest(path: Path, manifest: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     tmp.replace(path)
-
-
-def check_executor_options(args) -> None:
-    if args.executor == "slurm" and not args.partition:
-        raise PrepError("--executor slurm needs --partition")
-    if args.workers == 0 or args.workers < -1:
-        raise PrepError(f"--workers {args.workers}: use a positive number (or -1 on slurm)")

@@ -28,7 +28,6 @@ from data_prep.common import (
     PrepError,
     RobustReader,
     TokenizingStep,
-    check_executor_options,
     eos_id,
     load_tokenizer,
     read_stats,
@@ -39,6 +38,7 @@ from data_prep.common import (
     token_dtype,
     write_manifest,
 )
+from data_prep.config import FineWebConfig
 
 
 class PackedShardWriter(TokenizingStep):
@@ -150,25 +150,22 @@ def resolve_source(source: str) -> tuple[str, list[str]]:
     return folder, sorted(files)
 
 
-def prepare(args) -> dict:
-    check_executor_options(args)
-    if args.seq_len < 1 or args.shard_size < 1:
-        raise PrepError("--seq-len and --shard-size must be >= 1")
-    out = Path(args.out)
+def prepare(cfg: FineWebConfig) -> dict:
+    """Run (or resume) the pipeline and write manifest.json; {} while Slurm tasks are pending."""
+    out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     # the manifest is the mark of a finished folder: gone until this run has finished
     (out / "manifest.json").unlink(missing_ok=True)
-    folder, files = resolve_source(args.source)
-    if args.tokenizer.startswith("train:"):
-        raise PrepError("--tokenizer train:N is for WikiText; pass a tokenizer.json or hub name")
-    tokenizer = resolve_tokenizer(args.tokenizer, out)
+    folder, files = resolve_source(cfg.source)
+    tokenizer = resolve_tokenizer(cfg.tokenizer, out)
     vocab = load_tokenizer(tokenizer).get_vocab_size()
-    eos = eos_id(tokenizer, args.eos_token)
+    eos = eos_id(tokenizer, cfg.eos_token)
     dtype = token_dtype(vocab)
-    if len(files) == 1 and args.workers > 1:
+    workers = cfg.execution.workers
+    if len(files) == 1 and workers > 1:
         print(
             f"megaloop prep: {files[0]} is the only input file: datatrove splits work by file, "
-            f"so one of the {args.workers} workers will be busy; split it into several files "
+            f"so one of the {workers} workers will be busy; split it into several files "
             f"to use them all",
             flush=True,
         )
@@ -176,13 +173,13 @@ def prepare(args) -> dict:
     logs = out / "logs"
     pipeline = [
         RobustReader(folder, paths_file=None, glob_pattern=None, text_key="text"),
-        BadDocumentGuard(args.max_doc_bytes),
-        *quality_filters(args.lang_model, args.lang_threshold),
+        BadDocumentGuard(cfg.max_doc_bytes),
+        *quality_filters(cfg.lang_model, cfg.lang_threshold),
         PackedShardWriter(
-            str(out), str(tokenizer), args.seq_len, args.shard_size, dtype.__name__, args.eos_token
+            str(out), str(tokenizer), cfg.seq_len, cfg.shard_size, dtype.__name__, cfg.eos_token
         ),
     ]
-    if not run_pipeline(pipeline, logs, tasks=len(files), args=args):
+    if not run_pipeline(pipeline, logs, len(files), cfg.execution):
         return {}
     stats = read_stats(logs)
     shards = {}
@@ -191,14 +188,14 @@ def prepare(args) -> dict:
     kept = stat(stats, "packed webdataset", "documents")
     if not shards or kept == 0:
         raise PrepError(
-            f"nothing usable in --source {args.source}: "
+            f"nothing usable in --source {cfg.source}: "
             f"{stat(stats, 'reader', 'documents')} documents read, none kept (or too "
-            f"few tokens for one sequence of {args.seq_len + 1})"
+            f"few tokens for one sequence of {cfg.seq_len + 1})"
         )
     manifest = {
-        "source": args.source,
+        "source": cfg.source,
         "files": files,
-        "seq_len": args.seq_len,
+        "seq_len": cfg.seq_len,
         "documents_read": stat(stats, "reader", "documents"),
         "unreadable_files": stat(stats, "reader", "unreadable_files"),
         "non_utf8_records": stat(stats, "reader", "non_utf8_records"),
@@ -212,7 +209,7 @@ def prepare(args) -> dict:
         "shards": dict(sorted(shards.items())),
         "dtype": dtype.__name__,
         "vocab_size": vocab,
-        "eos_token": args.eos_token,
+        "eos_token": cfg.eos_token,
         "eos_id": eos,
         "tokenizer": str(tokenizer),
         "tokenizer_sha256": sha256_file(tokenizer),

@@ -23,7 +23,6 @@ from data_prep.common import (
     BadDocumentGuard,
     IndexedDatasetWriter,
     PrepError,
-    check_executor_options,
     eos_id,
     load_tokenizer,
     merge_indexed,
@@ -35,6 +34,7 @@ from data_prep.common import (
     token_dtype,
     write_manifest,
 )
+from data_prep.config import WikiTextConfig
 
 SPLITS = ("train", "valid", "test")
 HUB_DATASET, HUB_CONFIG = "Salesforce/wikitext", "wikitext-103-raw-v1"
@@ -140,22 +140,22 @@ def source_files(source: str, out: Path) -> dict[str, Path]:
     return files
 
 
-def prepare(args) -> dict:
-    check_executor_options(args)
-    out = Path(args.out)
+def prepare(cfg: WikiTextConfig) -> dict:
+    """Prepare (or resume) each split found; the manifests of the splits finished by this run."""
+    out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    files = source_files(args.source, out)
+    files = source_files(cfg.source, out)
     training_text = None
-    if args.tokenizer.startswith("train:") and "train" in files:
+    if cfg.tokenizer.startswith("train:") and "train" in files:
         training_text = (
             a for a in split_articles(read_raw(files["train"])) if _is_utf8(a) and a.strip()
         )
-    if args.tokenizer.startswith("train:") and (out / "tokenizer.json").is_file():
+    if cfg.tokenizer.startswith("train:") and (out / "tokenizer.json").is_file():
         tokenizer = out / "tokenizer.json"  # trained by an earlier run: resume with it
     else:
-        tokenizer = resolve_tokenizer(args.tokenizer, out, training_text)
+        tokenizer = resolve_tokenizer(cfg.tokenizer, out, training_text)
     vocab = load_tokenizer(tokenizer).get_vocab_size()
-    eos_id(tokenizer, args.eos_token)
+    eos_id(tokenizer, cfg.eos_token)
     dtype = token_dtype(vocab)
     manifests, pending = {}, []
     for split, path in files.items():
@@ -169,10 +169,10 @@ def prepare(args) -> dict:
         logs = out / "logs" / split
         pipeline = [
             WikiTextReader(str(path), split),
-            BadDocumentGuard(args.max_doc_bytes),
-            IndexedDatasetWriter(str(out), split, str(tokenizer), dtype.__name__, args.eos_token),
+            BadDocumentGuard(cfg.max_doc_bytes),
+            IndexedDatasetWriter(str(out), split, str(tokenizer), dtype.__name__, cfg.eos_token),
         ]
-        if not run_pipeline(pipeline, logs, tasks=1, args=args):
+        if not run_pipeline(pipeline, logs, 1, cfg.execution):
             pending.append(split)
             continue
         stats = read_stats(logs)
@@ -198,8 +198,8 @@ def prepare(args) -> dict:
             "non_utf8_documents": stat(stats, "wikitext articles", "non_utf8_documents"),
             "dtype": dtype.__name__,
             "vocab_size": vocab,
-            "eos_token": args.eos_token,
-            "eos_id": eos_id(tokenizer, args.eos_token),
+            "eos_token": cfg.eos_token,
+            "eos_id": eos_id(tokenizer, cfg.eos_token),
             "tokenizer": str(tokenizer),
             "tokenizer_sha256": sha256_file(tokenizer),
             "source": str(path),
@@ -214,7 +214,7 @@ def prepare(args) -> dict:
         and not any((out / f"{s}.manifest.json").is_file() for s in files)
     ):
         raise PrepError(
-            f"nothing usable in --source {args.source}: every split was empty or "
+            f"nothing usable in --source {cfg.source}: every split was empty or "
             f"all its documents were dropped"
         )
     return manifests

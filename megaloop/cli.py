@@ -347,7 +347,7 @@ def cmd_prep(args) -> int:
     from data_prep.common import PrepError
 
     try:
-        data_prep.run(args)
+        data_prep.run(data_prep.config_from_args(args))
     except PrepError as e:
         print(f"megaloop prep: error: {e}", file=sys.stderr)
         return 2

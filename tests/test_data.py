@@ -4,7 +4,6 @@ import gzip
 import json
 import random
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
@@ -13,6 +12,7 @@ import pytest
 from tokenizers import Tokenizer
 
 import data_prep
+from data_prep import FineWebConfig, WikiTextConfig
 from data_prep.common import PrepError
 from data_prep.wikitext103 import split_articles
 from multiproc import metrics as read_metrics
@@ -38,22 +38,38 @@ def article(rng, paragraphs: int = 3) -> str:
     return "\n".join(" ".join(sentence(rng) for _ in range(4)) for _ in range(paragraphs))
 
 
-def prep_args(corpus: str, **options) -> SimpleNamespace:
-    defaults = dict(
-        executor="local",
-        workers=1,
-        partition=None,
-        time="01:00:00",
-        cpus_per_task=1,
-        max_array_size=1001,
-        job_name="test",
-        eos_token="<|endoftext|>",
-        max_doc_bytes=10 * 2**20,
-        corpus_module=f"data_prep.{corpus}",
+def web_config(**options) -> FineWebConfig:
+    """`megaloop prep fineweb` as the tests run it: short sequences, small shards."""
+    return FineWebConfig(**{"seq_len": 64, "shard_size": 16, **options})
+
+
+def test_prep_flags_build_the_same_config_as_the_dataclass():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    data_prep.add_parsers(parser.add_subparsers(dest="corpus"))
+    flags = "fineweb --source s --tokenizer t.json --out o --seq-len 8 --workers 2 --time 1:00"
+    built = data_prep.config_from_args(parser.parse_args(flags.split()))
+    assert built == FineWebConfig(
+        source="s",
+        tokenizer="t.json",
+        out="o",
+        seq_len=8,
+        execution=data_prep.ExecutorConfig(workers=2, time="1:00"),
     )
-    if corpus == "fineweb":
-        defaults.update(seq_len=64, shard_size=16, lang_model=None, lang_threshold=0.65)
-    return SimpleNamespace(**{**defaults, **options})
+    assert data_prep.config_from_args(parser.parse_args("wikitext103 --out o".split())) == (
+        WikiTextConfig(out="o")
+    )
+    for bad, flag in [
+        (dict(seq_len=0), "--seq-len"),
+        (dict(lang_threshold=2.0), "--lang-threshold"),
+        (dict(max_doc_bytes=0), "--max-doc-bytes"),
+        (dict(tokenizer="train:300"), "--tokenizer train:N is for WikiText"),
+    ]:
+        with pytest.raises(PrepError, match=flag):
+            web_config(**{"source": "s", "tokenizer": "t.json", "out": "o", **bad})
+    with pytest.raises(PrepError, match="--executor slurm needs --partition"):
+        data_prep.ExecutorConfig(executor="slurm")
 
 
 # -- WikiText --------------------------------------------------------------------------------
@@ -100,7 +116,7 @@ def wikitext_prep(tmp_path_factory):
     (source / "wiki.valid.raw").write_text(wikitext(rng, [f"Valid {i}" for i in range(5)]))
     out = root / "out"
     manifests = data_prep.run(
-        prep_args("wikitext103", source=str(source), tokenizer="train:400", out=str(out))
+        WikiTextConfig(source=str(source), tokenizer="train:400", out=str(out))
     )
     return source, out, manifests
 
@@ -128,9 +144,7 @@ def test_wikitext_tokens_read_back_equal_tokenizing_the_articles(wikitext_prep):
 def test_wikitext_rerun_resumes_without_rewriting(wikitext_prep, capsys):
     source, out, _ = wikitext_prep
     before = (out / "train.bin").stat().st_mtime_ns
-    again = data_prep.run(
-        prep_args("wikitext103", source=str(source), tokenizer="train:400", out=str(out))
-    )
+    again = data_prep.run(WikiTextConfig(source=str(source), tokenizer="train:400", out=str(out)))
     assert again == {} and (out / "train.bin").stat().st_mtime_ns == before
     assert "train is already prepared" in capsys.readouterr().out
 
@@ -145,17 +159,14 @@ def test_wikitext_bad_inputs(tmp_path):
     (source / "wiki.train.raw").write_bytes(good.encode() + bad_utf8 + junk.encode())
     (source / "wiki.test.raw").write_text("")  # empty split
     manifests = data_prep.run(
-        prep_args(
-            "wikitext103", source=str(source), tokenizer="train:300", out=str(tmp_path / "out")
-        )
+        WikiTextConfig(source=str(source), tokenizer="train:300", out=str(tmp_path / "out"))
     )
     assert set(manifests) == {"train"}
     m = manifests["train"]
     assert m["documents"] == 1 and m["non_utf8_documents"] == 1 and m["dropped"]["binary"] == 1
     with pytest.raises(PrepError, match="holds none of wiki.train.raw"):
         data_prep.run(
-            prep_args(
-                "wikitext103",
+            WikiTextConfig(
                 source=str(tmp_path / "out"),
                 tokenizer="train:9",
                 out=str(tmp_path / "o2"),
@@ -163,8 +174,7 @@ def test_wikitext_bad_inputs(tmp_path):
         )
     with pytest.raises(PrepError, match="no such folder"):
         data_prep.run(
-            prep_args(
-                "wikitext103",
+            WikiTextConfig(
                 source=str(tmp_path / "missing"),
                 tokenizer="train:9",
                 out=str(tmp_path / "o3"),
@@ -175,8 +185,7 @@ def test_wikitext_bad_inputs(tmp_path):
     (empty / "wiki.valid.raw").write_text(" \n \n")
     with pytest.raises(PrepError, match="nothing usable"):
         data_prep.run(
-            prep_args(
-                "wikitext103",
+            WikiTextConfig(
                 source=str(empty),
                 tokenizer=str(tmp_path / "out/tokenizer.json"),
                 out=str(tmp_path / "o4"),
@@ -227,9 +236,7 @@ def web_prep(tmp_path_factory):
 
     tokenizer = train_bpe([r["text"] for r in good + more + table], 300, root / "tok.json")
     out = root / "out"
-    manifest = data_prep.run(
-        prep_args("fineweb", source=str(source), tokenizer=str(tokenizer), out=str(out))
-    )
+    manifest = data_prep.run(web_config(source=str(source), tokenizer=str(tokenizer), out=str(out)))
     files = {"a.jsonl": good + list(designed.values()), "b.jsonl.gz": more, "c.parquet": table}
     return out, manifest, files, tokenizer, source
 
@@ -306,15 +313,12 @@ def test_web_nothing_usable_is_one_clear_error(tmp_path, web_prep):
     (source / "x.jsonl").write_text(json.dumps({"text": ""}) + "\n")
     with pytest.raises(PrepError, match="nothing usable"):
         data_prep.run(
-            prep_args(
-                "fineweb", source=str(source), tokenizer=str(tokenizer), out=str(tmp_path / "out")
-            )
+            web_config(source=str(source), tokenizer=str(tokenizer), out=str(tmp_path / "out"))
         )
     (tmp_path / "void").mkdir()
     with pytest.raises(PrepError, match="holds no .parquet, .jsonl"):
         data_prep.run(
-            prep_args(
-                "fineweb",
+            web_config(
                 source=str(tmp_path / "void"),
                 tokenizer=str(tokenizer),
                 out=str(tmp_path / "out2"),
@@ -514,8 +518,6 @@ def test_web_rerun_redoes_only_the_unfinished_task(web_prep, tmp_path):
     for shard in (out / "shards").glob("00001-*.tar"):
         shard.unlink()
     kept = {p.name: p.stat().st_mtime_ns for p in (out / "shards").glob("0000[02]-*.tar")}
-    again = data_prep.run(
-        prep_args("fineweb", source=str(source), tokenizer=str(tokenizer), out=str(out))
-    )
+    again = data_prep.run(web_config(source=str(source), tokenizer=str(tokenizer), out=str(out)))
     assert {p.name: p.stat().st_mtime_ns for p in (out / "shards").glob("0000[02]-*.tar")} == kept
     assert again["shards"] == manifest["shards"] and again["sequences"] == manifest["sequences"]

@@ -18,7 +18,6 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from test_data import prep_args
 
 from megaloop import experiment
 from megaloop.config import Config, ConfigError, DataError
@@ -620,6 +619,7 @@ def test_prep_web_broken_files_are_named_and_nothing_looks_complete(
     tmp_path, prep_tokenizer, capfd
 ):
     import data_prep
+    from data_prep import FineWebConfig
     from data_prep.common import PrepError
 
     expected = bad_web_files(tmp_path / "source")
@@ -628,8 +628,7 @@ def test_prep_web_broken_files_are_named_and_nothing_looks_complete(
     (out / "manifest.json").write_text("{}")  # a finished earlier run's mark
     with pytest.raises(PrepError, match="nothing usable"):
         data_prep.run(
-            prep_args(
-                "fineweb",
+            FineWebConfig(
                 source=str(tmp_path / "source"),
                 tokenizer=str(prep_tokenizer),
                 out=str(out),
@@ -645,10 +644,14 @@ def test_prep_web_broken_files_are_named_and_nothing_looks_complete(
 
 
 def test_prep_bad_tokenizer_files_are_one_prep_error(tmp_path, prep_tokenizer):
+    from functools import partial
+
     import data_prep
+    from data_prep import FineWebConfig, WikiTextConfig
     from data_prep.common import PrepError
 
     sources = {"wikitext103": tmp_path / "wt", "fineweb": tmp_path / "web"}
+    recipes = {"wikitext103": WikiTextConfig, "fineweb": partial(FineWebConfig, seq_len=64)}
     for source in sources.values():
         source.mkdir()
     (sources["wikitext103"] / "wiki.train.raw").write_bytes(b"\x00\xff random \xfe bytes" * 10)
@@ -659,8 +662,7 @@ def test_prep_bad_tokenizer_files_are_one_prep_error(tmp_path, prep_tokenizer):
         for corpus in ("wikitext103", "fineweb"):
             with pytest.raises(PrepError, match=f"--tokenizer {bad} is not a Hugging Face"):
                 data_prep.run(
-                    prep_args(
-                        corpus,
+                    recipes[corpus](
                         source=str(sources[corpus]),
                         tokenizer=str(bad),
                         out=str(tmp_path / "out"),
@@ -670,6 +672,7 @@ def test_prep_bad_tokenizer_files_are_one_prep_error(tmp_path, prep_tokenizer):
 
 def test_prep_wikitext_random_bytes_is_one_error_and_no_manifest(tmp_path, prep_tokenizer):
     import data_prep
+    from data_prep import WikiTextConfig
     from data_prep.common import PrepError
 
     source = tmp_path / "wt"
@@ -679,9 +682,7 @@ def test_prep_wikitext_random_bytes_is_one_error_and_no_manifest(tmp_path, prep_
     out = tmp_path / "out"
     with pytest.raises(PrepError, match="nothing usable"):
         data_prep.run(
-            prep_args(
-                "wikitext103", source=str(source), tokenizer=str(prep_tokenizer), out=str(out)
-            )
+            WikiTextConfig(source=str(source), tokenizer=str(prep_tokenizer), out=str(out))
         )
     assert not list(out.glob("*.manifest.json")) and not list(out.glob("train.*"))
 

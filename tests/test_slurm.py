@@ -484,17 +484,16 @@ def submit_prep(env, root: Path) -> list:
 def test_datatrove_prep_job_array_matches_a_local_run(cluster, jobs):
     root, command = jobs["prep"]
     assert "#SBATCH --array=0-1" in (root / "slurm/logs/launch_script.slurm").read_text()
-    from test_data import prep_args
-
     import data_prep
 
     data_prep.run(
-        prep_args(
-            "fineweb",
+        data_prep.FineWebConfig(
             source=str(root / "source"),
             tokenizer=str(root / "tok.json"),
             out=str(root / "local"),
-            workers=2,
+            seq_len=64,
+            shard_size=16,
+            execution=data_prep.ExecutorConfig(workers=2),
         )
     )
     wait_queue_empty(cluster, timeout=240, name="test-prep")

@@ -1,0 +1,122 @@
+"""What a `megaloop prep` recipe is asked to do: one typed config per recipe, checked when built.
+
+The command line builds them (`from_args`); the bench and the tests build them directly. Field
+names are the flags' names (`--max-doc-bytes` is `max_doc_bytes`), so an error names the flag.
+Kept free of datatrove so that `megaloop --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+DEFAULT_VOCAB = 20480
+EOS = "<|endoftext|>"
+MAX_DOC_BYTES = 10 * 2**20
+
+
+class PrepError(ValueError):
+    """Bad input that leaves nothing to prepare, or a bad option: one message, no traceback."""
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@dataclass
+class ExecutorConfig:
+    """Where datatrove runs the pipeline's tasks: here (processes) or as a Slurm job array."""
+
+    executor: Literal["local", "slurm"] = "local"
+    workers: int = 1
+    """local: processes; slurm: concurrent array tasks (-1: no limit)."""
+    partition: str | None = None
+    time: str = "04:00:00"
+    """slurm: the time limit of each task."""
+    cpus_per_task: int = 1
+    max_array_size: int = 1001
+    job_name: str = "megaloop-prep"
+
+    def __post_init__(self) -> None:
+        if self.executor not in ("local", "slurm"):
+            raise PrepError(f"--executor {self.executor}: use local or slurm")
+        if self.executor == "slurm" and not self.partition:
+            raise PrepError("--executor slurm needs --partition")
+        if self.workers == 0 or self.workers < -1:
+            raise PrepError(f"--workers {self.workers}: use a positive number (or -1 on slurm)")
+        for name in ("cpus_per_task", "max_array_size"):
+            if getattr(self, name) < 1:
+                raise PrepError(f"{_flag(name)} {getattr(self, name)}: use a positive number")
+
+
+@dataclass(kw_only=True)
+class RecipeConfig:
+    """Options every recipe shares; `recipe` names the data_prep module that runs it."""
+
+    recipe: ClassVar[str]
+    out: str
+    tokenizer: str
+    eos_token: str = EOS
+    max_doc_bytes: int = MAX_DOC_BYTES
+    """Larger single documents are dropped (and counted)."""
+    execution: ExecutorConfig = field(default_factory=ExecutorConfig)
+
+    def __post_init__(self) -> None:
+        if self.max_doc_bytes < 1:
+            raise PrepError(f"--max-doc-bytes {self.max_doc_bytes}: use a positive number")
+        if not self.eos_token:
+            raise PrepError("--eos-token is empty: give the token that ends each document")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RecipeConfig:
+        """The config of parsed `megaloop prep NAME` options (flags and fields share names)."""
+        given = vars(args)
+        executor = {f.name: given[f.name] for f in dataclasses.fields(ExecutorConfig)}
+        own = {
+            f.name: given[f.name]
+            for f in dataclasses.fields(cls)
+            if f.init and f.name != "execution" and f.name in given
+        }
+        return cls(**own, execution=ExecutorConfig(**executor))
+
+
+@dataclass(kw_only=True)
+class WikiTextConfig(RecipeConfig):
+    """`megaloop prep wikitext103`: raw WikiText-103 splits → megatron-core indexed datasets."""
+
+    recipe: ClassVar[str] = "wikitext103"
+    tokenizer: str = f"train:{DEFAULT_VOCAB}"
+    """A tokenizer.json path, a hub name, or train:N (a byte-level BPE trained on the split)."""
+    source: str = "Salesforce/wikitext"
+    """A folder with wiki.{train,valid,test}.raw, or Salesforce/wikitext (the hub)."""
+
+
+@dataclass(kw_only=True)
+class FineWebConfig(RecipeConfig):
+    """`megaloop prep fineweb`: web text → filtered, packed webdataset shards."""
+
+    recipe: ClassVar[str] = "fineweb"
+    source: str
+    """A hub dataset path (HuggingFaceFW/fineweb/sample/10BT) or a local folder."""
+    seq_len: int
+    shard_size: int = 1024
+    """Sequences per tar shard."""
+    lang_model: str | None = None
+    """A local fastText language-ID model (optional; needs the fasttext package)."""
+    lang_threshold: float = 0.65
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.tokenizer.startswith("train:"):
+            raise PrepError(
+                "--tokenizer train:N is for WikiText; pass a tokenizer.json or hub name"
+            )
+        if self.seq_len < 1 or self.shard_size < 1:
+            raise PrepError("--seq-len and --shard-size must be >= 1")
+        if not 0 <= self.lang_threshold <= 1:
+            raise PrepError(f"--lang-threshold {self.lang_threshold}: use a number in [0, 1]")
+
+
+RECIPES: dict[str, type[RecipeConfig]] = {c.recipe: c for c in (WikiTextConfig, FineWebConfig)}
