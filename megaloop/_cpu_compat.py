@@ -1,10 +1,13 @@
-"""megatron-core 0.16.1 on a machine without CUDA (CPU tensors, gloo process groups).
+"""megatron-core 0.16.1 and DeepSpeed 0.19.8 on a machine without CUDA (CPU tensors, gloo).
 
 megatron-core assumes CUDA: it asks for the current CUDA device, tracks the CUDA RNG, and
-creates small bookkeeping tensors with device="cuda". Each patch below names the megatron-core
-file and line(s) it stands in for. `apply()` is called by entry points only (the CLI, tests,
-bench scripts); the model never imports this module. It does nothing when CUDA is present and
-refuses any megatron-core version it was not tested against.
+creates small bookkeeping tensors with device="cuda". DeepSpeed picks its accelerator by probing
+and compiles a shared-memory comm op on first use (~30 s) that training does not need. Each
+patch below names the library's file and line(s) it stands in for. This is the only CPU
+compatibility code: `apply()` is called by entry points only (the CLI, tests, bench scripts);
+nothing under megaloop/ imports this module. It does nothing when CUDA is present, and refuses a
+megatron-core or DeepSpeed version it was not tested against before any patch applies. (A fix
+every device needs lives in its engine, e.g. parallel/megatron.py's optimizer-state copy.)
 """
 
 from __future__ import annotations
@@ -12,14 +15,18 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.abc
+import importlib.util
 import inspect
+import os
+import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-TESTED_MEGATRON_CORE = "0.16.1"
+from megaloop.parallel.versions import TESTED, installed, require_tested
 
 
 class _CudaOnCPU(types.SimpleNamespace):
@@ -83,9 +90,11 @@ def _cpu_tensors_pass_as_cuda():
 @dataclass(frozen=True)
 class Patch:
     where: str
-    """megatron-core file:line(s) the patch stands in for."""
+    """The library's file:line(s) the patch stands in for (megatron-core's relative to
+    megatron/core/)."""
     replaces: str
     apply: Callable[[], None]
+    library: str = "megatron-core"
 
 
 def _module_torch(module: str) -> Callable[[], None]:
@@ -146,6 +155,42 @@ def _set(target, name: str, value) -> Callable[[], None]:
         setattr(owner, attr, value)
 
     return apply
+
+
+def _set_env(name: str, value: str) -> Callable[[], None]:
+    return lambda: os.environ.setdefault(name, value)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs `then(module)` once `name` has been imported (now, if it already has been), so a
+    patch of an optional, slow-to-import library costs nothing until the library is used."""
+
+    def __init__(self, name: str, then: Callable[[types.ModuleType], None]):
+        self.name, self.then = name, then
+
+    def install(self) -> None:
+        if self.name in sys.modules:
+            self.then(sys.modules[self.name])
+        else:
+            sys.meta_path.insert(0, self)
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        load, then = spec.loader.exec_module, self.then
+
+        def exec_module(module):
+            load(module)
+            then(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _after_import(name: str, then: Callable[[types.ModuleType], None]) -> Callable[[], None]:
+    return lambda: _AfterImport(name, then).install()
 
 
 PATCHES = [
@@ -274,27 +319,41 @@ PATCHES = [
             "optimizer.distrib_optimizer", "DistributedOptimizer.get_parameter_state_dp_zero"
         ),
     ),
+    Patch(
+        "deepspeed/accelerator/real_accelerator.py:116-216",
+        "accelerator auto-detection (xpu, npu, ..., cuda): DS_ACCELERATOR=cpu, gloo without oneCCL",
+        _set_env("DS_ACCELERATOR", "cpu"),
+        library="deepspeed",
+    ),
+    Patch(
+        "deepspeed/comm/torch.py:49 (build_shm_op)",
+        "deepspeed.ops.__compatible_ops__ probing, then compiling the shared-memory comm op: "
+        "no compiled ops",
+        _after_import("deepspeed.ops", lambda ops: setattr(ops, "__compatible_ops__", {})),
+        library="deepspeed",
+    ),
 ]
 
 _applied = False
 
+PATCHER = "megaloop's CPU compatibility layer"
+
+
+def check_versions(versions: dict[str, str | None] | None = None) -> None:
+    """Every patched library at the version its patches were written for; `versions` maps a
+    distribution to its version (default: the installed ones; None: not installed)."""
+    versions = versions if versions is not None else {d: installed(d) for d in TESTED}
+    for distribution in TESTED:
+        require_tested(distribution, versions.get(distribution), PATCHER)
+
 
 def apply() -> None:
-    """Make megatron-core run on the CPU; a no-op when CUDA is available or already applied."""
+    """Make megatron-core and DeepSpeed run on the CPU; a no-op when CUDA is available or
+    already applied."""
     global _applied
     if _applied or torch.cuda.is_available():
         return
-    import megatron.core
-
-    version = megatron.core.__version__
-    if version != TESTED_MEGATRON_CORE:
-        raise RuntimeError(
-            f"megaloop's CPU compatibility layer was tested with megatron-core "
-            f"{TESTED_MEGATRON_CORE}, but {version} is installed; its patches name that "
-            f"version's lines. Install megatron-core=={TESTED_MEGATRON_CORE} (see "
-            f"requirements.txt), "
-            f"or run on a CUDA machine."
-        )
+    check_versions()
     for patch in PATCHES:
         patch.apply()
     _applied = True

@@ -1,20 +1,23 @@
-"""The CPU compatibility layer: applied by entry points only, version-locked, each patch named."""
+"""The CPU compatibility layer: applied by entry points only, version-locked, each patch named;
+and the version guard the megatron engine's own patch shares with it."""
 
 import re
+import sys
 from pathlib import Path
 
-import megatron.core
 import pytest
 
 from megaloop import _cpu_compat
+from megaloop.parallel import versions
 
 PACKAGE = Path(__file__).resolve().parent.parent / "megaloop"
 
 
-def test_every_patch_names_a_megatron_core_file_and_line():
+def test_every_patch_names_a_file_and_line_of_a_version_locked_library():
     for patch in _cpu_compat.PATCHES:
         assert re.search(r"[\w/]+\.py:\d+", patch.where), patch.where
-        assert patch.replaces
+        assert patch.replaces and patch.library in versions.TESTED
+    assert {p.library for p in _cpu_compat.PATCHES} == {"megatron-core", "deepspeed"}
 
 
 def test_nothing_but_entry_points_imports_it():
@@ -26,17 +29,75 @@ def test_nothing_but_entry_points_imports_it():
     assert importers == {"cli.py"}
 
 
-def test_refuses_an_untested_megatron_core(monkeypatch):
+TESTED = {"megatron-core": "0.16.1", "deepspeed": "0.19.8"}
+
+
+def test_the_tested_versions_are_the_pinned_ones():
+    root = PACKAGE.parent
+    pins = (root / "requirements.txt").read_text() + (root / "pyproject.toml").read_text()
+    assert versions.TESTED == TESTED
+    for distribution, version in TESTED.items():
+        assert f"{distribution}=={version}" in pins
+        assert versions.installed(distribution) == version
+
+
+@pytest.mark.parametrize("distribution", ["megatron-core", "deepspeed"])
+def test_refuses_an_untested_version_naming_both(distribution):
+    fake = {**TESTED, distribution: "9.9.9"}
+    with pytest.raises(
+        versions.UntestedVersion,
+        match=rf"CPU compatibility layer was tested with {distribution} "
+        rf"{re.escape(TESTED[distribution])}, but 9\.9\.9 is installed.*"
+        rf"Install {distribution}=={re.escape(TESTED[distribution])}",
+    ):
+        _cpu_compat.check_versions(fake)
+    _cpu_compat.check_versions(TESTED)
+    _cpu_compat.check_versions({**TESTED, "deepspeed": None})  # not installed: nothing to patch
+
+
+def test_apply_refuses_before_any_patch_applies(monkeypatch):
+    applied = []
     monkeypatch.setattr(_cpu_compat, "_applied", False)
     monkeypatch.setattr(_cpu_compat.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(megatron.core, "__version__", "0.17.0")
-    with pytest.raises(RuntimeError, match=r"tested with megatron-core 0\.16\.1, but 0\.17\.0"):
+    monkeypatch.setattr(
+        _cpu_compat, "installed", lambda d: "0.17.0" if d == "deepspeed" else "0.16.1"
+    )
+    monkeypatch.setattr(
+        _cpu_compat, "PATCHES", [_cpu_compat.Patch("x.py:1", "x", lambda: applied.append(1))]
+    )
+    with pytest.raises(versions.UntestedVersion, match=r"deepspeed 0\.19\.8, but 0\.17\.0"):
         _cpu_compat.apply()
+    assert applied == [] and _cpu_compat._applied is False
+
+
+def test_the_megatron_engine_refuses_an_untested_megatron_core_before_building(monkeypatch):
+    from megaloop.parallel import megatron
+
+    monkeypatch.setattr(megatron, "installed", lambda d: "0.17.0")
+    with pytest.raises(
+        versions.UntestedVersion, match=r"megatron engine was tested with megatron-core 0\.16\.1"
+    ):
+        megatron.MegatronEngine(cfg=None, seq_len=0, micro_batch_size=0)
+
+
+def test_a_patch_of_a_lazy_module_runs_once_it_is_imported(tmp_path, monkeypatch):
+    (tmp_path / "megaloop_probe_module.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    _cpu_compat._AfterImport("megaloop_probe_module", lambda m: seen.append(m.VALUE)).install()
+    assert seen == []
+    import megaloop_probe_module  # noqa: F401
+
+    assert seen == [1]
+    assert not [f for f in sys.meta_path if getattr(f, "name", "") == "megaloop_probe_module"]
+    _cpu_compat._AfterImport("megaloop_probe_module", lambda m: seen.append(2)).install()
+    assert seen == [1, 2]  # already imported: runs at once
+    del sys.modules["megaloop_probe_module"]
 
 
 def test_does_nothing_when_cuda_is_present(monkeypatch):
     monkeypatch.setattr(_cpu_compat, "_applied", False)
     monkeypatch.setattr(_cpu_compat.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(megatron.core, "__version__", "0.0.0")  # would be refused on a CPU
+    monkeypatch.setattr(_cpu_compat, "installed", lambda d: "0.0.0")  # refused on a CPU
     _cpu_compat.apply()
     assert _cpu_compat._applied is False

@@ -31,6 +31,7 @@ from megaloop.parallel.distributed import reduce_terms, terms_finite
 from megaloop.parallel.engine import StepResult
 from megaloop.parallel.layout import optimizer_state_bytes
 from megaloop.parallel.pipeline import ExitStore, LapChunk
+from megaloop.parallel.versions import installed, require_tested
 from megaloop.safe_load import untrusted
 
 OPTIMIZER_CHECKPOINT = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -41,7 +42,8 @@ def _copy_only_loaded_optimizer_states(self, model_param, tensors):
     (distrib_optimizer.py:911-940), copying only the states the checkpoint carries. Without
     Transformer Engine or Apex (on any device) its optimizer is torch's AdamW, which also keeps
     a per-parameter "step" that megatron-core restores from the param groups and never puts in
-    `tensors`: the original raised KeyError('step') on every resume."""
+    `tensors`: the original raised KeyError('step') on every resume. Every device needs it, so
+    it lives here, not in the CPU layer; refused on an untested megatron-core (versions.py)."""
     group_index, group_order = self.model_param_group_index_map[model_param]
     main_param = self.optimizer.param_groups[group_index]["params"][group_order]
     destination = {"param": main_param, **self.optimizer.state[main_param]}
@@ -53,6 +55,7 @@ class MegatronEngine:
     name = "megatron"
 
     def __init__(self, cfg, seq_len: int, micro_batch_size: int):
+        require_tested("megatron-core", installed("megatron-core"), "the megatron engine")
         model_cfg, par = cfg.model, cfg.parallel
         self.objective = cfg.objective
         self.bf16 = cfg.train.bf16
