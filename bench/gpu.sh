@@ -158,8 +158,10 @@ step_mfu_1p4b() {
 step_fixed_k() {
   local b=2 t=2048 n=64 w=3
   [ -n "$SMOKE" ] && b=1 t=32 n=2 w=1
+  # synthetic tokens: the fineweb (webdataset) keys are dropped (null), as the kind switch needs
   # shellcheck disable=SC2046
   "$PY" -m megaloop train configs/experiments/fineweb/1p4b_baseline.yaml data.kind=synthetic \
+    data.path=null data.resampled=null data.valid_shards=null \
     train.steps=1 train.global_batch_size=1 train.eval_batches=1 wandb.mode=disabled \
     train.dir="$SCRATCH/1p4b" $(smoke_shape) >&2
   "$PY" -m megaloop export "$SCRATCH/1p4b" "$SCRATCH/1p4b-hf" >&2

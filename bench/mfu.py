@@ -17,6 +17,7 @@ import time
 import torch
 
 from megaloop import _cpu_compat, experiment
+from megaloop.data import switch_overrides
 from megaloop.parallel import distributed
 from megaloop.parallel.layout import flops_per_token, loss_exits, peak_tflops
 
@@ -29,8 +30,7 @@ def measure(config: str, overrides: list, steps: int, warmup: int) -> dict:
             config,
             [
                 *overrides,
-                "data.kind=synthetic",
-                "data.epochs=null",
+                *switch_overrides("synthetic"),
                 f"train.steps={warmup + steps}",
                 f"train.global_batch_size={mbs}",
                 f"train.dir={run_dir}",

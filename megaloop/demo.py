@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megaloop.data import DataConfig, synthetic
+from megaloop.data import SyntheticConfig, TextConfig, synthetic
 from megaloop.experiment import ExperimentConfig, build_trainer
 from megaloop.model import ModelConfig
 from megaloop.objectives import ObjectiveConfig, masked_mean
@@ -33,9 +33,9 @@ def demo_config(
 ) -> ExperimentConfig:
     seq_len = 128 if text else 64
     data = (
-        DataConfig(kind="text", path=text, tokenizer=tokenizer, seq_len=seq_len)
+        TextConfig(path=text, tokenizer=tokenizer, seq_len=seq_len)
         if text
-        else DataConfig(kind="synthetic", task="addition", depth=4, seq_len=seq_len)
+        else SyntheticConfig(task="addition", depth=4, seq_len=seq_len)
     )
     vocab = 256 if tokenizer == "bytes" else data.build(0).tokenizer.vocab_size
     return ExperimentConfig(

@@ -19,7 +19,7 @@ from typing import Literal
 
 from megaloop import config as config_lib
 from megaloop.config import CONFIG_ROOT, Config, ConfigError, check, flatten
-from megaloop.data import DataConfig
+from megaloop.data import DataConfig, SyntheticConfig
 from megaloop.extras import require
 from megaloop.model import ModelConfig
 from megaloop.objectives import ObjectiveConfig
@@ -33,7 +33,7 @@ from megaloop.train.optim import OptimConfig
 class ExperimentConfig(Config):
     model: ModelConfig = field(default_factory=ModelConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    data: DataConfig = field(default_factory=SyntheticConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
@@ -318,7 +318,8 @@ def config_of(folder: Path) -> ExperimentConfig:
     """The config a checkpoint folder was written with."""
     from megaloop.train import checkpoint
 
-    return ExperimentConfig.from_dict(checkpoint.read_meta(folder)["config"])
+    saved = checkpoint.read_meta(folder)["config"]
+    return ExperimentConfig.from_dict({**saved, "data": DataConfig.own_keys_only(saved["data"])})
 
 
 def consolidated(path: Path) -> tuple[dict, ExperimentConfig, Path]:

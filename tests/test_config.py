@@ -28,6 +28,30 @@ def test_composition_and_overrides():
     assert (cfg.train.steps, cfg.model.readout, cfg.optim.lr) == (1200, "raw", 1e-3)
 
 
+def test_data_kind_picks_a_section_with_only_its_keys():
+    from megaloop.data import DataConfig, IndexedConfig, SyntheticConfig, switch_overrides
+
+    cfg = experiment.load(ROOT / "configs/experiments/wikitext103/44m/per_loop_norm.yaml")
+    assert type(cfg.data) is IndexedConfig and cfg.data.epochs == 4
+    assert set(cfg.to_dict()["data"]) == {
+        "kind", "seq_len", "tokenizer", "path", "valid_path", "epochs", "cache_dir"
+    }  # fmt: skip
+    fineweb = ROOT / "configs/experiments/fineweb/1p4b_baseline.yaml"
+    with pytest.raises(ConfigError, match="'data.path'.*data.kind=webdataset, not of data.kind"):
+        experiment.load(fineweb, ["data.kind=synthetic"])
+    cfg = experiment.load(fineweb, switch_overrides("synthetic"))
+    assert cfg.data == SyntheticConfig(seq_len=1664) and cfg.data.epochs is None
+    # a checkpoint of an older megaloop saved every kind's keys, at their defaults
+    saved = {
+        "kind": "indexed", "path": "d/train", "valid_path": None, "seq_len": 64,
+        "tokenizer": "bytes", "epochs": 2, "cache_dir": None, "task": "addition", "depth": 4,
+        "valid_fraction": 0.05, "valid_shards": 1, "resampled": False,
+    }  # fmt: skip
+    assert DataConfig.from_dict(DataConfig.own_keys_only(saved)) == IndexedConfig(
+        path="d/train", seq_len=64, epochs=2
+    )
+
+
 def test_ablation_table_has_one_file_per_row_for_both_sizes():
     rows = {
         "terminal_norm",
@@ -69,6 +93,11 @@ BAD = [
     (["data.seq_len=512"], ["data.seq_len", "512", "model.max_seq_len=256"]),
     (["train.micro_batch_size=0"], ["train.micro_batch_size", "0", ">= 1"]),
     (["data.kind=text"], ["data.path", "data.kind=text needs a text file"]),
+    (["data.epochs=2"], ["data.epochs", "of data.kind=indexed, not of data.kind=synthetic"]),
+    (
+        ["data.kind=indexed", "data.path=d/train", "data.task=lookup"],
+        ["data.task", "data.kind=synthetic", "remove it", "data.task=null"],
+    ),
     (["train.steps"], ["train.steps", "key=value"]),
     (["engine=deepspeed", "parallel.pp=2"], ["parallel.pp", "engine=megatron", "parallel.pp=1"]),
     (["engine=deepspeed", "deepspeed.zero_stage=4"], ["deepspeed.zero_stage", "0, 1, 2, 3"]),

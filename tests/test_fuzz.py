@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from megaloop import experiment
 from megaloop.config import Config, ConfigError, DataError
+from megaloop.data import KINDS, DataConfig
 from megaloop.experiment import ExperimentConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,7 +44,10 @@ def config_keys(cls=ExperimentConfig, prefix: str = "") -> dict:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
-        if isinstance(hint, type) and issubclass(hint, Config):
+        if hint is DataConfig:  # one section class per data.kind: every kind's keys
+            for kind in KINDS.values():
+                keys.update(config_keys(kind, f"{prefix}{f.name}."))
+        elif isinstance(hint, type) and issubclass(hint, Config):
             keys.update(config_keys(hint, f"{prefix}{f.name}."))
         else:
             keys[prefix + f.name] = hint
@@ -388,9 +392,9 @@ def test_cli_bad_config_files(tmp_path):
 
 
 def build_text(path: Path, **options):
-    from megaloop.data import DataConfig
+    from megaloop.data import TextConfig
 
-    return DataConfig(kind="text", path=str(path), seq_len=8, **options).build(seed=0)
+    return TextConfig(path=str(path), seq_len=8, **options).build(seed=0)
 
 
 @fuzz(120)
@@ -515,7 +519,7 @@ def test_damaged_indexed_datasets_name_the_file(tmp_path_factory, part, damage, 
 
 
 def test_indexed_tokens_outside_the_vocabulary_and_missing_files(tmp_path):
-    from megaloop.data import DataConfig
+    from megaloop.data import IndexedConfig
     from megaloop.data.indexed import IndexedData, check_indexed
     from megaloop.data.tokenizer import ByteTokenizer
 
@@ -528,16 +532,16 @@ def test_indexed_tokens_outside_the_vocabulary_and_missing_files(tmp_path):
         IndexedData(str(tmp_path / "empty"), None, 8, 0, 4, ByteTokenizer())
     (tmp_path / "train.manifest.json").write_bytes(b"\xff{")
     with pytest.raises(DataError, match="train.manifest.json is not a JSON manifest"):
-        DataConfig(kind="indexed", path=str(tmp_path / "train")).build(0)
+        IndexedConfig(path=str(tmp_path / "train")).build(0)
     with pytest.raises(ConfigError, match="'data.path'.*no PREFIX.bin"):
-        DataConfig(kind="indexed", path=str(tmp_path / "nothing")).build(0)
+        IndexedConfig(path=str(tmp_path / "nothing")).build(0)
 
 
 # -- data: webdataset folders (manifest; the shards' own reader is megaloop/data/shards.py) --
 
 
 def test_webdataset_manifests(tmp_path):
-    from megaloop.data import DataConfig
+    from megaloop.data import WebDatasetConfig
 
     def check(manifest, words, **options):
         folder = tmp_path / f"w{len(list(tmp_path.iterdir()))}"
@@ -548,7 +552,7 @@ def test_webdataset_manifests(tmp_path):
         else:
             (folder / "manifest.json").write_text(json.dumps(manifest))
         with pytest.raises(ConfigError) as err:
-            DataConfig(kind="webdataset", path=str(folder), **options).build(0)
+            WebDatasetConfig(path=str(folder), **options).build(0)
         assert all(w in str(err.value) for w in words), str(err.value)
         assert "manifest.json" in str(err.value) or f"data.path={folder}" in str(err.value)
 
@@ -728,7 +732,7 @@ def test_a_continuation_longer_than_the_context_names_the_task(export_dir):
 def test_damaged_webdataset_shards_name_the_shard(tmp_path, damage):
     import webdataset as wds
 
-    from megaloop.data import DataConfig
+    from megaloop.data import WebDatasetConfig
 
     (tmp_path / "shards").mkdir()
     for name in ("a.tar", "b.tar"):
@@ -748,5 +752,5 @@ def test_damaged_webdataset_shards_name_the_shard(tmp_path, damage):
         }[damage]
     )
     with pytest.raises(DataError) as err:
-        DataConfig(kind="webdataset", path=str(tmp_path), seq_len=8).build(0)
+        WebDatasetConfig(path=str(tmp_path), seq_len=8).build(0)
     assert str(shard) in str(err.value)

@@ -12,7 +12,7 @@ import torch
 
 from megaloop import experiment
 from megaloop.config import ConfigError
-from megaloop.data import DataConfig
+from megaloop.data import IndexedConfig, SyntheticConfig, TextConfig
 from multiproc import metrics as read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,8 +35,7 @@ def text_files(tmp_path_factory):
 
 
 def test_text_validation_is_the_files_windows_in_order_for_every_seed(text_files):
-    cfg = DataConfig(
-        kind="text",
+    cfg = TextConfig(
         path=str(text_files / "train.txt"),
         valid_path=str(text_files / "valid.txt"),
         seq_len=SEQ,
@@ -53,9 +52,7 @@ def test_text_validation_is_the_files_windows_in_order_for_every_seed(text_files
 
 
 def test_text_without_a_valid_file_reads_the_tail_in_order(text_files):
-    cfg = DataConfig(
-        kind="text", path=str(text_files / "train.txt"), seq_len=SEQ, valid_fraction=0.1
-    )
+    cfg = TextConfig(path=str(text_files / "train.txt"), seq_len=SEQ, valid_fraction=0.1)
     data = cfg.build(seed=3)
     tokens = np.frombuffer((text_files / "train.txt").read_bytes(), dtype=np.uint8)
     tail = tokens[int(len(tokens) * 0.9) :]
@@ -85,8 +82,7 @@ def indexed_files(tmp_path_factory):
 
 def test_indexed_validation_is_the_documents_stream_in_file_order(indexed_files, tmp_path):
     root, docs = indexed_files
-    cfg = DataConfig(
-        kind="indexed",
+    cfg = IndexedConfig(
         path=str(root / "train"),
         valid_path=str(root / "valid"),
         seq_len=SEQ,
@@ -103,7 +99,7 @@ def test_indexed_validation_is_the_documents_stream_in_file_order(indexed_files,
 
 def test_indexed_without_a_valid_prefix_reads_the_training_stream(indexed_files, tmp_path):
     root, docs = indexed_files
-    cfg = DataConfig(kind="indexed", path=str(root / "train"), seq_len=SEQ, cache_dir=str(tmp_path))
+    cfg = IndexedConfig(path=str(root / "train"), seq_len=SEQ, cache_dir=str(tmp_path))
     data = cfg.build(seed=0, train_samples=16)
     stream = np.concatenate(docs["train"])
     assert data.valid_windows == (len(stream) - 1) // SEQ
@@ -111,14 +107,14 @@ def test_indexed_without_a_valid_prefix_reads_the_training_stream(indexed_files,
 
 
 def test_synthetic_validation_is_a_fixed_stream_apart_from_training():
-    a, b = DataConfig(seq_len=SEQ).build(seed=0), DataConfig(seq_len=SEQ).build(seed=11)
+    a, b = SyntheticConfig(seq_len=SEQ).build(seed=0), SyntheticConfig(seq_len=SEQ).build(seed=11)
     assert torch.equal(a.batch(range(8), split="valid"), b.batch(range(8), split="valid"))
     assert not torch.equal(a.batch(range(8)), b.batch(range(8)))
     assert a.valid_windows is None
     from megaloop.data.synthetic import VALID_SEED
 
     # numpy reads the training key [VALID_SEED, i] as [VALID_SEED, i, 0], validation's is ≠
-    clash = DataConfig(seq_len=SEQ).build(seed=VALID_SEED)
+    clash = SyntheticConfig(seq_len=SEQ).build(seed=VALID_SEED)
     assert not torch.equal(clash.batch(range(8)), a.batch(range(8), split="valid"))
 
 

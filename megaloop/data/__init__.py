@@ -1,10 +1,16 @@
 """Training data: what `data.kind` names, built into something a step can read.
 
-    synthetic   built-in corpora (data/synthetic.py), a function of (seed, index)
-    text        a UTF-8 text file (data/text.py)
-    indexed     megatron-core indexed datasets via GPTDataset (data/indexed.py), from
-                `megaloop prep wikitext103`; `data.epochs` sets the training length
-    webdataset  packed sequences in tar shards (data/shards.py), from `megaloop prep fineweb`
+    synthetic   SyntheticConfig: built-in corpora (data/synthetic.py), a function of (seed, index)
+    text        TextConfig: a UTF-8 text file (data/text.py)
+    indexed     IndexedConfig: megatron-core indexed datasets via GPTDataset (data/indexed.py),
+                from `megaloop prep wikitext103`; `data.epochs` sets the training length
+    webdataset  WebDatasetConfig: packed sequences in tar shards (data/shards.py), from
+                `megaloop prep fineweb`
+
+The `data:` section stays one flat mapping in YAML; `data.kind` picks its config class, whose
+fields are the only keys allowed besides those every kind has (DataConfig: kind, seq_len,
+tokenizer). A key of another kind is an error naming both kinds; `null` drops it, so a command
+line can switch kinds on a file that sets them (`switch_overrides`).
 
 Every kind is sharded over data-parallel ranks (disjoint samples) and resumes from the number of
 consumed samples: exactly for the indexable kinds, at the next shard boundary for webdataset.
@@ -17,104 +23,252 @@ and `valid_windows` says how many there are (None for synthetic data, which has 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from megaloop.config import Config, DataError, check, fail
 from megaloop.data.tokenizer import load_tokenizer
 
-__all__ = ["DataConfig", "DataError"]
+__all__ = [
+    "KINDS",
+    "DataConfig",
+    "DataError",
+    "IndexedConfig",
+    "SyntheticConfig",
+    "TextConfig",
+    "WebDatasetConfig",
+    "switch_overrides",
+]
 
 
 @dataclass
 class DataConfig(Config):
+    """What every kind has. `from_dict` returns the config class of `data.kind` (KINDS)."""
+
     kind: Literal["synthetic", "text", "indexed", "webdataset"] = "synthetic"
-    task: Literal["addition", "lookup"] = "addition"
-    """synthetic: fixed-width multi-digit addition, or multi-hop variable lookups."""
-    depth: int = 4
-    """synthetic: digits per operand (addition) or the longest chain of lookups (lookup)."""
-    path: str | None = None
-    """text: a text file; indexed: a dataset prefix (DIR/train); webdataset: the prep folder."""
-    valid_path: str | None = None
-    """text: a validation text file (else the last `valid_fraction` of `path`); indexed: the
-    validation prefix (DIR/valid; else the training split itself, which is no held-out score)."""
-    valid_fraction: float = 0.05
+    seq_len: int = 128
     tokenizer: str = "bytes"
     """`bytes` (256 tokens) or a tokenizer.json path; indexed and webdataset data bring theirs."""
-    seq_len: int = 128
-    epochs: int | None = None
-    """indexed: train for exactly this many passes over the training split (sets train.steps)."""
-    cache_dir: str | None = None
-    """indexed: where GPTDataset caches its shuffle indices (default: beside the data)."""
-    valid_shards: int = 1
-    """webdataset: shards held out (the last ones) for validation."""
-    resampled: bool = False
-    """webdataset: an endless stream drawing shards with replacement instead of epochs."""
+    epochs: ClassVar[int | None] = None
+    """Passes over the training split that set train.steps: indexed data only."""
+
+    @classmethod
+    def from_dict(cls, data: dict, prefix: str = "") -> DataConfig:
+        if cls is not DataConfig or not isinstance(data, dict):
+            return super().from_dict(data, prefix)
+        kind = data.get("kind", "synthetic")
+        if kind not in tuple(KINDS):
+            fail(prefix + "kind", kind, f"allowed: {', '.join(KINDS)}")
+        section = KINDS[kind]
+        own = section.keys()
+        foreign = {k: v for k, v in data.items() if k not in own and k in ALL_KEYS}
+        for key, value in foreign.items():
+            if value is not None:
+                owners = " or ".join(f"data.kind={k}" for k, c in KINDS.items() if key in c.keys())
+                fail(
+                    prefix + key,
+                    value,
+                    f"is a key of {owners}, not of data.kind={kind} (whose keys are "
+                    f"{', '.join(sorted(own))}); remove it, or give {prefix}{key}=null to drop "
+                    f"it where a file sets it",
+                )
+        return section.from_dict({k: v for k, v in data.items() if k not in foreign}, prefix)
+
+    @classmethod
+    def keys(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @staticmethod
+    def own_keys_only(section: dict) -> dict:
+        """The data section without other kinds' keys: how a checkpoint's config from an older
+        megaloop, which saved every kind's keys, is read."""
+        kind = section.get("kind", "synthetic")
+        own = KINDS[kind].keys() if kind in tuple(KINDS) else ALL_KEYS
+        return {k: v for k, v in section.items() if k in own or k not in ALL_KEYS}
 
     def validate(self, prefix: str = "") -> None:
         check(self.seq_len >= 2, prefix + "seq_len", self.seq_len, "must be >= 2")
-        check(
-            1 <= self.depth <= (12 if self.task == "lookup" else 18),
-            prefix + "depth",
-            self.depth,
-            "must lie in [1, 12] for lookup and [1, 18] for addition",
-        )
-        check(
-            0 < self.valid_fraction < 1,
-            prefix + "valid_fraction",
-            self.valid_fraction,
-            "must lie in (0, 1)",
-        )
-        needs_path = {
-            "text": "a text file",
-            "indexed": "an indexed dataset prefix such as data/wt103/train",
-            "webdataset": "the folder of `megaloop prep fineweb`",
-        }
-        check(
-            self.kind not in needs_path or self.path is not None,
-            prefix + "path",
-            self.path,
-            f"data.kind={self.kind} needs {needs_path.get(self.kind)} (data.path=...)",
-        )
-        check(
-            self.epochs is None or (self.kind == "indexed" and self.epochs >= 1),
-            prefix + "epochs",
-            self.epochs,
-            "is for data.kind=indexed, and must be >= 1",
-        )
-        check(self.valid_shards >= 1, prefix + "valid_shards", self.valid_shards, "must be >= 1")
 
     def check_files(self) -> None:
         """Inputs exist (checked when a run is built, so shipped configs validate anywhere)."""
-        if self.kind == "text":
-            for key in ("path", "valid_path"):
-                p = getattr(self, key)
-                check(p is None or Path(p).is_file(), "data." + key, p, "no such file")
-        if self.kind == "indexed":
-            for key in ("path", "valid_path"):
-                p = getattr(self, key)
-                check(
-                    p is None or Path(f"{p}.bin").is_file() and Path(f"{p}.idx").is_file(),
-                    "data." + key,
-                    p,
-                    "no PREFIX.bin/PREFIX.idx there; run `megaloop prep "
-                    "wikitext103` and give e.g. data.path=OUT/train",
-                )
-        if self.kind == "webdataset":
-            check(
-                Path(self.path, "manifest.json").is_file(),
-                "data.path",
-                self.path,
-                "no manifest.json there; run `megaloop prep fineweb` and give its --out folder",
-            )
-            self.shard_manifest()
         check(
             self.tokenizer == "bytes" or Path(self.tokenizer).is_file(),
             "data.tokenizer",
             self.tokenizer,
             "no such file; use 'bytes' or the path of a tokenizer.json file",
         )
+
+    def tokenizer_spec(self) -> str:
+        """`bytes` or the tokenizer.json the data was made with (prepared data records its own)."""
+        return self.tokenizer
+
+    def build(self, seed: int, train_samples: int = 0):
+        """The data for a run that reads `train_samples` training samples (indexed data sizes
+        its shuffle to them); inputs are checked first."""
+        self.check_files()
+        return self._build(seed, train_samples, load_tokenizer(self.tokenizer_spec()))
+
+    def _build(self, seed: int, train_samples: int, tokenizer):
+        raise NotImplementedError
+
+
+@dataclass
+class SyntheticConfig(DataConfig):
+    kind: Literal["synthetic"] = "synthetic"
+    task: Literal["addition", "lookup"] = "addition"
+    """Fixed-width multi-digit addition, or multi-hop variable lookups."""
+    depth: int = 4
+    """Digits per operand (addition) or the longest chain of lookups (lookup)."""
+
+    def validate(self, prefix: str = "") -> None:
+        super().validate(prefix)
+        check(
+            1 <= self.depth <= (12 if self.task == "lookup" else 18),
+            prefix + "depth",
+            self.depth,
+            "must lie in [1, 12] for lookup and [1, 18] for addition",
+        )
+
+    def _build(self, seed: int, train_samples: int, tokenizer):
+        from megaloop.data.synthetic import SyntheticDataset
+
+        return SyntheticDataset(self.task, seed, self.seq_len, self.depth, tokenizer)
+
+
+@dataclass
+class _OnDisk(DataConfig):
+    """A kind read from files at `path`, which it needs."""
+
+    path: str | None = None
+    needs: ClassVar[str]
+    """What `path` names, for the error when it is missing."""
+
+    def validate(self, prefix: str = "") -> None:
+        super().validate(prefix)
+        check(
+            self.path is not None,
+            prefix + "path",
+            None,
+            f"data.kind={self.kind} needs {self.needs} (data.path=...)",
+        )
+
+
+@dataclass
+class TextConfig(_OnDisk):
+    kind: Literal["text"] = "text"
+    needs: ClassVar[str] = "a text file"
+    valid_path: str | None = None
+    """A validation text file (else the last `valid_fraction` of `path`)."""
+    valid_fraction: float = 0.05
+
+    def validate(self, prefix: str = "") -> None:
+        super().validate(prefix)
+        check(
+            0 < self.valid_fraction < 1,
+            prefix + "valid_fraction",
+            self.valid_fraction,
+            "must lie in (0, 1)",
+        )
+
+    def check_files(self) -> None:
+        for key in ("path", "valid_path"):
+            p = getattr(self, key)
+            check(p is None or Path(p).is_file(), "data." + key, p, "no such file")
+        super().check_files()
+
+    def _build(self, seed: int, train_samples: int, tokenizer):
+        from megaloop.data.text import TextDataset
+
+        return TextDataset.from_files(
+            self.path, self.valid_path, self.valid_fraction, seed, self.seq_len, tokenizer
+        )
+
+
+@dataclass
+class IndexedConfig(_OnDisk):
+    kind: Literal["indexed"] = "indexed"
+    needs: ClassVar[str] = "an indexed dataset prefix such as data/wt103/train"
+    valid_path: str | None = None
+    """The validation prefix (DIR/valid; else the training split itself, which is no held-out
+    score)."""
+    epochs: int | None = None
+    """Train for exactly this many passes over the training split (sets train.steps)."""
+    cache_dir: str | None = None
+    """Where GPTDataset caches its shuffle indices (default: beside the data)."""
+
+    def validate(self, prefix: str = "") -> None:
+        super().validate(prefix)
+        check(
+            self.epochs is None or self.epochs >= 1, prefix + "epochs", self.epochs, "must be >= 1"
+        )
+
+    def check_files(self) -> None:
+        for key in ("path", "valid_path"):
+            p = getattr(self, key)
+            check(
+                p is None or Path(f"{p}.bin").is_file() and Path(f"{p}.idx").is_file(),
+                "data." + key,
+                p,
+                "no PREFIX.bin/PREFIX.idx there; run `megaloop prep "
+                "wikitext103` and give e.g. data.path=OUT/train",
+            )
+        super().check_files()
+
+    def tokenizer_spec(self) -> str:
+        from megaloop.data.indexed import manifest
+
+        return _recorded_tokenizer(manifest(self.path)) or self.tokenizer
+
+    def _build(self, seed: int, train_samples: int, tokenizer):
+        from megaloop.data.indexed import IndexedData
+
+        return IndexedData(
+            self.path,
+            self.valid_path,
+            self.seq_len,
+            seed,
+            max(train_samples, 1),
+            tokenizer,
+            self.cache_dir,
+        )
+
+    def steps_for_epochs(self, global_batch_size: int) -> int:
+        from megaloop.data.indexed import samples_for_epochs
+
+        samples = samples_for_epochs(self.path, self.seq_len, self.epochs)
+        check(
+            samples >= global_batch_size,
+            "data.epochs",
+            self.epochs,
+            f"gives {samples} samples, fewer than one global batch ({global_batch_size})",
+        )
+        return samples // global_batch_size
+
+
+@dataclass
+class WebDatasetConfig(_OnDisk):
+    kind: Literal["webdataset"] = "webdataset"
+    needs: ClassVar[str] = "the folder of `megaloop prep fineweb`"
+    valid_shards: int = 1
+    """Shards held out (the last ones) for validation."""
+    resampled: bool = False
+    """An endless stream drawing shards with replacement instead of epochs."""
+
+    def validate(self, prefix: str = "") -> None:
+        super().validate(prefix)
+        check(self.valid_shards >= 1, prefix + "valid_shards", self.valid_shards, "must be >= 1")
+
+    def check_files(self) -> None:
+        check(
+            Path(self.path, "manifest.json").is_file(),
+            "data.path",
+            self.path,
+            "no manifest.json there; run `megaloop prep fineweb` and give its --out folder",
+        )
+        self.shard_manifest()
+        super().check_files()
 
     def shard_manifest(self) -> dict:
         """The webdataset folder's manifest.json, checked against this config: sequences of
@@ -156,61 +310,29 @@ class DataConfig(Config):
         return info
 
     def tokenizer_spec(self) -> str:
-        """`bytes` or the tokenizer.json the data was made with (prepared data records its own)."""
-        if self.kind in ("indexed", "webdataset"):
-            from megaloop.data.indexed import manifest
+        return _recorded_tokenizer(self.shard_manifest()) or self.tokenizer
 
-            info = manifest(self.path) if self.kind == "indexed" else self.shard_manifest()
-            if isinstance(info.get("tokenizer"), str) and Path(info["tokenizer"]).is_file():
-                return info["tokenizer"]
-        return self.tokenizer
+    def _build(self, seed: int, train_samples: int, tokenizer):
+        from megaloop.data.shards import ShardData
 
-    def _tokenizer(self):
-        return load_tokenizer(self.tokenizer_spec())
-
-    def build(self, seed: int, train_samples: int = 0):
-        """The data for a run that reads `train_samples` training samples (indexed data sizes
-        its shuffle to them)."""
-        self.check_files()
-        tokenizer = self._tokenizer()
-        if self.kind == "synthetic":
-            from megaloop.data.synthetic import SyntheticDataset
-
-            return SyntheticDataset(self.task, seed, self.seq_len, self.depth, tokenizer)
-        if self.kind == "text":
-            from megaloop.data.text import TextDataset
-
-            return TextDataset.from_files(
-                self.path, self.valid_path, self.valid_fraction, seed, self.seq_len, tokenizer
-            )
-        if self.kind == "indexed":
-            from megaloop.data.indexed import IndexedData
-
-            return IndexedData(
-                self.path,
-                self.valid_path,
-                self.seq_len,
-                seed,
-                max(train_samples, 1),
-                tokenizer,
-                self.cache_dir,
-            )
-        if self.kind == "webdataset":
-            from megaloop.data.shards import ShardData
-
-            return ShardData(
-                self.path, self.seq_len, seed, self.valid_shards, self.resampled, tokenizer
-            )
-        fail("data.kind", self.kind, "allowed: synthetic, text, indexed, webdataset")
-
-    def steps_for_epochs(self, global_batch_size: int) -> int:
-        from megaloop.data.indexed import samples_for_epochs
-
-        samples = samples_for_epochs(self.path, self.seq_len, self.epochs)
-        check(
-            samples >= global_batch_size,
-            "data.epochs",
-            self.epochs,
-            f"gives {samples} samples, fewer than one global batch ({global_batch_size})",
+        return ShardData(
+            self.path, self.seq_len, seed, self.valid_shards, self.resampled, tokenizer
         )
-        return samples // global_batch_size
+
+
+def _recorded_tokenizer(manifest: dict) -> str | None:
+    """The tokenizer.json a preparation recorded, where that file still exists."""
+    path = manifest.get("tokenizer")
+    return path if isinstance(path, str) and Path(path).is_file() else None
+
+
+KINDS: dict[str, type[DataConfig]] = {
+    c.kind: c for c in (SyntheticConfig, TextConfig, IndexedConfig, WebDatasetConfig)
+}
+ALL_KEYS = set().union(*(c.keys() for c in KINDS.values()))
+
+
+def switch_overrides(kind: str) -> list[str]:
+    """Overrides that switch a config to `kind` whatever kind its files set (other kinds'
+    keys dropped), e.g. a benchmark of a real-data config on synthetic tokens."""
+    return [f"data.kind={kind}", *(f"data.{k}=null" for k in sorted(ALL_KEYS - KINDS[kind].keys()))]
