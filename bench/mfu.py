@@ -6,7 +6,7 @@ K=1 (one pass of the stack: what a looped step costs over an ordinary one).
 
 One process, the real trainer (megatron engine, bf16 autocast where the config asks for it) on
 synthetic tokens of the config's sequence length, one micro-batch per step. Model FLOPs per
-token: megaloop.parallel.layout.flops_per_token (matmuls only, as `megaloop plan` counts them).
+token: megaloop.parallel.cost.flops_per_token (matmuls only, as `megaloop plan` counts them).
 """
 
 import argparse
@@ -19,7 +19,7 @@ import torch
 from megaloop import _cpu_compat, experiment
 from megaloop.data import switch_overrides
 from megaloop.parallel import distributed
-from megaloop.parallel.layout import flops_per_token, loss_exits, peak_tflops
+from megaloop.parallel.cost import flops_per_token, loss_exits, peak_tflops
 
 
 def measure(config: str, overrides: list, steps: int, warmup: int) -> dict:

@@ -19,7 +19,8 @@ import torch
 from megaloop import _cpu_compat, experiment
 from megaloop.model.looped import LoopedLM, build_model
 from megaloop.parallel import distributed
-from megaloop.parallel.layout import activation_bytes, saved_activation_bytes
+from megaloop.parallel.cost import activation_bytes
+from megaloop.parallel.measure import saved_activation_bytes
 
 OPTIONS = ("none", "selective", "full", "loop")
 

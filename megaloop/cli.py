@@ -71,7 +71,8 @@ def cmd_train(args) -> int:
 
 def cmd_params(args) -> int:
     cfg = _config(args)
-    from megaloop.parallel.layout import data_parallel_size, parameter_counts, state_bytes
+    from megaloop.parallel.cost import parameter_counts, state_bytes
+    from megaloop.parallel.layout import data_parallel_size
 
     counts = parameter_counts(cfg.model)
     for name in ("embedding", "non_embedding", "total"):
@@ -104,7 +105,7 @@ def cmd_configs(args) -> int:
 
 def cmd_plan(args) -> int:
     cfg = _config(args)
-    from megaloop.parallel import layout
+    from megaloop.parallel import planner as layout
 
     if args.gpus < 1 or args.gpu_mem <= 0 or args.tflops <= 0 or not 0 < args.mfu <= 1:
         raise ConfigError("plan: --gpus must be >= 1, --gpu-mem and --tflops > 0, --mfu in (0, 1]")

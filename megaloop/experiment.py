@@ -6,7 +6,8 @@ data:      DataConfig        (megaloop/data/__init__.py)
 optim:     OptimConfig       (megaloop/train/optim.py)
 train:     TrainConfig       (megaloop/train/config.py)
 parallel:  ParallelConfig    (megaloop/parallel/layout.py)
-engine:    megatron | deepspeed, with deepspeed: DeepSpeedConfig (megaloop/parallel/layout.py)
+engine:    EngineName        (megaloop/parallel/engines.py: what each engine supports)
+deepspeed: DeepSpeedConfig   (megaloop/parallel/engines.py)
 wandb:     WandbConfig       (megaloop/train/metrics.py)
 """
 
@@ -15,15 +16,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 from megaloop import config as config_lib
 from megaloop.config import CONFIG_ROOT, Config, ConfigError, check, flatten
 from megaloop.data import DataConfig, SyntheticConfig
-from megaloop.extras import require
 from megaloop.model import ModelConfig
 from megaloop.objectives import ObjectiveConfig
-from megaloop.parallel.layout import DeepSpeedConfig, ParallelConfig, data_parallel_size
+from megaloop.parallel.engines import ENGINES, DeepSpeedConfig, EngineName, EngineSpec, names
+from megaloop.parallel.layout import ParallelConfig, data_parallel_size
 from megaloop.train.config import TrainConfig
 from megaloop.train.metrics import WandbConfig
 from megaloop.train.optim import OptimConfig
@@ -38,19 +38,24 @@ class ExperimentConfig(Config):
     train: TrainConfig = field(default_factory=TrainConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    engine: Literal["megatron", "deepspeed"] = "megatron"
+    engine: EngineName = "megatron"
     """megatron: megatron-core DDP/distributed optimizer, any TP x PP x DP; deepspeed: ZeRO
     stage 0-3 over DP with megatron-core TP, no PP."""
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
+    @property
+    def engine_spec(self) -> EngineSpec:
+        """What the config's engine supports (megaloop/parallel/engines.py)."""
+        return ENGINES[self.engine]
+
     def validate(self, prefix: str = "") -> None:
+        spec = self.engine_spec
         check(
-            self.engine == "megatron" or self.parallel.pp == 1,
+            spec.supports_pipeline or self.parallel.pp == 1,
             "parallel.pp",
             self.parallel.pp,
-            "engine=deepspeed runs ZeRO stage 0-3 over DP with megatron-core TP and no "
-            "pipeline (DeepSpeed refuses ZeRO-2/3 with pipelines). Supported: engine=megatron "
-            "with any parallel.tp x parallel.pp x DP, or engine=deepspeed with parallel.pp=1",
+            f"{spec.no_pipeline_why}. Supported: {names(lambda e: e.supports_pipeline)} "
+            f"with any parallel.tp x parallel.pp x DP, or engine={spec.name} with parallel.pp=1",
         )
         check(
             not self.objective.gated or self.model.exit_gate,
@@ -64,19 +69,20 @@ class ExperimentConfig(Config):
             self.data.seq_len,
             f"must be <= model.max_seq_len={self.model.max_seq_len}",
         )
+        policy = self.train.nonfinite
         check(
-            self.train.nonfinite == "stop" or self.engine == "megatron",
+            policy in spec.nonfinite,
             "train.nonfinite",
-            self.train.nonfinite,
-            "skip needs engine=megatron (skipping a DeepSpeed update "
-            "would desynchronise its gradient accumulation); use train.nonfinite=stop",
+            policy,
+            f"{policy} needs {names(lambda e: policy in e.nonfinite)} ({spec.nonfinite_why}); "
+            f"use train.nonfinite={spec.nonfinite[0]}",
         )
         check(
-            self.train.init_from is None or self.engine == "megatron",
+            self.train.init_from is None or spec.init_from,
             "train.init_from",
             self.train.init_from,
-            "is read by engine=megatron only (megatron-core dist "
-            "checkpoints, any layout); start from it with engine=megatron",
+            f"is read by {names(lambda e: e.init_from)} only (megatron-core dist checkpoints, "
+            f"any layout); start from it with {names(lambda e: e.init_from)}",
         )
         check(
             self.train.eval_batches != "all" or self.data.kind != "synthetic",
@@ -185,32 +191,10 @@ def check_resume(cfg: ExperimentConfig) -> None:
             f"{'; '.join(changes)}. Resume it with its own values, or give another train.dir "
             f"(keys that may change on resume: {', '.join(RESUMABLE)})"
         )
-    if meta["engine"] == "deepspeed":
-        check_deepspeed_layout(cfg, meta["layout"], folder)
+    from megaloop.parallel import distributed
 
-
-def check_deepspeed_layout(cfg: ExperimentConfig, saved: dict, folder: Path) -> None:
-    """DeepSpeed's checkpoints do not reshard: its optimizer state is partitioned over the DP
-    ranks (it refuses another DP size mid-load) and ZeRO-3's files differ from ZeRO-1/2's. The
-    megatron engine's checkpoints load in any layout."""
-    from megaloop.parallel import distributed, layout
-
-    dp = layout.data_parallel_size(cfg, distributed.world_size())
-    now = {"tp": cfg.parallel.tp, "dp": dp, "zero_stage": cfg.deepspeed.zero_stage}
-    was = {key: saved.get(key) for key in now}
-    if (
-        now["tp"] != was["tp"]
-        or now["dp"] != was["dp"]
-        or ((now["zero_stage"] == 3) != (was["zero_stage"] == 3))
-    ):
-        raise ConfigError(
-            f"{folder} is a DeepSpeed checkpoint of TP={was['tp']} DP={was['dp']} "
-            f"ZeRO-{was['zero_stage']}; this launch is TP={now['tp']} DP={now['dp']} "
-            f"ZeRO-{now['zero_stage']}. DeepSpeed resumes only in its own TP and DP (ZeRO-1 and "
-            f"2 are interchangeable, 3 is not): relaunch with {was['dp'] * was['tp']} ranks, "
-            f"parallel.tp={was['tp']} and a ZeRO stage of its kind; engine=megatron "
-            f"checkpoints are the ones that reshard"
-        )
+    dp = data_parallel_size(cfg, distributed.world_size())
+    ENGINES[meta["engine"]].check_reshard(cfg, meta["layout"], dp, folder)
 
 
 INIT_FREE = ("max_seq_len", "attention", "init_std", "damping_init")
@@ -229,11 +213,11 @@ def check_init_from(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"config key 'train.init_from': {e}") from None
     meta = checkpoint.read_meta(folder)
     check(
-        meta["engine"] == "megatron",
+        ENGINES[meta["engine"]].init_from,
         "train.init_from",
         str(folder),
-        "is a DeepSpeed checkpoint; train.init_from reads megatron-core dist checkpoints "
-        "(engine=megatron runs, `megaloop import ouro` folders)",
+        f"is a checkpoint of engine={meta['engine']}; train.init_from reads megatron-core dist "
+        f"checkpoints ({names(lambda e: e.init_from)} runs, `megaloop import ouro` folders)",
     )
     saved = meta["config"]["model"]
     changes = [
@@ -269,11 +253,9 @@ def hold_run_dir(cfg: ExperimentConfig) -> None:
 def build_trainer(cfg: ExperimentConfig, log: bool = True):
     """The chain: process groups → data → engine (model + parallelism) → trainer."""
     from megaloop.parallel import distributed, layout
-    from megaloop.parallel.megatron import MegatronEngine
     from megaloop.train.trainer import Trainer
 
-    if cfg.engine == "deepspeed":
-        require("deepspeed", "engine=deepspeed")
+    cfg.engine_spec.check_installed()
     cfg.data.check_files()
     note = resolve_steps(cfg)
     dp = layout.data_parallel_size(cfg, distributed.world_size())
@@ -304,10 +286,7 @@ def build_trainer(cfg: ExperimentConfig, log: bool = True):
         for prefix in dict.fromkeys(p for p in (cfg.data.path, cfg.data.valid_path) if p):
             check_indexed(prefix, cfg.model.vocab_size)
     layout.eval_microbatches(t, dataset.valid_windows, dp, cfg.parallel.pp)  # before the model
-    engine_class = MegatronEngine
-    if cfg.engine == "deepspeed":
-        from megaloop.parallel.deepspeed import DeepSpeedEngine as engine_class
-    engine = engine_class(cfg, cfg.data.seq_len, cfg.train.micro_batch_size)
+    engine = cfg.engine_spec.build(cfg, cfg.data.seq_len, cfg.train.micro_batch_size)
     return Trainer(cfg, engine, dataset, log=log and distributed.is_main())
 
 
@@ -330,11 +309,8 @@ def consolidated(path: Path) -> tuple[dict, ExperimentConfig, Path]:
     folder = checkpoint.resolve(path)
     meta = checkpoint.read_meta(folder)
     cfg = config_of(folder)
-    if meta["engine"] == "deepspeed":
-        from megaloop.parallel.deepspeed import consolidated_state
-    else:
-        from megaloop.parallel.megatron import consolidated_state
-    return consolidated_state(folder, cfg, meta["layout"]), cfg, folder
+    state = ENGINES[meta["engine"]].consolidated_state(folder, cfg, meta["layout"])
+    return state, cfg, folder
 
 
 def consolidate(path: Path, out: Path) -> Path:

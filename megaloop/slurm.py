@@ -1,5 +1,5 @@
 """Slurm: rendering and submitting the job scripts in slurm/ (the layout a job gets is
-megaloop.parallel.layout's, a rank's place in it megaloop.parallel.launch's).
+megaloop.parallel.planner's, a rank's place in it megaloop.parallel.launch's).
 
 One launch path. `megaloop slurm submit` renders slurm/train.sbatch for N nodes x T tasks and
 submits it with sbatch; the script exports MASTER_ADDR (the first node's NodeAddr) and
@@ -21,8 +21,8 @@ from pathlib import Path
 
 from megaloop.config import find_config
 from megaloop.parallel.launch import LaunchError
-from megaloop.parallel.layout import Layout, choose_layout
-from megaloop.parallel.layout import plan as plan_layout
+from megaloop.parallel.planner import Layout, choose_layout
+from megaloop.parallel.planner import plan as plan_layout
 
 TEMPLATES = Path(str(importlib.resources.files("megaloop") / "_files" / "slurm")).resolve()
 """slurm/ (megaloop/_files/slurm links to it; package data in a wheel)."""

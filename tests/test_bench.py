@@ -218,7 +218,7 @@ def test_mfu_smoke():
     import torch
 
     from megaloop import experiment
-    from megaloop.parallel.layout import flops_per_token, loss_exits
+    from megaloop.parallel.cost import flops_per_token, loss_exits
 
     config = "configs/experiments/tiny.yaml"
     small = ["model.hidden_size=32", "model.num_layers=1", "data.seq_len=16"]

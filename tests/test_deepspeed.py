@@ -9,8 +9,8 @@ from safetensors.torch import load_file
 
 from megaloop import experiment
 from megaloop.parallel import distributed
+from megaloop.parallel.cost import state_bytes
 from megaloop.parallel.engine import RANK_REPORT_KEYS
-from megaloop.parallel.layout import state_bytes
 from megaloop.train.metrics import read as read_metrics
 from multiproc import BASE, OBJECTIVES, TINY, assert_same_curve, kill_9_then_resume, metrics, train
 

@@ -8,7 +8,7 @@ import torch
 
 from megaloop import experiment
 from megaloop.model.looped import build_model
-from megaloop.parallel import layout
+from megaloop.parallel import cost, measure, planner
 
 TINY = "configs/experiments/tiny.yaml"
 SHAPE = [
@@ -32,7 +32,7 @@ def measured(cfg) -> int:
         (cfg.train.micro_batch_size, cfg.data.seq_len),
         generator=torch.Generator().manual_seed(0),
     )
-    return layout.saved_activation_bytes(model, tokens)
+    return measure.saved_activation_bytes(model, tokens)
 
 
 @pytest.mark.parametrize("loops", [1, 2, 4])
@@ -41,9 +41,8 @@ def test_activation_figures_are_within_15_percent_of_the_measurement(loops, reco
     cfg = experiment.load(
         TINY, [*SHAPE, f"model.num_loops={loops}", f"train.recompute={recompute}"]
     )
-    planned = layout.activation_bytes(
-        cfg, tp=1, pp=1, dp=1, micro_batch=cfg.train.micro_batch_size
-    )["total"]
+    b = cfg.train.micro_batch_size
+    planned = cost.activation_bytes(cfg, tp=1, pp=1, dp=1, micro_batch=b)["total"]
     assert planned == pytest.approx(measured(cfg), rel=TOLERANCE)
 
 
@@ -65,9 +64,8 @@ def test_activation_figures_are_within_15_percent_of_the_measurement(loops, reco
 )
 def test_activation_figures_follow_the_architecture(overrides):
     cfg = experiment.load(TINY, [*SHAPE, "model.num_loops=2", *overrides])
-    planned = layout.activation_bytes(
-        cfg, tp=1, pp=1, dp=1, micro_batch=cfg.train.micro_batch_size
-    )["total"]
+    b = cfg.train.micro_batch_size
+    planned = cost.activation_bytes(cfg, tp=1, pp=1, dp=1, micro_batch=b)["total"]
     assert planned == pytest.approx(measured(cfg), rel=TOLERANCE)
 
 
@@ -110,7 +108,7 @@ def real_counts(model_cfg) -> dict:
 )
 def test_parameter_counts_are_the_real_models(path, overrides, total):
     model = experiment.load(path, overrides).model
-    counts = layout.parameter_counts(model)
+    counts = cost.parameter_counts(model)
     assert counts == real_counts(model)
     if total is not None:
         assert counts["total"] == total
@@ -120,18 +118,18 @@ def test_flops_count_every_exit_forward_and_the_loss_exits_backward():
     cfg = experiment.load(TINY, [*SHAPE, "model.num_loops=4"])
     m = cfg.model
     readout = 2 * m.hidden_size * m.vocab_size
-    per_loop = layout.flops_per_token(m, 64, 4)
-    terminal = layout.flops_per_token(m, 64, 1)
+    per_loop = cost.flops_per_token(m, 64, 4)
+    terminal = cost.flops_per_token(m, 64, 1)
     assert per_loop - terminal == pytest.approx(2 * readout * 3)
     # one loop's stack: 6 x (matmul parameters) + 12 s d L, by hand
     d, f, L = 64, m.ffn_size, 2
     stack = 6 * L * (4 * d * d + 3 * d * f) + 12 * 64 * d * L
-    assert layout.flops_per_token(m, 64, 0) == pytest.approx(4 * stack + 4 * readout)
+    assert cost.flops_per_token(m, 64, 0) == pytest.approx(4 * stack + 4 * readout)
 
 
 def plan_1p4b(*overrides, gpus=128, mem=80.0):
     cfg = experiment.load("configs/experiments/fineweb/1p4b_42b_tokens.yaml", list(overrides))
-    return layout.plan(cfg, gpus, mem, 989.4, 0.4)
+    return planner.plan(cfg, gpus, mem, 989.4, 0.4)
 
 
 def test_plan_of_the_1p4b_run():
@@ -153,7 +151,7 @@ def test_plan_of_the_1p4b_run():
 
 def test_search_ranks_only_layouts_that_fit_and_names_the_rest():
     cfg = experiment.load("configs/experiments/fineweb/1p4b_42b_tokens.yaml")
-    plans, left_out = layout.search(cfg, 128, 80.0, 989.4, 0.4)
+    plans, left_out = planner.search(cfg, 128, 80.0, 989.4, 0.4)
     assert plans and all(p.fits(80) for p in plans)
     assert [p.step_seconds for p in plans] == sorted(p.step_seconds for p in plans)
     assert any(

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from megaloop import experiment
-from megaloop.parallel.layout import params_per_rank, state_bytes
+from megaloop.parallel.cost import params_per_rank, state_bytes
 from multiproc import (
     BASE,
     OBJECTIVES,

@@ -1,7 +1,7 @@
 """`megaloop params` reports the study's shapes exactly (the counts themselves: test_layout.py)."""
 
 from megaloop import experiment
-from megaloop.parallel.layout import parameter_counts as count_parameters
+from megaloop.parallel.cost import parameter_counts as count_parameters
 
 
 def test_embedding_counts_tied_once_and_untied_twice():

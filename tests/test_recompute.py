@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import build
-from megaloop.parallel.layout import saved_activation_bytes
+from megaloop.parallel.measure import saved_activation_bytes
 from multiproc import metrics, train, train_here
 
 OPTIONS = ["selective", "full", "loop"]

@@ -217,7 +217,7 @@ def test_terminal_logs_ce_k_unscaled_over_many_micro_batches(tmp_path):
 
 
 def test_progress_line_shows_mfu_where_the_device_peak_is_known(tmp_path):
-    from megaloop.parallel.layout import flops_per_token, peak_tflops
+    from megaloop.parallel.cost import flops_per_token, peak_tflops
     from megaloop.train.metrics import MetricsLogger, WandbConfig
 
     assert peak_tflops("NVIDIA H200") == peak_tflops("NVIDIA H100 80GB HBM3") == 989.4

@@ -29,7 +29,8 @@ from megaloop.model.looped import build_model
 from megaloop.parallel import comm
 from megaloop.parallel.distributed import NonFiniteUpdate, reduce_terms, terms_finite
 from megaloop.parallel.engine import StepResult
-from megaloop.parallel.layout import optimizer_state_bytes
+from megaloop.parallel.engines import ENGINES
+from megaloop.parallel.measure import optimizer_state_bytes
 from megaloop.safe_load import deepspeed_globals, untrusted
 
 TAG = "deepspeed"
@@ -97,7 +98,8 @@ def _import_deepspeed():
 
 
 class DeepSpeedEngine:
-    name = "deepspeed"
+    spec = ENGINES["deepspeed"]
+    name = spec.name
 
     def __init__(self, cfg, seq_len: int, micro_batch_size: int):
         deepspeed = _import_deepspeed()

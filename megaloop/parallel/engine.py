@@ -3,7 +3,9 @@
 An engine owns the model of its rank (built by megaloop.model.build_model), its parallelism
 and its optimizer; the trainer only calls what is written here. Both engines (megatron.py,
 deepspeed.py) implement it; tests/test_engines.py checks that they do, and the multi-process
-tests hold their measured memory reports to megaloop.parallel.layout's figures.
+tests hold their measured memory reports to megaloop.parallel.cost's figures. What an engine
+supports (pipelines, resharding, its memory model) is its `spec`, readable without torch
+(megaloop/parallel/engines.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from pathlib import Path
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
+
+from megaloop.parallel.engines import EngineSpec
 
 RANK_REPORT_KEYS = frozenset(
     {
@@ -41,6 +45,8 @@ class StepResult(NamedTuple):
 
 @runtime_checkable
 class TrainingEngine(Protocol):
+    spec: EngineSpec
+    """What the engine supports; config checks and `megaloop plan` read the same object."""
     name: str
     """Recorded in every checkpoint: a checkpoint resumes only in the engine that wrote it."""
     module: torch.nn.Module

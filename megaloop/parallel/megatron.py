@@ -29,7 +29,8 @@ from megaloop.model.looped import build_model
 from megaloop.parallel import comm
 from megaloop.parallel.distributed import reduce_terms, terms_finite
 from megaloop.parallel.engine import StepResult
-from megaloop.parallel.layout import optimizer_state_bytes
+from megaloop.parallel.engines import ENGINES
+from megaloop.parallel.measure import optimizer_state_bytes
 from megaloop.parallel.pipeline import ExitStore, LapChunk
 from megaloop.parallel.versions import installed, require_tested
 from megaloop.safe_load import untrusted
@@ -52,7 +53,8 @@ def _copy_only_loaded_optimizer_states(self, model_param, tensors):
 
 
 class MegatronEngine:
-    name = "megatron"
+    spec = ENGINES["megatron"]
+    name = spec.name
 
     def __init__(self, cfg, seq_len: int, micro_batch_size: int):
         require_tested("megatron-core", installed("megatron-core"), "the megatron engine")

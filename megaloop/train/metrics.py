@@ -4,7 +4,7 @@
 same at step 50,000 as at step 10: first `{"kind": "config", "config": {...}}`, then records of
 kind `step` (`{"step", "loss", "ce": [per loop], "hidden_rms": [per loop], "hidden_rms_p50",
 "hidden_rms_p99", "hidden_rms_max", "lr", "grad_norm", "tokens_per_s", "mfu" on a GPU whose peak
-megaloop knows (parallel/layout.py PEAK_BF16_TFLOPS), ...}`), `eval`, `alarm`
+megaloop knows (parallel/cost.py PEAK_BF16_TFLOPS), ...}`), `eval`, `alarm`
 (megaloop/train/watchdog.py), `skipped` and `layout` (the per-rank memory report). A resumed run
 first rewrites the file without the records past the checkpoint it resumes from (and measures
 its memory report again). `read` gives a

@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megaloop.parallel.cost import flops_per_token, loss_exits, peak_tflops
 from megaloop.parallel.distributed import NonFiniteUpdate
-from megaloop.parallel.layout import eval_microbatches, flops_per_token, loss_exits, peak_tflops
+from megaloop.parallel.layout import eval_microbatches
 from megaloop.train import checkpoint, faults, run_lock
 from megaloop.train.metrics import MetricsLogger
 from megaloop.train.preemption import Preempted, PreemptionWatch
