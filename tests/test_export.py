@@ -13,8 +13,8 @@ import torch
 
 from conftest import build
 from megaloop.export import hf_model
-from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
 from megaloop.model import ModelConfig
+from megaloop.model.modeling_megaloop import MegaloopForCausalLM
 from multiproc import train
 
 

@@ -303,7 +303,7 @@ def test_an_export_records_its_code_and_loads_with_megaloops_own(exported):
     config = json.loads((exported / "config.json").read_text())
     assert config["megaloop_code"] == own_code()
     model = load_model(exported, "cpu", "float32", num_loops=2)
-    assert type(model).__module__ == "megaloop.hf.modeling_megaloop"
+    assert type(model).__module__ == "megaloop.model.modeling_megaloop"
     assert model.config.num_loops == 2
     assert load_tokenizer(exported)("ab")["input_ids"]
 
