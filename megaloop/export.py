@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-HF_CODE = Path(__file__).parent / "model"
+CODE_DIR = Path(__file__).parent / "model"
 AUTO_MAP = {
     "AutoConfig": "configuration_megaloop.MegaloopConfig",
     "AutoModelForCausalLM": "modeling_megaloop.MegaloopForCausalLM",
@@ -37,7 +37,7 @@ def sha256(path: Path) -> str:
 
 def own_code() -> dict[str, str]:
     """sha256 of this megaloop's export code, by file name."""
-    return {name: sha256(HF_CODE / name) for name in CODE_FILES}
+    return {name: sha256(CODE_DIR / name) for name in CODE_FILES}
 
 
 def code_problem(folder: Path, config: dict) -> str | None:
@@ -202,7 +202,7 @@ def export(source: Path, out: Path) -> Path:
     tensors = to_hf(state, cfg.model)
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt", "source": str(folder)})
     for name in CODE_FILES:
-        shutil.copyfile(HF_CODE / name, out / name)
+        shutil.copyfile(CODE_DIR / name, out / name)
     save_tokenizer(cfg.data.tokenizer_spec(), out)
     (out / "config.json").write_text(
         json.dumps(
