@@ -17,7 +17,7 @@ import torch
 
 from megaloop.data import SyntheticConfig, TextConfig, synthetic
 from megaloop.experiment import ExperimentConfig, build_trainer
-from megaloop.model import ModelConfig
+from megaloop.model import ModelConfig, semantics
 from megaloop.objectives import ObjectiveConfig, masked_mean
 from megaloop.train.config import TrainConfig
 from megaloop.train.metrics import WandbConfig, write_json_atomic
@@ -75,7 +75,7 @@ def evaluate(trainer, task: str | None) -> dict:
     out = model(batch[:, :-1], labels=batch[:, 1:])
     result = {
         "ce": [c.mean().item() for c in out.token_ce],
-        "hidden_rms": [h.pow(2).mean(-1).sqrt().mean().item() for h in out.hidden],
+        "hidden_rms": [semantics.rms(h).mean().item() for h in out.hidden],
     }
     if task:
         mask = torch.from_numpy(

@@ -4,7 +4,8 @@ The folder loads anywhere transformers does, with no megaloop or megatron-core i
 
     AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True, num_loops=8)
 
-The code is megaloop/hf/{configuration,modeling}_megaloop.py, copied in, with the sha256 of each
+The code is megaloop/model/{configuration,modeling}_megaloop.py and the semantics.py they import
+(the one definition of the loop the training model uses too), copied in, with the sha256 of each
 recorded in config.json ("megaloop_code"; config.json is written last, so a folder without it is
 not a finished export); megaloop itself loads an export only when its code is that record and
 this megaloop's own (megaloop.evaluation.exported). The weights are the
@@ -22,12 +23,12 @@ from pathlib import Path
 
 import torch
 
-HF_CODE = Path(__file__).parent / "hf"
+CODE_DIR = Path(__file__).parent / "model"
 AUTO_MAP = {
     "AutoConfig": "configuration_megaloop.MegaloopConfig",
     "AutoModelForCausalLM": "modeling_megaloop.MegaloopForCausalLM",
 }
-CODE_FILES = ("configuration_megaloop.py", "modeling_megaloop.py")
+CODE_FILES = ("configuration_megaloop.py", "modeling_megaloop.py", "semantics.py")
 
 
 def sha256(path: Path) -> str:
@@ -36,7 +37,7 @@ def sha256(path: Path) -> str:
 
 def own_code() -> dict[str, str]:
     """sha256 of this megaloop's export code, by file name."""
-    return {name: sha256(HF_CODE / name) for name in CODE_FILES}
+    return {name: sha256(CODE_DIR / name) for name in CODE_FILES}
 
 
 def code_problem(folder: Path, config: dict) -> str | None:
@@ -154,8 +155,8 @@ def to_hf(state: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
 
 def hf_model(state: dict[str, torch.Tensor], model):
     """The exported model, in memory: what `from_pretrained` of an export of `state` gives."""
-    from megaloop.hf.configuration_megaloop import MegaloopConfig
-    from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
+    from megaloop.model.configuration_megaloop import MegaloopConfig
+    from megaloop.model.modeling_megaloop import MegaloopForCausalLM
 
     config = {
         k: v
@@ -201,7 +202,7 @@ def export(source: Path, out: Path) -> Path:
     tensors = to_hf(state, cfg.model)
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt", "source": str(folder)})
     for name in CODE_FILES:
-        shutil.copyfile(HF_CODE / name, out / name)
+        shutil.copyfile(CODE_DIR / name, out / name)
     save_tokenizer(cfg.data.tokenizer_spec(), out)
     (out / "config.json").write_text(
         json.dumps(

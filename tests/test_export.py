@@ -7,15 +7,27 @@ import os
 import shutil
 import subprocess
 import sys
+from typing import get_args
 
 import pytest
 import torch
 
 from conftest import build
 from megaloop.export import hf_model
-from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
 from megaloop.model import ModelConfig
+from megaloop.model.config import (
+    DampingShape,
+    GateInput,
+    LayerNorms,
+    LoopNorm,
+    ReadoutMode,
+    RecurrenceMode,
+)
+from megaloop.model.modeling_megaloop import MegaloopForCausalLM
 from multiproc import train
+
+# every mode the config types name: a new mode is tested here without a new row
+READOUTS, RECURRENCES = get_args(ReadoutMode), get_args(RecurrenceMode)
 
 
 def exported(model, cfg: ModelConfig, **overrides) -> MegaloopForCausalLM:
@@ -73,11 +85,7 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 # exit_weighted is the only objective that changes the model (it needs the exit gate)
 @pytest.mark.parametrize(
     "readout, recurrence, gate",
-    list(
-        itertools.product(
-            ["norm", "raw", "final_norm"], ["none", "rmsnorm", "damping"], [False, True]
-        )
-    ),
+    list(itertools.product(READOUTS, RECURRENCES, [False, True])),
 )
 def test_exported_logits_equal_the_trainer_models_at_any_k(readout, recurrence, gate):
     cfg, model = variant(readout, recurrence, gate, tie=gate)  # untied W_out with the gate
@@ -92,9 +100,14 @@ def test_exported_logits_equal_the_trainer_models_at_any_k(readout, recurrence, 
             assert rel_err(clamped(tokens, num_loops=k, use_cache=False).logits, ref) <= 1e-5
 
 
-@pytest.mark.parametrize("readout", ["norm", "raw", "final_norm"])
+@pytest.mark.parametrize("readout", READOUTS)
 @pytest.mark.parametrize(
-    "layer_norms, loop_norm", [("sandwich", "shared"), ("sandwich", "separate"), ("pre", "shared")]
+    "layer_norms, loop_norm",
+    [
+        wiring
+        for wiring in itertools.product(get_args(LayerNorms), get_args(LoopNorm))
+        if wiring != ("pre", "separate")  # the test above
+    ],
 )
 def test_ouro_wiring_exports_the_same_logits_and_gate(readout, layer_norms, loop_norm):
     """Sandwich norms and the shared loop norm (next loop, gate, normalising readout) in the
@@ -115,8 +128,9 @@ def test_ouro_wiring_exports_the_same_logits_and_gate(readout, layer_norms, loop
                 assert rel_err(hf.exit_probability(h)[..., 0], out.gates[j - 1]) <= 1e-5
 
 
-def test_a_scalar_damping_factor_exports_too():
-    cfg, model = variant("norm", "damping", gate=False, damping="scalar")
+@pytest.mark.parametrize("damping", get_args(DampingShape))
+def test_every_damping_shape_exports(damping):
+    cfg, model = variant("norm", "damping", gate=False, damping=damping)
     tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         for k in (1, 4, 6):
@@ -129,7 +143,7 @@ def test_a_scalar_damping_factor_exports_too():
 
 @pytest.mark.parametrize(
     "readout, recurrence, clamp",
-    [("norm", "none", False), ("raw", "damping", True), ("final_norm", "rmsnorm", False)],
+    [(r, RECURRENCES[i % len(RECURRENCES)], i % 2 == 1) for i, r in enumerate(READOUTS)],
 )
 def test_greedy_generate_with_cache_equals_the_no_cache_argmax(readout, recurrence, clamp):
     cfg, model = variant(readout, recurrence, gate=False)
@@ -168,7 +182,7 @@ def test_left_padded_batches_equal_each_sequence_alone():
             assert out[row, pad:].tolist() == alone[0].tolist()
 
 
-@pytest.mark.parametrize("gate_input", ["normed", "raw"])
+@pytest.mark.parametrize("gate_input", get_args(GateInput))
 def test_early_exit_takes_each_tokens_exit_loop(gate_input):
     cfg, model = variant("norm", "rmsnorm", gate=True, tie=False, gate_input=gate_input)
     tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import build
-from megaloop.model.recurrence import rms
+from megaloop.model.semantics import rms
 
 
 def tokens(cfg, b=2, s=16, seed=0):

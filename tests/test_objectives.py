@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from megaloop.model.exit_gate import exit_probabilities
 from megaloop.model.looped import LoopOutput
+from megaloop.model.semantics import exit_probabilities
 from megaloop.objectives import ObjectiveConfig, compute
 
 CE = [[[2.0, 4.0]], [[1.0, 3.0]], [[0.5, 1.5]]]  # K=3 loops, b=1, s=2

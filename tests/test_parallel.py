@@ -7,10 +7,12 @@ Every run here is a real `megaloop train` under torchrun with gloo on the CPU.
 import shutil
 import signal
 import subprocess
+from typing import get_args
 
 import pytest
 
 from megaloop import experiment
+from megaloop.model.config import ReadoutMode
 from megaloop.parallel.cost import params_per_rank, state_bytes
 from multiproc import (
     BASE,
@@ -94,7 +96,7 @@ def test_layout_equals_one_process(run, objective, layout, memory_report):
         assert per_stage[0] == one // 2 if report["tp"] == 1 else per_stage[0] < one // 2
 
 
-@pytest.mark.parametrize("readout", ["norm", "raw", "final_norm"])
+@pytest.mark.parametrize("readout", get_args(ReadoutMode))
 def test_untied_w_out_at_tp2xpp2_equals_one_process(readout, tmp_path):
     """W_out as its own matrix (model.tie_embeddings=false): on the last pipeline stage, split
     over the TP ranks like the tied copy, for every readout."""

@@ -1,11 +1,57 @@
 """The readout blind spot: a `norm` readout cannot see hidden-state scale, a `raw` one can."""
 
 import dataclasses
+from typing import get_args
 
 import pytest
 import torch
 
 from conftest import build
+from megaloop.model import semantics
+from megaloop.model.config import (
+    DampingShape,
+    GateInput,
+    LayerNorms,
+    LoopNorm,
+    ReadoutMode,
+    RecurrenceMode,
+)
+from megaloop.model.configuration_megaloop import MegaloopConfig
+
+
+@pytest.mark.parametrize(
+    "modes, rules",
+    [
+        (ReadoutMode, semantics.READOUTS),
+        (RecurrenceMode, semantics.RECURRENCES),
+        (DampingShape, semantics.DAMPING_SHAPES),
+        (GateInput, semantics.GATE_INPUTS),
+        (LoopNorm, semantics.LOOP_NORMS),
+        (LayerNorms, semantics.LAYER_NORMS),
+    ],
+)
+def test_the_config_types_and_the_semantics_name_the_same_modes(modes, rules):
+    """A mode is one rule in megaloop.model.semantics and one name in the config's Literal
+    type; the exported model's config accepts exactly those (tests/test_export.py runs them)."""
+    assert sorted(get_args(modes)) == sorted(rules)
+
+
+def test_the_exported_config_refuses_a_mode_the_semantics_lacks_and_names_those_it_has():
+    with pytest.raises(ValueError, match="readout='scale'.*" + ", ".join(semantics.READOUTS)):
+        MegaloopConfig(readout="scale")
+
+
+@pytest.mark.parametrize("mode", get_args(ReadoutMode))
+def test_every_readout_reads_its_rule_at_each_exit(tiny_cfg, mode):
+    """The training model's exit k is W_out·READOUTS[mode](H_k, k, K_train, its norm), at
+    depths below, at and past K_train: the model has no readout rule of its own."""
+    model = build(dataclasses.replace(tiny_cfg, readout=mode))
+    w_out = model.shared_embedding_or_output_weight()
+    h = 3.0 * torch.randn(8, 2, tiny_cfg.hidden_size)
+    with torch.no_grad():
+        for k in (1, tiny_cfg.num_loops, tiny_cfg.num_loops + 2):
+            x = semantics.readout_input(mode, h, k, tiny_cfg.num_loops, model.readout.norm)
+            torch.testing.assert_close(exit_logits(model, h, k), x @ w_out.t())
 
 
 def exit_logits(model, h, loop=4):

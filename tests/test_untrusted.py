@@ -303,14 +303,19 @@ def test_an_export_records_its_code_and_loads_with_megaloops_own(exported):
     config = json.loads((exported / "config.json").read_text())
     assert config["megaloop_code"] == own_code()
     model = load_model(exported, "cpu", "float32", num_loops=2)
-    assert type(model).__module__ == "megaloop.hf.modeling_megaloop"
+    assert type(model).__module__ == "megaloop.model.modeling_megaloop"
     assert model.config.num_loops == 2
     assert load_tokenizer(exported)("ab")["input_ids"]
 
 
-def _code_swapped(folder: Path, marker: Path) -> None:
-    code = folder / "modeling_megaloop.py"
+def _code_swapped(folder: Path, marker: Path, name: str = "modeling_megaloop.py") -> None:
+    code = folder / name
     code.write_text(f"open({str(marker)!r}, 'w')\n" + code.read_text())
+
+
+def _semantics_swapped(folder: Path, marker: Path) -> None:
+    """The loop's semantics, which the modeling code imports relatively, is code of the export."""
+    _code_swapped(folder, marker, "semantics.py")
 
 
 def _hash_recomputed(folder: Path, marker: Path) -> None:
@@ -340,6 +345,7 @@ def _unrecorded(folder: Path, marker: Path) -> None:
     "tamper, message",
     [
         (_code_swapped, "modeling_megaloop.py differs from the code recorded at export"),
+        (_semantics_swapped, "semantics.py differs from the code recorded at export"),
         (_hash_recomputed, "its recorded code is not this megaloop's"),
         (_foreign_module, "its auto_map"),
         (_unrecorded, "config.json records no megaloop_code"),

@@ -26,6 +26,7 @@ import torch
 
 from megaloop.evaluation import harness
 from megaloop.evaluation.exported import EvalError
+from megaloop.model import semantics
 
 PERCENTILES = (50, 90, 99, 99.9)
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -34,8 +35,8 @@ SCALES = np.logspace(-2, 2, 17)
 
 
 def rms(h: torch.Tensor) -> torch.Tensor:
-    """Per-token ‖H‖_rms, [b, s]."""
-    return h.double().pow(2).mean(-1).sqrt()
+    """Per-token ‖H‖_rms in float64, [b, s]."""
+    return semantics.rms(h, torch.float64)
 
 
 def radial_terms(
@@ -55,17 +56,14 @@ def radial_terms(
 
 def mix_exit(
     mixed: torch.Tensor | None,
-    survive: torch.Tensor | None,
+    survival: semantics.Survival,
     logits: torch.Tensor,
     lam: torch.Tensor,
     last: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One loop's share of Σ_k p_k·logits_k, p_k = λ_k·Π_{j<k}(1 − λ_j) and the last loop the
-    remaining mass: (the mixture so far, Π_{j≤k}(1 − λ_j)); lam [b, s]."""
-    survive = torch.ones_like(lam, dtype=torch.float64) if survive is None else survive
-    weight = survive if last else lam.double() * survive
-    term = weight[..., None] * logits.double()
-    return (term if mixed is None else mixed + term), survive * (1 - lam.double())
+) -> torch.Tensor:
+    """The mixture Σ_k p_k·logits_k so far, with this loop's share added (float64); lam [b, s]."""
+    term = survival.step(lam.double(), last)[..., None] * logits.double()
+    return term if mixed is None else mixed + term
 
 
 def logit_statistics(logits: torch.Tensor, targets: torch.Tensor) -> np.ndarray:
@@ -126,15 +124,15 @@ def run(
         for batch in harness.batches(slice_, batch_size, "diagnose"):
             batch = batch.to(device)
             inputs, targets = batch[:, :-1], batch[:, 1:]
-            previous, mixed, survive = None, None, None
+            previous, mixed, survival = None, None, semantics.Survival()
             for k, h in harness.trajectory(model, inputs, deepest):
                 s = rms(h)
                 token_rms[k - 1].append(s.flatten().cpu())
                 logits = model.readout(h, k)
                 ce[k - 1] += harness.token_ce(logits, targets).double().sum().item()
                 if gated and k <= K:
-                    mixed, survive = mix_exit(
-                        mixed, survive, logits, model.exit_probability(h)[..., 0], last=k == K
+                    mixed = mix_exit(
+                        mixed, survival, logits, model.exit_probability(h)[..., 0], last=k == K
                     )
                 if k <= K:
                     share, inner = radial_terms(model, h, k, targets)

@@ -3,8 +3,8 @@
 An export ships Python code (transformers remote code), and a folder can pose as an export. So
 megaloop opens only a folder whose code files are the ones recorded at export and the same as
 this megaloop's own (megaloop.export.code_problem), and even then runs none of the folder's
-code: the model is built from megaloop's own classes (megaloop.hf), the weights come from
-safetensors only, the tokenizer from its JSON.
+code: the model is built from megaloop's own classes (megaloop.model.modeling_megaloop), the
+weights come from safetensors only, the tokenizer from its JSON.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def load_model(path: Path, device: str, dtype: str, **overrides):
     """The exported model in eval mode; `overrides` are its config fields (num_loops, ...)."""
     import torch
 
-    from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
+    from megaloop.model.modeling_megaloop import MegaloopForCausalLM
 
     check_export(path)
     return (

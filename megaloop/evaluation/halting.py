@@ -27,6 +27,7 @@ import torch
 
 from megaloop.evaluation import harness
 from megaloop.evaluation.exported import EvalError
+from megaloop.model.semantics import Survival, exits
 
 Rule = Literal["margin", "gate"]
 
@@ -92,7 +93,7 @@ def cached_pass(
         for batch in harness.batches(slice_, batch_size, "calibration pass"):
             batch = batch.to(device)
             inputs, targets = batch[:, :-1], batch[:, 1:]
-            loop_ce, loop_score, survive = [], [], None
+            loop_ce, loop_score, survival = [], [], Survival()
             for k, h in harness.trajectory(model, inputs, k_max):
                 logits = model.readout(h, k)
                 token_ce = harness.token_ce(logits, targets).double()
@@ -100,10 +101,9 @@ def cached_pass(
                     loop_ce.append(token_ce.sum(1))
                     loop_score.append(sequence_margin(logits).double())
                 else:
-                    lam = model.exit_probability(h).squeeze(-1).double()
-                    survive = (1 - lam) if survive is None else survive * (1 - lam)
+                    survival.step(model.exit_probability(h).squeeze(-1).double())
                     loop_ce.append(token_ce.flatten())
-                    loop_score.append((1 - survive).flatten())
+                    loop_score.append(survival.cumulative().flatten())
             ce.append(torch.stack(loop_ce, 1).cpu().numpy())
             scores.append(
                 torch.stack(loop_score[:-1], 1).cpu().numpy()
@@ -121,17 +121,16 @@ def _sync(device: str) -> None:
 def fixed_depth(model, batch: torch.Tensor, k: int) -> tuple[float, int]:
     """Summed CE of one batch at fixed depth k, and its loop×token forward steps."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
-    h, rope = model.embed(inputs)
-    for loop in range(1, k + 1):
-        h = model.loop(h, loop, rope)
+    h = next(h for loop, h in harness.trajectory(model, inputs, k) if loop == k)
     return harness.token_ce(model.readout(h, k), targets).double().sum().item(), k * inputs.numel()
 
 
 def reaches(score: torch.Tensor, threshold: float | None, last: bool) -> torch.Tensor:
-    """Where a score meets the threshold (all at the last loop; none early without one)."""
+    """Where a score meets the threshold, the early-exit rule (all at the last loop; none early
+    without a threshold)."""
     if last or threshold is None:
         return torch.full_like(score, last, dtype=torch.bool)
-    return score >= threshold
+    return exits(score, threshold)
 
 
 def dynamic_depth(
@@ -143,7 +142,7 @@ def dynamic_depth(
     h, rope = model.embed(inputs)
     rows = torch.arange(len(inputs), device=inputs.device)
     seq_exit, token_exit = [0] * len(inputs), []
-    total_ce, steps, survive, exited = 0.0, 0, None, None
+    total_ce, steps, survival, exited = 0.0, 0, Survival(), None
     for k in range(1, k_max + 1):
         h = model.loop(h, k, rope)
         steps += h.shape[0] * h.shape[1]
@@ -155,10 +154,10 @@ def dynamic_depth(
                     harness.token_ce(logits[halt], targets[rows[halt]]).double().sum().item()
                 )
         else:
-            lam = model.exit_probability(h).squeeze(-1)
-            survive = (1 - lam) if survive is None else survive * (1 - lam)
-            exited = torch.zeros_like(lam, dtype=torch.bool) if exited is None else exited
-            new = reaches(1 - survive, threshold, k == k_max) & ~exited
+            survival.step(model.exit_probability(h).squeeze(-1))
+            cumulative = survival.cumulative()
+            exited = torch.zeros_like(cumulative, dtype=torch.bool) if exited is None else exited
+            new = reaches(cumulative, threshold, k == k_max) & ~exited
             if new.any():  # only the tokens that exit here are read out
                 logits = model.readout(h[new], k)
                 total_ce += (
@@ -174,7 +173,8 @@ def dynamic_depth(
             break
         h, rows = h[keep], rows[keep]
         if rule == "gate":
-            survive, exited = survive[keep], exited[keep]
+            survival.keep(keep)
+            exited = exited[keep]
     return total_ce, steps, seq_exit, token_exit
 
 

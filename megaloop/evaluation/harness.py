@@ -1,10 +1,10 @@
 """The measurement harness shared by `megaloop depth`, `halt` and `diagnose`.
 
 MODEL is a run directory, a checkpoint folder or a `megaloop export` folder. Every kind is opened
-as the exported model (plain PyTorch, megaloop/hf): a run is consolidated and converted in
-memory, so a measurement of a run equals the same measurement of its export. The measurements
-drive that model one loop at a time through its `embed`, `loop`, `readout` and
-`exit_probability`.
+as the exported model (plain PyTorch, megaloop/model/modeling_megaloop.py): a run is
+consolidated and converted in memory, so a measurement of a run equals the same measurement of
+its export. The measurements drive that model one loop at a time through its `embed`, `loops`,
+`readout` and `exit_probability`.
 
 --data is held-out text (tokenised with the model's tokenizer), a .npy of token ids, a prepared
 indexed split (the PREFIX of PREFIX.bin/.idx from `megaloop prep wikitext103`), or webdataset
@@ -179,17 +179,8 @@ def trajectory(
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """(k, H_k) for k = 1..num_loops of whole sequences [b, s] (no cache). With `clamp`, every
     H_k (k ≥ 2) is rescaled per token to its loop-1 RMS before it is read out or fed back."""
-    from megaloop.hf.modeling_megaloop import clamp_to, rms
-
     h, rope = model.embed(inputs)
-    reference = None
-    for k in range(1, num_loops + 1):
-        h = model.loop(h, k, rope)
-        if clamp and reference is None:
-            reference = rms(h)
-        elif clamp:
-            h = clamp_to(h, reference)
-        yield k, h
+    yield from model.loops(h, rope, num_loops, clamp)
 
 
 def token_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

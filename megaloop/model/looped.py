@@ -5,8 +5,9 @@ after every loop.
     H_k = Stack(R(H_{k-1}))          k = 1..K, R = recurrence (identity for k = 1)
     logits_k = Readout_k(H_k)        one shared W_out
 
-Under Ouro's wiring (loop_norm=shared) one RMSNorm N follows every loop: N(H_k) is what loop
-k+1 receives, what the exit gate reads and, with a normalising readout, what W_out reads.
+What R, the readout, the exit gate and the shared loop norm do is megaloop.model.semantics;
+`enter` and `exit` are the two halves of a loop around the stack, which the pipeline's lap
+chunks (megaloop.parallel.pipeline) call too.
 
 The stack is megatron-core's own transformer layers (see specs.py), tensors are sequence-first
 ([s, b, d]) as in megatron-core. This file is single-device code: parallelism is applied
@@ -32,10 +33,9 @@ from megatron.core.transformer.utils import (
 )
 from torch.utils.checkpoint import checkpoint
 
+from megaloop.model import semantics
 from megaloop.model.config import ModelConfig, Recompute
-from megaloop.model.exit_gate import ExitGate
 from megaloop.model.readout import Readout
-from megaloop.model.recurrence import Recurrence, clamp_to, rms
 from megaloop.model.specs import layer_spec, tp_group
 
 
@@ -105,21 +105,18 @@ class LoopedLM(LanguageModule):
         )
         # H_k re-enters the stack where the embedding does; exits are read where W_out lives.
         if pre_process:
-            self.recurrence = Recurrence(
+            self.recurrence = semantics.Recurrence(
                 cfg.recurrence, cfg.hidden_size, cfg.norm_eps, cfg.damping_init, cfg.damping_shape
             )
-        shared = cfg.loop_norm == "shared"
         # The shared loop norm sits at the end of the loop, beside the exits; the next loop
         # receives its output, so under PP it needs no copy on the first stage.
         self.loop_norm = (
-            torch.nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps) if shared and post_process else None
+            semantics.loop_norm(cfg.loop_norm, cfg.hidden_size, cfg.norm_eps)
+            if post_process
+            else None
         )
         self.exit_gate = (
-            ExitGate(
-                cfg.hidden_size,
-                normalize=cfg.exit_gate_input == "normed" and not shared,
-                eps=cfg.norm_eps,
-            )
+            semantics.ExitGate(cfg.hidden_size, cfg.exit_gate_input, cfg.norm_eps)
             if cfg.exit_gate and post_process
             else None
         )
@@ -130,7 +127,7 @@ class LoopedLM(LanguageModule):
                 cfg.vocab_size,
                 tied=cfg.tie_embeddings and pre_process,
                 trained_loops=cfg.num_loops,
-                own_norm=not shared,
+                loop_norm=cfg.loop_norm,
             )
         self.setup_embeddings_and_output_layer()
 
@@ -187,19 +184,22 @@ class LoopedLM(LanguageModule):
         """tokens, labels: [b, s]. `num_loops` overrides K; `clamp` holds every token's RMS at
         its loop-1 value (inference-time recurrent-scale clamp); `keep_logits` keeps every
         exit's logits beside its CE (for objectives of the logits themselves)."""
-        num_loops = num_loops or self.cfg.num_loops
-        h = self.embedding(tokens, position_ids=None)
-        rope = self.rotary_pos_emb(h.shape[0])
+        rope = self.rotary_pos_emb(tokens.shape[1])
         out = LoopOutput(labels=labels)
-        for k in range(1, num_loops + 1):
-            h = self.stack(h if k == 1 else self.recurrence(h), rope)
-            if clamp and k == 1:
-                reference = rms(h)
-            elif clamp:
-                h = clamp_to(h, reference)
+        held = semantics.Clamp() if clamp else None
+        h = tokens
+        for k in range(1, (num_loops or self.cfg.num_loops) + 1):
+            h = self.stack(self.enter(h, k), rope)
+            if held is not None:
+                h = held(h)
             out.hidden.append(h)
             h = self.exit(out, h, k, labels, keep_logits)
         return out
+
+    def enter(self, x: torch.Tensor, loop: int) -> torch.Tensor:
+        """What loop `loop` starts from: H_0 = Embed(tokens x) for loop 1, else R(x), x being
+        what the previous loop's `exit` returned."""
+        return self.embedding(x, position_ids=None) if loop == 1 else self.recurrence(x)
 
     def exit(
         self,
@@ -222,7 +222,7 @@ class LoopedLM(LanguageModule):
             )
             out.token_ce.append(ce.t())
         if self.exit_gate is not None:
-            out.gates.append(self.exit_gate(h if normed is None else normed).t())
+            out.gates.append(self.exit_gate(h, normed).t())
         return h if normed is None else normed
 
     def sharded_state_dict(

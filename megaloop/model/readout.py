@@ -1,13 +1,9 @@
-"""The readout ("exit"): how loop k's hidden state H_k becomes logits.
+"""The readout ("exit") of the training model: W_out, tensor-parallel, applied to what the
+readout rule (megaloop.model.semantics.READOUTS) says exit k reads.
 
-With `norm`, logits = W_out·RMSNorm(H_k): cross-entropy cannot see the scale of H_k
-(RMSNorm(cH) = RMSNorm(H)), which is the study's blind spot. `raw` reads W_out·H_k, so scale
-changes logits; `final_norm` reads raw for k < K_train and normalised for k >= K_train, where
-K_train is the depth the model was trained at: the normalised interface belongs to the trained
-final loop, so running the model at another K reads each exit the way it was trained. One W_out
-serves all exits; when it is tied to the embedding its weight is passed in at call time. Under
-Ouro's wiring (model.loop_norm=shared) the readout has no norm of its own: the model hands it
-the shared loop norm's output, and a normalising exit reads that.
+One W_out serves all exits; when it is tied to the embedding its weight is passed in at call
+time. Under Ouro's wiring (model.loop_norm=shared) the readout has no norm of its own: the model
+hands it the shared loop norm's output, and a normalising exit reads that.
 """
 
 from __future__ import annotations
@@ -17,7 +13,8 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megaloop.model.config import ReadoutMode
+from megaloop.model import semantics
+from megaloop.model.config import LoopNorm, ReadoutMode
 from megaloop.model.specs import tp_group
 
 
@@ -29,14 +26,12 @@ class Readout(MegatronModule):
         vocab_size: int,
         tied: bool,
         trained_loops: int,
-        own_norm: bool = True,
+        loop_norm: LoopNorm = "separate",
     ):
         super().__init__(config=config)
         self.mode, self.trained_loops = mode, trained_loops
-        self.norm = (
-            torch.nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
-            if mode != "raw" and own_norm
-            else None
+        self.norm = semantics.readout_norm(
+            mode, config.hidden_size, config.layernorm_epsilon, loop_norm
         )
         self.output_layer = tensor_parallel.ColumnParallelLinear(
             config.hidden_size,
@@ -49,9 +44,6 @@ class Readout(MegatronModule):
             tp_group=tp_group(),
         )
 
-    def normalizes(self, loop: int) -> bool:
-        return self.mode == "norm" or (self.mode == "final_norm" and loop >= self.trained_loops)
-
     def forward(
         self,
         h: torch.Tensor,
@@ -61,7 +53,7 @@ class Readout(MegatronModule):
     ) -> torch.Tensor:
         """[s, b, d] → vocab-parallel logits [s, b, V/tp] for exit `loop` (1-based); `normed`
         is the shared loop norm's output of h, when the model has one."""
-        if self.normalizes(loop):
-            h = self.norm(h) if normed is None else normed
-        logits, _ = self.output_layer(h, weight=weight)
+        norm = self.norm if normed is None else (lambda _: normed)
+        x = semantics.readout_input(self.mode, h, loop, self.trained_loops, norm)
+        logits, _ = self.output_layer(x, weight=weight)
         return logits

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from megatron.core import tensor_parallel
 
-from megaloop.model.exit_gate import exit_probabilities
+from megaloop.model import semantics
 from megaloop.model.looped import LoopOutput
 from megaloop.model.specs import tp_group
 from megaloop.objectives import ObjectiveConfig
@@ -21,7 +21,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
 
 def mean_square(h: torch.Tensor) -> torch.Tensor:
     """‖H‖²_rms per token: the mean over the hidden dimension of H², [s, b, d] → [b, s]."""
-    return h.float().pow(2).mean(dim=-1).t()
+    return semantics.mean_square(h, torch.float32).t()
 
 
 def rms_percentiles(
@@ -87,7 +87,7 @@ def compute(
             raise ValueError(
                 f"the {cfg.kind} objective needs the model's exit gate (model.exit_gate=true)"
             )
-        probs = exit_probabilities(exits.gates)  # [K, b, s]
+        probs = semantics.exit_probabilities(exits.gates)  # [K, b, s]
         token_ce = torch.stack(exits.ce)
         entropy = -(probs * probs.clamp_min(1e-12).log()).sum(0)
         if cfg.kind == "exit_mixture":

@@ -87,14 +87,9 @@ class LapChunk(torch.nn.Module):
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         stage, mb = self.stage, self.microbatch
         self.microbatch += 1
+        h = self.input_tensor
         if self.first_rank:
-            h = (
-                stage.embedding(tokens, position_ids=None)
-                if self.lap == 0
-                else stage.recurrence(self.input_tensor)
-            )
-        else:
-            h = self.input_tensor
+            h = stage.enter(tokens if self.lap == 0 else h, self.lap + 1)
         h = stage.stack(h, stage.rotary_pos_emb(tokens.shape[1]))
         if not self.last_rank:
             return h

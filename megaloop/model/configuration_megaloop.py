@@ -2,9 +2,20 @@
 
 Loop count, readout, recurrence, clamp and the early-exit rule are plain fields, so they can be
 changed at load time: `from_pretrained(path, trust_remote_code=True, num_loops=8, clamp=True)`.
+The modes are those semantics.py (copied beside this file) implements.
 """
 
 from transformers import PretrainedConfig
+
+from .semantics import (
+    DAMPING_SHAPES,
+    EARLY_EXITS,
+    GATE_INPUTS,
+    LAYER_NORMS,
+    LOOP_NORMS,
+    READOUTS,
+    RECURRENCES,
+)
 
 
 class MegaloopConfig(PretrainedConfig):
@@ -38,22 +49,19 @@ class MegaloopConfig(PretrainedConfig):
         use_cache: bool = True,
         **kwargs,
     ):
-        if readout not in ("norm", "raw", "final_norm"):
-            raise ValueError(f"readout={readout!r}: use norm, raw or final_norm")
-        if recurrence not in ("none", "rmsnorm", "damping"):
-            raise ValueError(f"recurrence={recurrence!r}: use none, rmsnorm or damping")
-        if exit_gate_input not in ("normed", "raw"):
-            raise ValueError(f"exit_gate_input={exit_gate_input!r}: use normed or raw")
-        if layer_norms not in ("pre", "sandwich"):
-            raise ValueError(f"layer_norms={layer_norms!r}: use pre or sandwich")
-        if loop_norm not in ("separate", "shared"):
-            raise ValueError(f"loop_norm={loop_norm!r}: use separate or shared")
-        if loop_norm == "shared" and recurrence != "none":
+        for name, value, table in (
+            ("readout", readout, READOUTS),
+            ("recurrence", recurrence, RECURRENCES),
+            ("damping_shape", damping_shape, DAMPING_SHAPES),
+            ("exit_gate_input", exit_gate_input, GATE_INPUTS),
+            ("layer_norms", layer_norms, LAYER_NORMS),
+            ("loop_norm", loop_norm, LOOP_NORMS),
+            ("early_exit", early_exit, EARLY_EXITS),
+        ):
+            if value not in table:
+                raise ValueError(f"{name}={value!r}: use one of {', '.join(table)}")
+        if LOOP_NORMS[loop_norm] and recurrence != "none":
             raise ValueError("loop_norm='shared' is the inter-loop norm; recurrence must be none")
-        if damping_shape not in ("channel", "scalar"):
-            raise ValueError(f"damping_shape={damping_shape!r}: use channel or scalar")
-        if early_exit not in ("none", "gate"):
-            raise ValueError(f"early_exit={early_exit!r}: use none or gate")
         if early_exit == "gate" and not exit_gate:
             raise ValueError("early_exit='gate' needs a model trained with the exit gate")
         if num_loops < 1:
@@ -72,8 +80,8 @@ class MegaloopConfig(PretrainedConfig):
         self.rope_theta = rope_theta
         self.rms_norm_eps = rms_norm_eps
         self.readout = readout
-        """norm: W_out·RMSNorm(H_k); raw: W_out·H_k; final_norm: raw for k < num_loops_trained,
-        normalised from there on."""
+        """What exit k reads (semantics.READOUTS): norm, W_out·RMSNorm(H_k); raw, W_out·H_k;
+        final_norm, raw for k < num_loops_trained, normalised from there on."""
         self.recurrence = recurrence
         """What H_k becomes before re-entering the stack: as is, RMSNorm (Ouro), or damped."""
         self.damping_shape = damping_shape

@@ -4,10 +4,11 @@
     H_k = Stack(R(H_{k-1}))          k = 1..K, R = recurrence (identity for k = 1)
     logits = Readout(H_K)            (or, with early exit, each token's exit loop)
 
-With a shared loop norm (Ouro's wiring) one RMSNorm `norm` is R, the gate's input and the
-normalising readout's norm.
+What R, the readout, the clamp, the exit gate and early exit do is semantics.py, the training
+model's own definition, copied beside this file. With a shared loop norm (Ouro's wiring) one
+RMSNorm `norm` is R, the gate's input and the normalising readout's norm.
 
-`embed`, `loop`, `readout` and `exit_probability` are the pieces `forward` is made of; the
+`embed`, `loops`, `readout` and `exit_probability` are the pieces `forward` is made of; the
 measurement commands (megaloop depth/halt/diagnose) drive them one loop at a time.
 
 The stack is L pre-norm layers (RMSNorm, causal attention with RoPE, SwiGLU; with sandwich norms
@@ -19,6 +20,8 @@ tokens.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,6 +30,17 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_megaloop import MegaloopConfig
+from .semantics import (
+    Clamp,
+    Recurrence,
+    Survival,
+    exit_lambda,
+    exits,
+    gate_input,
+    loop_norm,
+    readout_input,
+    readout_norm,
+)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -120,24 +134,6 @@ class Layer(nn.Module):
         return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x)))
 
 
-class Recurrence(nn.Module):
-    def __init__(self, config: MegaloopConfig):
-        super().__init__()
-        self.mode = config.recurrence
-        if self.mode == "rmsnorm":
-            self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        elif self.mode == "damping":
-            size = config.hidden_size if config.damping_shape == "channel" else 1
-            self.damping_logit = nn.Parameter(torch.zeros(size))
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.mode == "rmsnorm":
-            return self.norm(h)
-        if self.mode == "damping":
-            return h * torch.sigmoid(self.damping_logit)
-        return h
-
-
 def allowed_keys(key_mask: torch.Tensor | None, s: int, keys: int, device) -> torch.Tensor:
     """[b or 1, 1, s, keys] booleans: the last `s` of `keys` positions attend causally to the
     keys that `key_mask` [b, keys] marks as tokens (not padding). A padding query still sees
@@ -151,16 +147,6 @@ def allowed_keys(key_mask: torch.Tensor | None, s: int, keys: int, device) -> to
     return allowed
 
 
-def rms(h: torch.Tensor) -> torch.Tensor:
-    """Per-token ‖H‖_rms, keeping the hidden dimension."""
-    return h.pow(2).mean(dim=-1, keepdim=True).sqrt()
-
-
-def clamp_to(h: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """The recurrent-scale clamp: each token of H_k rescaled to its reference (loop-1) RMS."""
-    return h * (reference / rms(h).clamp_min(torch.finfo(h.dtype).tiny))
-
-
 class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = MegaloopConfig
     base_model_prefix = "megaloop"
@@ -172,15 +158,11 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_hidden_layers))
-        self.recurrence = Recurrence(config)
-        self.rotary = Rotary(config.hidden_size // config.num_attention_heads, config.rope_theta)
-        shared = config.loop_norm == "shared"
-        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if shared else None
-        self.readout_norm = (
-            nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-            if config.readout != "raw" and not shared
-            else None
-        )
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.recurrence = Recurrence(config.recurrence, d, eps, damping_shape=config.damping_shape)
+        self.rotary = Rotary(d // config.num_attention_heads, config.rope_theta)
+        self.norm = loop_norm(config.loop_norm, d, eps)
+        self.readout_norm = readout_norm(config.readout, d, eps, config.loop_norm)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.exit_gate = nn.Linear(config.hidden_size, 1) if config.exit_gate else None
         self.post_init()
@@ -219,24 +201,38 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
             h = layer(h, *rope, cache, (k - 1) * L + i, mask)
         return h
 
+    def loops(
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        num_loops: int,
+        clamp: bool = False,
+        cache: Cache | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """(k, H_k) for k = 1..num_loops from H_0; with `clamp`, every H_k (k ≥ 2) is held at
+        its loop-1 RMS before it is read out or fed back."""
+        held = Clamp() if clamp else None
+        for k in range(1, num_loops + 1):
+            h = self.loop(h, k, rope, cache, mask)
+            if held is not None:
+                h = held(h)
+            yield k, h
+
     def readout(self, h: torch.Tensor, loop: int) -> torch.Tensor:
-        """Exit `loop`'s logits. `final_norm` normalises from the trained depth on, whatever K
-        the model runs at: exits are read the way they were trained."""
-        normalize = self.config.readout == "norm" or (
-            self.config.readout == "final_norm" and loop >= self.config.num_loops_trained
+        """Exit `loop`'s logits, read the way semantics.READOUTS says (`final_norm` normalises
+        from the trained depth on, whatever K the model runs at)."""
+        norm = self.readout_norm if self.norm is None else self.norm
+        return self.lm_head(
+            readout_input(self.config.readout, h, loop, self.config.num_loops_trained, norm)
         )
-        if normalize:
-            h = self.readout_norm(h) if self.norm is None else self.norm(h)
-        return self.lm_head(h)
 
     def exit_probability(self, h: torch.Tensor) -> torch.Tensor:
         """λ_k [b, s, 1] from the gate, which reads H_k/‖H_k‖_rms (or H_k: exit_gate_input), or
         the shared loop norm's output."""
-        if self.norm is not None:
-            h = self.norm(h)
-        elif self.config.exit_gate_input == "normed":
-            h = F.rms_norm(h, (h.shape[-1],), eps=self.config.rms_norm_eps)
-        return torch.sigmoid(self.exit_gate(h))
+        normed = self.norm(h) if self.norm is not None else None
+        x = gate_input(self.config.exit_gate_input, h, self.config.rms_norm_eps, normed)
+        return exit_lambda(self.exit_gate, x)[..., None]
 
     def forward(
         self,
@@ -268,26 +264,11 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
         mask = allowed_keys(attention_mask, s, past + s, input_ids.device) if padded else None
 
         h, rope = self.embed(input_ids, position_ids)
-        exit_logits, survive, chosen = None, None, None
-        for k in range(1, K + 1):
-            h = self.loop(h, k, rope, cache, mask)
-            if self.config.clamp and k == 1:
-                reference = rms(h)
-            elif self.config.clamp:
-                h = clamp_to(h, reference)
-            if self.config.early_exit == "gate":
-                # p_k = λ_k·Π_{j<k}(1−λ_j); exit where the cumulative probability reaches q
-                lam = self.exit_probability(h)
-                survive = torch.ones_like(lam) if survive is None else survive
-                stop = ((1 - survive * (1 - lam)) >= self.config.exit_threshold) | (k == K)
-                take = stop if chosen is None else stop & ~chosen
-                logits_k = self.readout(h, k)
-                exit_logits = (
-                    logits_k if exit_logits is None else torch.where(take, logits_k, exit_logits)
-                )
-                chosen = take if chosen is None else chosen | take
-                survive = survive * (1 - lam)
-        logits = exit_logits if exit_logits is not None else self.readout(h, K)
+        trajectory = self.loops(h, rope, K, self.config.clamp, cache, mask)
+        if self.config.early_exit == "gate":
+            logits = self.early_exit(trajectory, K)
+        else:
+            logits = next(self.readout(h, k) for k, h in trajectory if k == K)
         if logits_to_keep:
             logits = logits[:, -logits_to_keep:]
         loss = None
@@ -298,3 +279,17 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss, logits=logits, past_key_values=cache if use_cache else None
         )
+
+    def early_exit(self, trajectory: Iterator[tuple[int, torch.Tensor]], K: int) -> torch.Tensor:
+        """Each token's logits at its exit loop: the first whose cumulative exit probability
+        reaches exit_threshold (all tokens by K). Every loop still runs for the whole batch,
+        so the cache holds every (loop, layer) entry."""
+        survival, chosen, logits = Survival(), None, None
+        for k, h in trajectory:
+            survival.step(self.exit_probability(h))
+            stop = exits(survival.cumulative(), self.config.exit_threshold) | (k == K)
+            take = stop if chosen is None else stop & ~chosen
+            logits_k = self.readout(h, k)
+            logits = logits_k if logits is None else torch.where(take, logits_k, logits)
+            chosen = take if chosen is None else chosen | take
+        return logits

@@ -1,1 +1,0 @@
-"""The exported model's own code (transformers remote code): copied into every export."""

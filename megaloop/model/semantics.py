@@ -1,0 +1,233 @@
+"""What a looped model means, written once: every model and measurement of megaloop calls this.
+
+    H_0 = Embed(x)
+    H_k = Stack(R(H_{k-1}))          k = 1..K, R = recurrence (identity for k = 1)
+    logits_k = W_out·read(H_k, k)    one shared W_out
+    λ_k = sigmoid(w·g(H_k) + b)      the exit gate, g its input rule
+    p_k = λ_k·Π_{j<k}(1 − λ_j)       the exit distribution (the last loop takes the rest)
+
+Under Ouro's wiring (loop_norm=shared) one RMSNorm N follows every loop: N(H_k) is what loop
+k+1 receives, what the gate reads and, with a normalising readout, what W_out reads.
+
+Torch only (no megatron-core, no transformers): `megaloop export` copies this file beside the
+exported model's code, which imports it relatively. Each mode is one entry of a rule table
+(READOUTS, RECURRENCES, GATE_INPUTS, ...) whose keys are the modes the config types name
+(megaloop/model/config.py; tests/test_readout.py checks that the two agree).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Norm = Callable[[torch.Tensor], torch.Tensor]
+
+
+def mean_square(
+    h: torch.Tensor, dtype: torch.dtype | None = None, keepdim: bool = False
+) -> torch.Tensor:
+    """‖H‖²_rms per token: the mean of H² over the hidden (last) dimension, in `dtype` if given."""
+    return (h if dtype is None else h.to(dtype)).pow(2).mean(dim=-1, keepdim=keepdim)
+
+
+def rms(h: torch.Tensor, dtype: torch.dtype | None = None, keepdim: bool = False) -> torch.Tensor:
+    """‖H‖_rms per token, the scale the readout blind spot is about."""
+    return mean_square(h, dtype, keepdim).sqrt()
+
+
+# ---- the readout: what W_out multiplies at exit k -------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReadoutRule:
+    reads: Callable[[torch.Tensor, int, int, Norm], torch.Tensor]
+    """(H_k, k, K_train, norm) → W_out's input; `norm` is the exit norm (the readout's own
+    RMSNorm, or the shared loop norm)."""
+    learned_norm: bool = True
+    """Whether the readout owns an RMSNorm (none under the shared loop norm: it reads that)."""
+
+
+READOUTS: dict[str, ReadoutRule] = {
+    # CE cannot see the scale of H_k (RMSNorm(cH) = RMSNorm(H)): the study's blind spot.
+    "norm": ReadoutRule(lambda h, loop, trained, norm: norm(h)),
+    "raw": ReadoutRule(lambda h, loop, trained, norm: h, learned_norm=False),
+    # The normalised interface belongs to the trained final loop: at any K, exits are read the
+    # way they were trained.
+    "final_norm": ReadoutRule(lambda h, loop, trained, norm: norm(h) if loop >= trained else h),
+}
+
+
+def readout_input(
+    mode: str, h: torch.Tensor, loop: int, trained_loops: int, norm: Norm | None
+) -> torch.Tensor:
+    """What W_out reads at exit `loop` (1-based) of a model trained at `trained_loops`."""
+    return READOUTS[mode].reads(h, loop, trained_loops, norm)
+
+
+def readout_norm(mode: str, hidden_size: int, eps: float, loop_norm: str) -> nn.RMSNorm | None:
+    """The readout's own RMSNorm, if its mode has one and the model no shared loop norm."""
+    own = READOUTS[mode].learned_norm and not LOOP_NORMS[loop_norm]
+    return nn.RMSNorm(hidden_size, eps=eps) if own else None
+
+
+# ---- the recurrence: what H_k becomes before it re-enters the stack -------------------------
+
+DAMPING_SHAPES: dict[str, Callable[[int], int]] = {
+    "channel": lambda hidden_size: hidden_size,
+    "scalar": lambda hidden_size: 1,
+}
+"""`damping`: how many learned factors, per channel or one for the whole state."""
+
+
+@dataclass(frozen=True)
+class RecurrenceRule:
+    apply: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    params: Callable[[nn.Module, int, float, float, str], None] = lambda *_: None
+    """Adds the mode's parameters to the module: (module, d, eps, damping_init, damping_shape)."""
+
+
+def _rmsnorm_params(m: nn.Module, d: int, eps: float, init: float, shape: str) -> None:
+    m.norm = nn.RMSNorm(d, eps=eps)
+
+
+def _damping_params(m: nn.Module, d: int, eps: float, init: float, shape: str) -> None:
+    m.damping_logit = nn.Parameter(
+        torch.full((DAMPING_SHAPES[shape](d),), math.log(init / (1 - init)))
+    )
+
+
+RECURRENCES: dict[str, RecurrenceRule] = {
+    # H_k as is: the pre-norm residual stream carries and grows its scale (the study's ablation).
+    "none": RecurrenceRule(lambda m, h: h),
+    # Ouro's inter-loop RMSNorm.
+    "rmsnorm": RecurrenceRule(lambda m, h: m.norm(h), _rmsnorm_params),
+    # A learned factor in (0, 1): a contraction of the recurrent map's spectrum.
+    "damping": RecurrenceRule(lambda m, h: h * torch.sigmoid(m.damping_logit), _damping_params),
+}
+
+
+class Recurrence(nn.Module):
+    """R, per RECURRENCES[mode]. `damping_init` 0.5 (logit 0) suits weights loaded next."""
+
+    def __init__(
+        self,
+        mode: str,
+        hidden_size: int,
+        eps: float,
+        damping_init: float = 0.5,
+        damping_shape: str = "channel",
+    ):
+        super().__init__()
+        self.mode = mode
+        RECURRENCES[mode].params(self, hidden_size, eps, damping_init, damping_shape)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return RECURRENCES[self.mode].apply(self, h)
+
+
+LOOP_NORMS: dict[str, bool] = {"separate": False, "shared": True}
+"""Whether one RMSNorm after every loop serves the next loop, the gate and the readout (Ouro)."""
+
+
+def loop_norm(mode: str, hidden_size: int, eps: float) -> nn.RMSNorm | None:
+    return nn.RMSNorm(hidden_size, eps=eps) if LOOP_NORMS[mode] else None
+
+
+LAYER_NORMS = ("pre", "sandwich")
+"""pre: x + f(N(x)) per sublayer; sandwich: x + N₂(f(N₁(x))), Ouro's four norms a layer."""
+
+
+class Clamp:
+    """The inference-time recurrent-scale clamp: each token of H_k (k ≥ 2) rescaled to its
+    loop-1 RMS. Call it on H_1, H_2, ... in order, once per loop."""
+
+    def __init__(self):
+        self.reference: torch.Tensor | None = None
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        if self.reference is None:
+            self.reference = rms(h, keepdim=True)
+            return h
+        return h * (self.reference / rms(h, keepdim=True).clamp_min(torch.finfo(h.dtype).tiny))
+
+
+# ---- the exit gate and the exit distribution ------------------------------------------------
+
+GATE_INPUTS: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
+    # The scale-free direction H_k/‖H_k‖_rms, no weights: CE stays blind to scale via the gate.
+    "normed": lambda h, eps: F.rms_norm(h, (h.shape[-1],), eps=eps),
+    # H_k itself (an ablation): a path by which the exit-weighted objective sees hidden scale.
+    "raw": lambda h, eps: h,
+}
+
+
+def gate_input(
+    mode: str, h: torch.Tensor, eps: float, normed: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What the exit gate reads: the shared loop norm's output `normed` when the model has one,
+    else GATE_INPUTS[mode] of H_k."""
+    return normed if normed is not None else GATE_INPUTS[mode](h, eps)
+
+
+class ExitGate(nn.Module):
+    """Ouro's exit gate λ_k = sigmoid(Linear(d, 1)(g(H_k))), zero-initialised (λ = 1/2)."""
+
+    def __init__(self, hidden_size: int, input_mode: str = "normed", eps: float = 1e-5):
+        super().__init__()
+        self.input_mode, self.eps = input_mode, eps
+        self.proj = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, h: torch.Tensor, normed: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., d] → λ in (0, 1), [...]; `normed` is the shared loop norm's output of h."""
+        return exit_lambda(self.proj, gate_input(self.input_mode, h, self.eps, normed))
+
+
+def exit_lambda(proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """λ = sigmoid(proj(x)), [..., d] → [...]."""
+    return torch.sigmoid(proj(x).squeeze(-1))
+
+
+class Survival:
+    """S_k = Π_{j≤k}(1 − λ_j), loop by loop: the exit distribution p_k = λ_k·S_{k−1} (the last
+    loop takes S_{K−1}) and the cumulative exit probability 1 − S_k, which early exit compares
+    with a threshold."""
+
+    def __init__(self):
+        self.survive: torch.Tensor | None = None
+
+    def step(self, lam: torch.Tensor, last: bool = False) -> torch.Tensor:
+        """p_k of this loop, given λ_k; advances S."""
+        before = torch.ones_like(lam) if self.survive is None else self.survive
+        self.survive = before * (1 - lam)
+        return before if last else lam * before
+
+    def cumulative(self) -> torch.Tensor:
+        """Σ_{j≤k} p_j = 1 − S_k, the probability of having exited by loop k."""
+        return 1 - self.survive
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep the rows still running (dynamic batching drops the finished ones)."""
+        self.survive = self.survive[rows]
+
+
+def exit_probabilities(gates: list[torch.Tensor]) -> torch.Tensor:
+    """p_1..p_K from λ_1..λ_K, stacked on dim 0 (they sum to one)."""
+    survival = Survival()
+    return torch.stack([survival.step(lam, k == len(gates)) for k, lam in enumerate(gates, 1)])
+
+
+EARLY_EXITS = ("none", "gate")
+"""Inference: every token runs all K loops, or exits where `exits` says (from the gate)."""
+
+
+def exits(cumulative: torch.Tensor, threshold: float) -> torch.Tensor:
+    """The early-exit decision: a token exits at the first loop whose cumulative exit
+    probability reaches the threshold."""
+    return cumulative >= threshold
