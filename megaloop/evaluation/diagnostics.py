@@ -19,17 +19,14 @@ On a held-out slice, at the trained depth K:
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from megaloop.evaluation import harness
-from megaloop.evaluation.exported import EvalError
+from megaloop.evaluation.settings import DiagnoseSettings
 
 PERCENTILES = (50, 90, 99, 99.9)
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-"""The short spellings `diagnose --dtype` also takes."""
 SCALES = np.logspace(-2, 2, 17)
 
 
@@ -81,35 +78,19 @@ def logit_statistics(logits: torch.Tensor, targets: torch.Tensor) -> np.ndarray:
     )
 
 
-def run(
-    model_path: Path,
-    data: Path,
-    tokens: int = 4096,
-    seq_len: int = 256,
-    rollout: int = 30,
-    batch_size: int = 8,
-    device: str | None = None,
-    out: Path | None = None,
-    dtype: str = "float32",
-) -> dict:
-    """`dtype` is the precision the model runs and the radial gradient is taken in: in float32 a
-    normalising readout's r_k is the (ε/mean square)² floor, which falls as the state grows; in
+def run(s: DiagnoseSettings) -> dict:
+    """`s.dtype` is the precision the model runs and the radial gradient is taken in: in float32
+    a normalising readout's r_k is the (ε/mean square)² floor, which falls as the state grows; in
     bfloat16 rounding sets a floor near 1e-8 at any scale (the study's precision). See
     docs/diagnostics.md."""
-    if rollout < 2:
-        raise EvalError(f"--rollout {rollout}: needs at least 2 loops")
-    if tokens < 1 or seq_len < 1 or batch_size < 1:
-        raise EvalError(
-            f"--tokens {tokens}, --seq-len {seq_len}: each must be >= 1 (an empty "
-            f"slice measures nothing)"
-        )
-    harness.check_data(data)
-    device, dtype = harness.device_and_dtype(DTYPES.get(dtype, dtype), device)
-    opened = harness.open_model(model_path, device, dtype)
-    harness.check_seq_len(opened, seq_len)
+    harness.check_data(s.data)
+    device, dtype = harness.device_and_dtype(s.dtype, s.device)
+    opened = harness.open_model(s.model, device, dtype)
+    s = s.fitted(opened.model.config.max_position_embeddings)
+    seq_len, batch_size, rollout = s.seq_len, s.batch_size, s.rollout
     model, K = opened.model, opened.trained_loops
-    sequences = max(1, math.ceil(tokens / seq_len))
-    slice_ = harness.windows(harness.read_tokens(data, opened.encode), seq_len, sequences)
+    sequences = max(1, math.ceil(s.tokens / seq_len))
+    slice_ = harness.windows(harness.read_tokens(s.data, opened.encode), seq_len, sequences)
     deepest = max(rollout, K)
     token_rms = [[] for _ in range(deepest)]
     shares = [[] for _ in range(K)]
@@ -177,18 +158,14 @@ def run(
     free_rms = torch.cat(token_rms[K - 1]).mean().item()
     result = {
         "model": opened.info,
-        "settings": {
-            "data": str(data),
-            "tokens": count,
-            "sequences": sequences,
-            "seq_len": seq_len,
-            "rollout": rollout,
-            "batch_size": batch_size,
-            "device": device,
-            "dtype": dtype,
-            "hidden_size": d,
-            "num_loops_trained": K,
-        },
+        "settings": s.record(
+            device=device,
+            dtype=dtype,
+            tokens=count,
+            sequences=sequences,
+            hidden_size=d,
+            num_loops_trained=K,
+        ),
         "scale": scale,
         "radial": {"r": [torch.cat(x).mean().item() for x in shares], "g_K": signed_g / count},
         "rollout": {
@@ -209,8 +186,8 @@ def run(
             dict(zip(("ce", "entropy", "top_logit_margin"), label_path / count)) if gated else None
         ),
     }
-    if out is not None:
-        harness.write(out, "diagnose", result, markdown(result))
+    if s.out is not None:
+        harness.write(s.out, "diagnose", result, markdown(result))
     return result
 
 

@@ -19,16 +19,13 @@ total tokens over total wall-clock time, the removal of halted rows included.
 from __future__ import annotations
 
 import time
-from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
 
 from megaloop.evaluation import harness
 from megaloop.evaluation.exported import EvalError
-
-Rule = Literal["margin", "gate"]
+from megaloop.evaluation.settings import HaltSettings, Rule
 
 
 def exit_loops(scores: np.ndarray, threshold: float | None) -> np.ndarray:
@@ -232,79 +229,51 @@ def benchmark(
     return {"tokens": tokens, "fixed": fixed, "dynamic": dynamic}
 
 
-def run(
-    model_path: Path,
-    data: Path,
-    k_max: int = 4,
-    rho: float = 1.01,
-    calib: int = 160,
-    bench: int = 160,
-    batch_size: int = 8,
-    seq_len: int = 256,
-    rule: Rule = "margin",
-    threshold: float | None = None,
-    dtype: str = "auto",
-    device: str | None = None,
-    out: Path | None = None,
-) -> dict:
-    """Calibrate (unless `threshold` is given: τ for margin, q for gate) and benchmark."""
-    if rho < 1:
-        raise EvalError(
-            f"--rho {rho}: the PPL budget is a ratio to fixed-K_max PPL, >= 1 (the study: 1.01)"
-        )
-    if k_max < 1 or calib < 1 or bench < 1 or batch_size < 1:
-        raise EvalError("--k-max, --calib, --bench and --batch must be >= 1")
-    harness.check_data(data)
-    device, dtype = harness.device_and_dtype(dtype, device)
-    opened = harness.open_model(model_path, device, dtype)
+def run(s: HaltSettings) -> dict:
+    """Calibrate (unless `s.threshold` is given: τ for margin, q for gate) and benchmark."""
+    harness.check_data(s.data)
+    device, dtype = harness.device_and_dtype(s.dtype, s.device)
+    opened = harness.open_model(s.model, device, dtype)
     model = opened.model
-    if rule == "gate" and model.exit_gate is None:
+    if s.rule == "gate" and model.exit_gate is None:
         raise EvalError(
-            f"--rule gate: {model_path} has no exit gate (trained without "
+            f"--rule gate: {s.model} has no exit gate (trained without "
             f"model.exit_gate); use --rule margin"
         )
-    harness.check_seq_len(opened, seq_len)
-    tokens = harness.read_tokens(data, opened.encode)
-    calib_slice = harness.windows(tokens, seq_len, calib, what="--data (calibration slice)")
+    s = s.fitted(model.config.max_position_embeddings)
+    tokens = harness.read_tokens(s.data, opened.encode)
+    calib_slice = harness.windows(tokens, s.seq_len, s.calib, what="--data (calibration slice)")
     bench_slice = harness.windows(
         tokens,
-        seq_len,
-        bench,
-        start=calib,
+        s.seq_len,
+        s.bench,
+        start=s.calib,
         what="--data (benchmark slice, after the calibration slice)",
     )
-    scores, ce = cached_pass(model, calib_slice, k_max, rule, batch_size, device)
-    calibration = calibrate(scores, ce, calib_slice[:, 1:].numel(), rho)
-    if threshold is not None:
+    scores, ce = cached_pass(model, calib_slice, s.k_max, s.rule, s.batch_size, device)
+    calibration = calibrate(scores, ce, calib_slice[:, 1:].numel(), s.rho)
+    if s.threshold is not None:
         calibration = {
-            **evaluate_threshold(scores, ce, calib_slice[:, 1:].numel(), threshold),
+            **evaluate_threshold(scores, ce, calib_slice[:, 1:].numel(), s.threshold),
             "given": True,
         }
     timing = benchmark(
-        model, bench_slice, k_max, rule, calibration["threshold"], batch_size, device
+        model, bench_slice, s.k_max, s.rule, calibration["threshold"], s.batch_size, device
     )
+    settings = s.record(device=device, dtype=dtype)
+    settings["threshold_given"] = settings.pop("threshold")
     result = {
         "model": opened.info,
         "settings": {
-            "data": str(data),
-            "rule": rule,
-            "k_max": k_max,
-            "rho": rho,
-            "calib": calib,
-            "bench": bench,
-            "batch_size": batch_size,
-            "seq_len": seq_len,
-            "device": device,
-            "dtype": dtype,
-            "threshold_given": threshold,
-            "calib_windows": [0, calib],
-            "bench_windows": [calib, calib + bench],
+            **settings,
+            "calib_windows": [0, s.calib],
+            "bench_windows": [s.calib, s.calib + s.bench],
         },
         "calibration": calibration,
         "benchmark": timing,
     }
-    if out is not None:
-        harness.write(out, "halt", result, markdown(result))
+    if s.out is not None:
+        harness.write(s.out, "halt", result, markdown(result))
     return result
 
 
