@@ -380,6 +380,22 @@ def test_bad_input_gets_one_clear_error_before_any_compute(runs, tmp_path, capsy
         report.build([tmp_path], tmp_path / "r")
 
 
+def test_depth_and_halt_default_to_the_models_positions(runs, tmp_path):
+    """No --seq-len on a model of 32 positions: windows of 32 tokens (a fixed default of 256
+    used to be refused by such a model), and --dtype auto: float32 on a CPU, bfloat16 on a GPU."""
+    from megaloop.cli import main
+
+    run, data, out = str(runs / "runs/norm/seed0"), str(runs / "held_out.txt"), str(tmp_path)
+    assert main(["depth", run, "--data", data, "--sequences", "4", "--out", out]) == 0
+    assert main(["halt", run, "--data", data, "--calib", "4", "--bench", "4", "--out", out]) == 0
+    for command in ("depth", "halt"):
+        s = json.loads((tmp_path / f"{command}.json").read_text())["settings"]
+        assert s["seq_len"] == SEQ, command
+        assert s["dtype"] == ("bfloat16" if s["device"].startswith("cuda") else "float32")
+    depth_json = json.loads((tmp_path / "depth.json").read_text())
+    assert depth_json["settings"]["tokens"] == 4 * SEQ
+
+
 def test_every_kind_of_data_gives_the_same_token_stream(tmp_path):
     """Text, .npy, an indexed prefix, a webdataset shard and a prep folder (its last shard)."""
     import webdataset as wds
