@@ -13,16 +13,18 @@ from megaloop.evaluation import harness
 from megaloop.evaluation.settings import DepthSettings
 
 
-def run(s: DepthSettings) -> dict:
-    harness.check_data(s.data)
-    device, dtype = harness.device_and_dtype(s.dtype, s.device)
-    opened = harness.open_model(s.model, device, dtype)
-    s = s.fitted(opened.model.config.max_position_embeddings)
-    slice_ = harness.windows(harness.read_tokens(s.data, opened.encode), s.seq_len, s.sequences)
-    model, deepest, clamp = opened.model, max(s.loops), s.clamp
-    totals, tokens = {k: 0.0 for k in s.loops}, 0
+def run(settings: DepthSettings) -> dict:
+    harness.check_data(settings.data)
+    device, dtype = harness.device_and_dtype(settings.dtype, settings.device)
+    opened = harness.open_model(settings.model, device, dtype)
+    settings = settings.fitted(opened.model.config.max_position_embeddings)
+    slice_ = harness.windows(
+        harness.read_tokens(settings.data, opened.encode), settings.seq_len, settings.sequences
+    )
+    model, deepest, clamp = opened.model, max(settings.loops), settings.clamp
+    totals, tokens = {k: 0.0 for k in settings.loops}, 0
     with torch.no_grad():
-        for batch in harness.batches(slice_, s.batch_size, f"depth (K up to {deepest})"):
+        for batch in harness.batches(slice_, settings.batch_size, f"depth (K up to {deepest})"):
             batch = batch.to(device)
             inputs, targets = batch[:, :-1], batch[:, 1:]
             for k, h in harness.trajectory(model, inputs, deepest, clamp):
@@ -33,15 +35,15 @@ def run(s: DepthSettings) -> dict:
             tokens += targets.numel()
     rows = [
         {"loops": k, "ce": totals[k] / tokens, "ppl": harness.ppl(totals[k] / tokens)}
-        for k in s.loops
+        for k in settings.loops
     ]
     result = {
         "model": opened.info,
-        "settings": s.record(device=device, dtype=dtype, tokens=tokens),
+        "settings": settings.record(device=device, dtype=dtype, tokens=tokens),
         "rows": rows,
     }
-    if s.out is not None:
-        harness.write(s.out, "depth", result, markdown(result))
+    if settings.out is not None:
+        harness.write(settings.out, "depth", result, markdown(result))
     return result
 
 

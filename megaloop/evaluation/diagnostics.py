@@ -78,19 +78,19 @@ def logit_statistics(logits: torch.Tensor, targets: torch.Tensor) -> np.ndarray:
     )
 
 
-def run(s: DiagnoseSettings) -> dict:
-    """`s.dtype` is the precision the model runs and the radial gradient is taken in: in float32
-    a normalising readout's r_k is the (ε/mean square)² floor, which falls as the state grows; in
-    bfloat16 rounding sets a floor near 1e-8 at any scale (the study's precision). See
+def run(settings: DiagnoseSettings) -> dict:
+    """`settings.dtype` is the precision the model runs and the radial gradient is taken in: in
+    float32 a normalising readout's r_k is the (ε/mean square)² floor, which falls as the state
+    grows; in bfloat16 rounding sets a floor near 1e-8 at any scale (the study's precision). See
     docs/diagnostics.md."""
-    harness.check_data(s.data)
-    device, dtype = harness.device_and_dtype(s.dtype, s.device)
-    opened = harness.open_model(s.model, device, dtype)
-    s = s.fitted(opened.model.config.max_position_embeddings)
-    seq_len, batch_size, rollout = s.seq_len, s.batch_size, s.rollout
+    harness.check_data(settings.data)
+    device, dtype = harness.device_and_dtype(settings.dtype, settings.device)
+    opened = harness.open_model(settings.model, device, dtype)
+    settings = settings.fitted(opened.model.config.max_position_embeddings)
+    seq_len, batch_size, rollout = settings.seq_len, settings.batch_size, settings.rollout
     model, K = opened.model, opened.trained_loops
-    sequences = max(1, math.ceil(s.tokens / seq_len))
-    slice_ = harness.windows(harness.read_tokens(s.data, opened.encode), seq_len, sequences)
+    sequences = max(1, math.ceil(settings.tokens / seq_len))
+    slice_ = harness.windows(harness.read_tokens(settings.data, opened.encode), seq_len, sequences)
     deepest = max(rollout, K)
     token_rms = [[] for _ in range(deepest)]
     shares = [[] for _ in range(K)]
@@ -158,7 +158,7 @@ def run(s: DiagnoseSettings) -> dict:
     free_rms = torch.cat(token_rms[K - 1]).mean().item()
     result = {
         "model": opened.info,
-        "settings": s.record(
+        "settings": settings.record(
             device=device,
             dtype=dtype,
             tokens=count,
@@ -186,8 +186,8 @@ def run(s: DiagnoseSettings) -> dict:
             dict(zip(("ce", "entropy", "top_logit_margin"), label_path / count)) if gated else None
         ),
     }
-    if s.out is not None:
-        harness.write(s.out, "diagnose", result, markdown(result))
+    if settings.out is not None:
+        harness.write(settings.out, "diagnose", result, markdown(result))
     return result
 
 

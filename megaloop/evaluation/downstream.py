@@ -208,42 +208,42 @@ def checked_lm(**kwargs):
     return CheckedHFLM(**kwargs)
 
 
-def run(s: DownstreamSettings) -> dict:
+def run(settings: DownstreamSettings) -> dict:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    tasks = s.tasks or STUDY_TASKS
+    tasks = settings.tasks or STUDY_TASKS
     unknown = [t for t in tasks if t not in builtin_tasks().task_index]
     if unknown:
         raise EvalError(f"unknown lm-eval task(s): {', '.join(unknown)}")
     with tempfile.TemporaryDirectory() as tmp:
         task_manager = builtin_tasks()
-        if task_configs(tasks, s.split, s.data_dir, Path(tmp)):
+        if task_configs(tasks, settings.split, settings.data_dir, Path(tmp)):
             task_manager = TaskManager(include_path=tmp, include_defaults=False)
-        tokenizer = load_tokenizer(s.model)
-        device, dtype = placement(s.device)
-        model = load_model(s.model, device, dtype, num_loops=s.loops)
+        tokenizer = load_tokenizer(settings.model)
+        device, dtype = placement(settings.device)
+        model = load_model(settings.model, device, dtype, num_loops=settings.loops)
         lm = checked_lm(
-            pretrained=model, tokenizer=tokenizer, batch_size=s.batch_size, device=device
+            pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size, device=device
         )
         results = simple_evaluate(
             model=lm,
             tasks=list(tasks),
             num_fewshot=0,
-            limit=s.limit,
+            limit=settings.limit,
             log_samples=True,
             task_manager=task_manager,
             bootstrap_iters=0,
         )
     return write(
         results,
-        s.out,
+        settings.out,
         {
-            "model": str(s.model),
-            "loops": s.loops,
-            "limit": s.limit,
-            "data_dir": str(s.data_dir) if s.data_dir else None,
-            "split": s.split,
+            "model": str(settings.model),
+            "loops": settings.loops,
+            "limit": settings.limit,
+            "data_dir": str(settings.data_dir) if settings.data_dir else None,
+            "split": settings.split,
             "splits": {t: evaluated_split(cfg) for t, cfg in results["configs"].items()},
         },
     )

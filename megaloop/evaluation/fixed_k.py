@@ -20,20 +20,23 @@ from megaloop.evaluation import harness
 from megaloop.evaluation.settings import FixedKSettings
 
 
-def run(s: FixedKSettings) -> list[dict]:
+def run(settings: FixedKSettings) -> list[dict]:
     import torch
     import torch.nn.functional as F
     from tqdm import tqdm
 
-    harness.check_data(s.data)
-    device, dtype = harness.device_and_dtype(s.dtype, s.device)
-    opened = harness.open_model(s.model, device, dtype)
+    harness.check_data(settings.data)
+    device, dtype = harness.device_and_dtype(settings.dtype, settings.device)
+    opened = harness.open_model(settings.model, device, dtype)
     model = opened.model
-    s = s.fitted(model.config.max_position_embeddings)
-    batch_size, seq_len, batches, warmup = s.batch_size, s.seq_len, s.batches, s.warmup
+    settings = settings.fitted(model.config.max_position_embeddings)
+    batch_size, seq_len = settings.batch_size, settings.seq_len
+    batches, warmup = settings.batches, settings.warmup
     windows = (
         harness.windows(
-            harness.read_tokens(s.data, opened.encode), seq_len, (warmup + batches) * batch_size
+            harness.read_tokens(settings.data, opened.encode),
+            seq_len,
+            (warmup + batches) * batch_size,
         )
         .view(warmup + batches, batch_size, seq_len + 1)
         .to(device)
@@ -44,7 +47,7 @@ def run(s: FixedKSettings) -> list[dict]:
             torch.cuda.synchronize()
 
     rows = []
-    for k in tqdm(s.loops, desc="fixed-K", unit="K"):
+    for k in tqdm(settings.loops, desc="fixed-K", unit="K"):
         times, ce = [], []
         for i, window in enumerate(windows):
             sync()
@@ -69,8 +72,8 @@ def run(s: FixedKSettings) -> list[dict]:
     for row in rows:
         row["throughput_vs_k1"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
     info = {
-        "model": str(s.model),
-        "data": str(s.data),
+        "model": str(settings.model),
+        "data": str(settings.data),
         "device": device,
         "dtype": dtype,
         "batch_size": batch_size,
@@ -79,14 +82,14 @@ def run(s: FixedKSettings) -> list[dict]:
         "warmup_batches": warmup,
         "rows": rows,
     }
-    if s.out is not None:
-        s.out.parent.mkdir(parents=True, exist_ok=True)
-        s.out.write_text(json.dumps(info, indent=1))
+    if settings.out is not None:
+        settings.out.parent.mkdir(parents=True, exist_ok=True)
+        settings.out.write_text(json.dumps(info, indent=1))
         plot_frontier(
             rows,
-            s.out.with_suffix(".png"),
-            f"{s.model.resolve().parent.name}/"
-            f"{s.model.name}, {device} {dtype}, "
+            settings.out.with_suffix(".png"),
+            f"{settings.model.resolve().parent.name}/"
+            f"{settings.model.name}, {device} {dtype}, "
             f"{batch_size} x {seq_len} tokens",
         )
     return rows

@@ -229,51 +229,61 @@ def benchmark(
     return {"tokens": tokens, "fixed": fixed, "dynamic": dynamic}
 
 
-def run(s: HaltSettings) -> dict:
-    """Calibrate (unless `s.threshold` is given: τ for margin, q for gate) and benchmark."""
-    harness.check_data(s.data)
-    device, dtype = harness.device_and_dtype(s.dtype, s.device)
-    opened = harness.open_model(s.model, device, dtype)
+def run(settings: HaltSettings) -> dict:
+    """Calibrate (unless `settings.threshold` is given: τ for margin, q for gate) and benchmark."""
+    harness.check_data(settings.data)
+    device, dtype = harness.device_and_dtype(settings.dtype, settings.device)
+    opened = harness.open_model(settings.model, device, dtype)
     model = opened.model
-    if s.rule == "gate" and model.exit_gate is None:
+    if settings.rule == "gate" and model.exit_gate is None:
         raise EvalError(
-            f"--rule gate: {s.model} has no exit gate (trained without "
+            f"--rule gate: {settings.model} has no exit gate (trained without "
             f"model.exit_gate); use --rule margin"
         )
-    s = s.fitted(model.config.max_position_embeddings)
-    tokens = harness.read_tokens(s.data, opened.encode)
-    calib_slice = harness.windows(tokens, s.seq_len, s.calib, what="--data (calibration slice)")
+    settings = settings.fitted(model.config.max_position_embeddings)
+    tokens = harness.read_tokens(settings.data, opened.encode)
+    calib_slice = harness.windows(
+        tokens, settings.seq_len, settings.calib, what="--data (calibration slice)"
+    )
     bench_slice = harness.windows(
         tokens,
-        s.seq_len,
-        s.bench,
-        start=s.calib,
+        settings.seq_len,
+        settings.bench,
+        start=settings.calib,
         what="--data (benchmark slice, after the calibration slice)",
     )
-    scores, ce = cached_pass(model, calib_slice, s.k_max, s.rule, s.batch_size, device)
-    calibration = calibrate(scores, ce, calib_slice[:, 1:].numel(), s.rho)
-    if s.threshold is not None:
+    scores, ce = cached_pass(
+        model, calib_slice, settings.k_max, settings.rule, settings.batch_size, device
+    )
+    calibration = calibrate(scores, ce, calib_slice[:, 1:].numel(), settings.rho)
+    if settings.threshold is not None:
         calibration = {
-            **evaluate_threshold(scores, ce, calib_slice[:, 1:].numel(), s.threshold),
+            **evaluate_threshold(scores, ce, calib_slice[:, 1:].numel(), settings.threshold),
             "given": True,
         }
     timing = benchmark(
-        model, bench_slice, s.k_max, s.rule, calibration["threshold"], s.batch_size, device
+        model,
+        bench_slice,
+        settings.k_max,
+        settings.rule,
+        calibration["threshold"],
+        settings.batch_size,
+        device,
     )
-    settings = s.record(device=device, dtype=dtype)
-    settings["threshold_given"] = settings.pop("threshold")
+    recorded = settings.record(device=device, dtype=dtype)
+    recorded["threshold_given"] = recorded.pop("threshold")
     result = {
         "model": opened.info,
         "settings": {
-            **settings,
-            "calib_windows": [0, s.calib],
-            "bench_windows": [s.calib, s.calib + s.bench],
+            **recorded,
+            "calib_windows": [0, settings.calib],
+            "bench_windows": [settings.calib, settings.calib + settings.bench],
         },
         "calibration": calibration,
         "benchmark": timing,
     }
-    if s.out is not None:
-        harness.write(s.out, "halt", result, markdown(result))
+    if settings.out is not None:
+        harness.write(settings.out, "halt", result, markdown(result))
     return result
 
 
