@@ -15,7 +15,7 @@ import warnings
 from megaloop import known_warnings
 from megaloop.commands import COMMANDS
 from megaloop.config import ConfigError
-from megaloop.evaluation.exported import EvalError
+from megaloop.evaluation.settings import EvalError
 from megaloop.parallel.launch import LaunchError
 
 

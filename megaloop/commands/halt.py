@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from megaloop.commands.options import measurement, measurement_settings
-from megaloop.evaluation.exported import EvalError
-from megaloop.evaluation.settings import RULES
+from megaloop.evaluation.settings import RULES, EvalError
 from megaloop.extras import require
 
 BUILDS_MODEL = True

@@ -115,9 +115,8 @@ class Measurement:
     def record(self, **resolved) -> dict:
         """The settings as a result records them: data as text, `resolved` (device, dtype)
         over the requested values; the model and the output folder are recorded elsewhere."""
-        kept = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for name in ("model", "out"):
-            kept.pop(name)
+        names = [f.name for f in dataclasses.fields(self) if f.name not in ("model", "out")]
+        kept = {k: getattr(self, k) for k in names}
         kept = {k: list(v) if isinstance(v, tuple) else v for k, v in kept.items()}
         return {**kept, "data": str(self.data), **resolved}
 
