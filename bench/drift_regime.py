@@ -235,15 +235,18 @@ def measure_one(run_dir: Path, out: Path, data: Path) -> None:
     """repro_mini's depth, halt and diagnose, and diagnose's radial fractions in bfloat16."""
     repro_mini.measure_one(run_dir, out, data)
     from megaloop.evaluation import diagnostics
+    from megaloop.evaluation.settings import DiagnoseSettings
 
     diagnostics.run(
-        run_dir,
-        data,
-        tokens=repro_mini.MEASURE["diagnose"]["tokens"],
-        seq_len=repro_mini.SEQ_LEN,
-        rollout=2,
-        out=out / "diagnose-bf16",
-        dtype="bfloat16",
+        DiagnoseSettings(
+            model=run_dir,
+            data=data,
+            tokens=repro_mini.MEASURE["diagnose"]["tokens"],
+            seq_len=repro_mini.SEQ_LEN,
+            rollout=2,
+            dtype="bfloat16",
+            out=out / "diagnose-bf16",
+        )
     )
 
 

@@ -174,28 +174,42 @@ def measure_one(run_dir: Path, out: Path, data: Path) -> None:
 
     _cpu_compat.apply()
     from megaloop.evaluation import depth, diagnostics, halting
+    from megaloop.evaluation.settings import DepthSettings, DiagnoseSettings, HaltSettings
 
     depth.run(
-        run_dir, data, MEASURE["depth"]["loops"], MEASURE["depth"]["sequences"], SEQ_LEN, out=out
+        DepthSettings(
+            model=run_dir,
+            data=data,
+            loops=MEASURE["depth"]["loops"],
+            sequences=MEASURE["depth"]["sequences"],
+            seq_len=SEQ_LEN,
+            dtype="float32",
+            out=out,
+        )
     )
     halting.run(
-        run_dir,
-        data,
-        k_max=4,
-        rho=1.01,
-        calib=MEASURE["halt"]["calib"],
-        bench=MEASURE["halt"]["bench"],
-        batch_size=8,
-        seq_len=SEQ_LEN,
-        out=out,
+        HaltSettings(
+            model=run_dir,
+            data=data,
+            k_max=4,
+            rho=1.01,
+            calib=MEASURE["halt"]["calib"],
+            bench=MEASURE["halt"]["bench"],
+            batch_size=8,
+            seq_len=SEQ_LEN,
+            out=out,
+        )
     )
     diagnostics.run(
-        run_dir,
-        data,
-        tokens=MEASURE["diagnose"]["tokens"],
-        seq_len=SEQ_LEN,
-        rollout=MEASURE["diagnose"]["rollout"],
-        out=out,
+        DiagnoseSettings(
+            model=run_dir,
+            data=data,
+            tokens=MEASURE["diagnose"]["tokens"],
+            seq_len=SEQ_LEN,
+            rollout=MEASURE["diagnose"]["rollout"],
+            dtype="float32",
+            out=out,
+        )
     )
 
 

@@ -1,136 +1,171 @@
-"""The command line: every subcommand is listed, and options change only on purpose."""
+"""The command line: every subcommand is listed, options change only on purpose, one spelling
+per option across commands, and the measurements' defaults follow the model."""
 
+import argparse
 import subprocess
 import sys
 
-from megaloop.cli import build_parser
+import pytest
 
-# Frozen on purpose: changing the CLI means changing this list (and the README).
-SUBCOMMANDS = {
+from megaloop.cli import NO_MEGATRON, build_parser
+from megaloop.commands import COMMANDS
+from megaloop.evaluation.exported import EvalError
+from megaloop.evaluation.settings import (
+    DepthSettings,
+    DiagnoseSettings,
+    DownstreamSettings,
+    FixedKSettings,
+    HaltSettings,
+)
+
+MEASURE = ["model", "--data", "--seq-len", "--batch-size", "--batch", "--dtype"]
+SLURM_JOB = [
+    "--nodes",
+    "--gpus-per-node",
+    "--tasks-per-node",
+    "--cpus-per-task",
+    "--time",
+    "--warning-seconds",
+    "--partition",
+    "--account",
+    "--gpu-memory-gib",
+    "--sbatch-arg",
+    "--job-name",
+    "--dry-run",
+]
+PREP = ["--executor", "--workers", "--partition", "--time", "--cpus-per-task"]
+PREP += ["--max-array-size", "--job-name"]
+# Frozen on purpose: changing the CLI means changing this table (and the README). Each command
+# (with its action) lists its options as typed, positionals by name; `--batch` is the refused
+# old spelling of `--batch-size`.
+OPTIONS = {
     "train": ["config", "overrides"],
-    "params": ["config", "overrides", "world"],
+    "params": ["config", "overrides", "--world"],
     "configs": [],
-    "plan": ["config", "overrides", "gpus", "gpu_mem", "tflops", "mfu", "gpus_per_node", "search"],
-    "demo": ["text", "tokenizer", "steps", "out", "seed", "seeds"],
-    "ckpt": ["ckpt_command"],
-    "prep": ["corpus"],
-    "export": ["source", "out", "format"],
-    "import": ["import_command"],
-    "eval": ["eval_command"],
-    "bench": ["bench_command"],
-    "slurm": ["slurm_command"],
-    "depth": [
-        "model",
-        "data",
-        "out",
-        "loops",
-        "clamp",
-        "sequences",
-        "seq_len",
-        "batch_size",
-        "dtype",
-    ],
-    "halt": [
-        "model",
-        "data",
-        "out",
-        "k_max",
-        "rho",
-        "calib",
-        "bench",
-        "batch",
-        "seq_len",
-        "rule",
-        "tau",
-        "q",
-        "dtype",
-    ],
-    "diagnose": ["model", "data", "out", "tokens", "seq_len", "rollout", "batch_size", "dtype"],
-    "report": ["inputs", "out"],
-    "sweep": [
-        "configs",
-        "seeds",
-        "executor",
-        "root",
-        "nodes",
-        "gpus_per_node",
-        "tasks_per_node",
-        "cpus_per_task",
-        "time",
-        "warning_seconds",
-        "partition",
-        "account",
-        "gpu_memory_gib",
-        "sbatch_arg",
-        "job_name",
-        "dry_run",
-    ],
+    "plan": ["config", "overrides", "--gpus", "--gpu-mem", "--tflops", "--mfu"]
+    + ["--gpus-per-node", "--search"],
+    "demo": ["--text", "--tokenizer", "--steps", "--out", "--seed", "--seeds"],
+    "prep wikitext103": ["--source", "--tokenizer", "--out", "--eos-token", "--max-doc-bytes"]
+    + PREP,
+    "prep fineweb": ["--source", "--tokenizer", "--out", "--seq-len", "--shard-size"]
+    + ["--eos-token", "--max-doc-bytes", "--lang-model", "--lang-threshold", *PREP],
+    "ckpt consolidate": ["checkpoint", "out"],
+    "export": ["source", "out", "--format"],
+    "import ouro": ["source", "out"],
+    "eval downstream": ["model", "--loops", "--tasks", "--limit", "--data-dir", "--batch-size"]
+    + ["--batch", "--split", "--out"],
+    "eval compare": ["a", "b", "--resamples", "--seed", "--out"],
+    "bench fixed-k": [*MEASURE, "--loops", "--batches", "--warmup", "--out"],
+    "depth": [*MEASURE, "--loops", "--clamp", "--sequences", "--out"],
+    "halt": [*MEASURE, "--k-max", "--rho", "--calib", "--bench", "--rule", "--tau", "--q", "--out"],
+    "diagnose": [*MEASURE, "--tokens", "--rollout", "--out"],
+    "sweep": ["configs", "--seeds", "--executor", "--root", *SLURM_JOB],
+    "report": ["inputs", "--out"],
+    "slurm submit": ["config", "overrides", *SLURM_JOB],
 }
-CKPT_ACTIONS = {"consolidate": ["checkpoint", "out"]}
-EVAL_ACTIONS = {
-    "downstream": ["model", "loops", "tasks", "limit", "data_dir", "batch_size", "split", "out"],
-    "compare": ["a", "b", "resamples", "seed", "out"],
+MEASUREMENTS = {
+    "depth": ["--out", "o"],
+    "halt": ["--out", "o"],
+    "diagnose": ["--out", "o"],
+    "bench fixed-k": [],
 }
-BENCH_ACTIONS = {
-    "fixed-k": [
-        "model",
-        "data",
-        "loops",
-        "batch_size",
-        "seq_len",
-        "batches",
-        "warmup",
-        "dtype",
-        "out",
+
+
+def commands(parser: argparse.ArgumentParser, path: tuple = ()):
+    """(command path, its parser) for every command and action the user can run."""
+    groups = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not groups:
+        yield " ".join(path), parser
+    for group in groups:
+        for name, child in group.choices.items():
+            yield from commands(child, (*path, name))
+
+
+def options(parser: argparse.ArgumentParser) -> list[str]:
+    return [
+        a.option_strings[0] if a.option_strings else a.dest
+        for a in parser._actions
+        if not isinstance(a, argparse._HelpAction)
     ]
-}
-IMPORT_ACTIONS = {"ouro": ["source", "out"]}
-SLURM_ACTIONS = {
-    "submit": [
-        "config",
-        "overrides",
-        "nodes",
-        "gpus_per_node",
-        "tasks_per_node",
-        "cpus_per_task",
-        "time",
-        "warning_seconds",
-        "partition",
-        "account",
-        "gpu_memory_gib",
-        "sbatch_arg",
-        "job_name",
-        "dry_run",
-    ]
-}
 
 
 def test_help_lists_every_subcommand():
     out = subprocess.run(
         [sys.executable, "-m", "megaloop", "--help"], capture_output=True, text=True, check=True
     ).stdout
-    for name in SUBCOMMANDS:
-        assert name in out
+    for name in COMMANDS:
+        assert f"\n    {name} " in out, name
 
 
-def test_subcommand_options_are_frozen():
-    parser = build_parser()
-    sub = next(a for a in parser._actions if a.dest == "command")
-    assert set(sub.choices) == set(SUBCOMMANDS)
-    for name, dests in SUBCOMMANDS.items():
-        found = [a.dest for a in sub.choices[name]._actions if a.dest != "help"]
-        assert found == dests, name
-    for command, actions in (
-        ("ckpt", CKPT_ACTIONS),
-        ("slurm", SLURM_ACTIONS),
-        ("eval", EVAL_ACTIONS),
-        ("bench", BENCH_ACTIONS),
-        ("import", IMPORT_ACTIONS),
-    ):
-        group = next(a for a in sub.choices[command]._actions if a.dest == f"{command}_command")
-        assert set(group.choices) == set(actions)
-        for name, dests in actions.items():
-            assert [a.dest for a in group.choices[name]._actions if a.dest != "help"] == dests
+def test_command_options_are_frozen():
+    found = {path: options(p) for path, p in commands(build_parser())}
+    assert found == OPTIONS
+
+
+def test_config_only_commands_are_the_ones_that_build_no_model():
+    assert NO_MEGATRON == {"configs", "params", "plan", "slurm", "sweep", "prep", "eval", "report"}
+
+
+def test_the_measurements_share_their_options_and_defaults():
+    parsers = dict(commands(build_parser()))
+    for path, out in MEASUREMENTS.items():
+        args = parsers[path].parse_args(["m", "--data", "d", *out])
+        assert (args.seq_len, args.dtype) == (None, "auto"), path
+    assert parsers["eval downstream"].get_default("batch_size") == 8
+
+
+@pytest.mark.parametrize("path", [*MEASUREMENTS, "eval downstream"])
+def test_the_old_batch_spelling_is_refused_naming_the_new_one(path, capsys):
+    words = path.split()
+    rest = ["--loops", "2", "--out", "o"] if path == "eval downstream" else ["--data", "d"]
+    rest += MEASUREMENTS.get(path, [])
+    with pytest.raises(SystemExit) as exit:
+        build_parser().parse_args([*words, "m", *rest, "--batch", "8"])
+    assert exit.value.code == 2
+    assert "--batch is now --batch-size" in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_seq_len_defaults_to_the_models_positions():
+    depth = DepthSettings(model="m", data="d")
+    assert depth.fitted(128).seq_len == 128 and depth.fitted(4096).seq_len == 256
+    assert FixedKSettings(model="m", data="d").fitted(4096).seq_len == 128
+    assert HaltSettings(model="m", data="d", seq_len=64).fitted(128).seq_len == 64
+    with pytest.raises(EvalError, match="--seq-len 256: the model takes 1 to 128 positions"):
+        DiagnoseSettings(model="m", data="d", seq_len=256).fitted(128)
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: DepthSettings(model="m", data="d", sequences=0), "--sequences 0: must be >= 1"),
+        (lambda: DepthSettings(model="m", data="d", loops=(0, 2)), "--loops '0,2'"),
+        (lambda: HaltSettings(model="m", data="d", rho=0.9), "--rho 0.9"),
+        (lambda: HaltSettings(model="m", data="d", batch_size=0), "--batch-size 0"),
+        (lambda: HaltSettings(model="m", data="d", rule="best"), "--rule best"),
+        (lambda: DiagnoseSettings(model="m", data="d", rollout=1), "--rollout 1"),
+        (lambda: DiagnoseSettings(model="m", data="d", dtype="fp16"), "--dtype fp16"),
+        (lambda: FixedKSettings(model="m", data="d", warmup=-1), "--warmup -1"),
+        (lambda: DownstreamSettings(model="m", loops=0), "--loops 0"),
+        (lambda: DownstreamSettings(model="m", loops=1, split="test"), "--split test"),
+    ],
+)
+def test_settings_refuse_bad_values_naming_the_option(build, message):
+    with pytest.raises(EvalError, match=message):
+        build()
+
+
+def test_settings_record_what_ran():
+    s = DiagnoseSettings(model="m", data="d", seq_len=32, dtype="bf16", out="o")
+    assert s.dtype == "bfloat16"
+    assert s.record(device="cpu") == {
+        "data": "d",
+        "seq_len": 32,
+        "batch_size": 8,
+        "dtype": "bfloat16",
+        "device": "cpu",
+        "tokens": 4096,
+        "rollout": 30,
+    }
 
 
 def test_missing_config_file_is_one_clear_error(tmp_path):

@@ -9,6 +9,7 @@ import pytest
 
 from megaloop.evaluation import compare, downstream
 from megaloop.evaluation.exported import EvalError
+from megaloop.evaluation.settings import DownstreamSettings
 
 ARC = [  # hub rows of allenai/ai2_arc: 3-5 choices, some labelled "1".."4" instead of "A".."E"
     {
@@ -334,13 +335,15 @@ def check(out: Path, summary: dict, expected: dict[str, list[dict]], split: dict
 def test_the_nine_tasks_on_their_validation_splits(export_dir, task_data, tmp_path):  # noqa: F811
     out = tmp_path / "val"
     summary = downstream.run(
-        export_dir,
-        2,
-        downstream.STUDY_TASKS,
-        out,
-        data_dir=task_data,
-        batch_size=16,
-        split="validation",
+        DownstreamSettings(
+            model=export_dir,
+            loops=2,
+            tasks=downstream.STUDY_TASKS,
+            out=out,
+            data_dir=task_data,
+            batch_size=16,
+            split="validation",
+        )
     )
     assert summary["split"] == "validation" and set(summary["tasks"]) == set(ROWS)
     check(out, summary, ROWS, {t: "validation" for t in ROWS})
@@ -358,7 +361,14 @@ def test_the_nine_tasks_on_their_validation_splits(export_dir, task_data, tmp_pa
 def test_split_default_keeps_lm_evals_choice(export_dir, task_data, tmp_path):  # noqa: F811
     out = tmp_path / "default"
     summary = downstream.run(
-        export_dir, 1, ("arc_easy", "boolq"), out, data_dir=task_data, split="default"
+        DownstreamSettings(
+            model=export_dir,
+            loops=1,
+            tasks=("arc_easy", "boolq"),
+            out=out,
+            data_dir=task_data,
+            split="default",
+        )
     )
     check(
         out,
@@ -385,11 +395,13 @@ def test_the_hub_path_keeps_the_dataset_and_nulls_the_test_split(tmp_path):
 def test_a_task_without_a_validation_split_is_refused_before_loading(tmp_path):
     with pytest.raises(EvalError, match="lambada_openai has no validation split"):
         downstream.run(
-            tmp_path / "no-model",
-            1,
-            ("boolq", "lambada_openai"),
-            tmp_path / "r",
-            split="validation",
+            DownstreamSettings(
+                model=tmp_path / "no-model",
+                loops=1,
+                tasks=("boolq", "lambada_openai"),
+                out=tmp_path / "r",
+                split="validation",
+            )
         )
 
 

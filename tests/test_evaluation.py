@@ -11,6 +11,7 @@ import torch
 
 from megaloop.evaluation import compare, downstream, fixed_k, harness
 from megaloop.evaluation.exported import EvalError
+from megaloop.evaluation.settings import FixedKSettings
 
 
 def write_tasks(root: Path) -> Path:
@@ -219,9 +220,9 @@ def test_compare_pairs_examples_and_reports_the_differences(tmp_path):
 def test_fixed_k_bench_gives_a_row_per_k(export_dir, tmp_path):
     text = tmp_path / "held_out.txt"
     text.write_text("".join(f"{i}+{2 * i}={3 * i}\n" for i in range(200)))
-    rows = fixed_k.run(
-        export_dir,
-        text,
+    settings = FixedKSettings(
+        model=export_dir,
+        data=text,
         loops=(1, 2, 3),
         batch_size=2,
         seq_len=32,
@@ -229,6 +230,7 @@ def test_fixed_k_bench_gives_a_row_per_k(export_dir, tmp_path):
         warmup=1,
         out=tmp_path / "fk.json",
     )
+    rows = fixed_k.run(settings)
     assert [r["loops"] for r in rows] == [1, 2, 3]
     for r in rows:  # the speed figures agree with each other (their values depend on the machine)
         assert r["tokens_per_s"] > 0 and r["median_batch_s"] > 0
@@ -257,6 +259,6 @@ def test_fixed_k_bench_gives_a_row_per_k(export_dir, tmp_path):
     assert saved["rows"] == rows and saved["timed_batches"] == 3
     assert (tmp_path / "fk.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(EvalError, match="--seq-len 4096: the model takes 1 to 256 positions"):
-        fixed_k.run(export_dir, text, seq_len=4096)
+        fixed_k.run(FixedKSettings(model=export_dir, data=text, seq_len=4096))
     with pytest.raises(EvalError, match="are needed"):
-        fixed_k.run(export_dir, text, seq_len=200, batches=100)
+        fixed_k.run(FixedKSettings(model=export_dir, data=text, seq_len=200, batches=100))

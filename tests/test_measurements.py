@@ -1,5 +1,6 @@
 """The study's measurements on tiny trained models: depth, halting, diagnostics and the report."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -8,6 +9,7 @@ import torch
 
 from megaloop.evaluation import depth, diagnostics, halting, harness, report
 from megaloop.evaluation.exported import EvalError
+from megaloop.evaluation.settings import DepthSettings, DiagnoseSettings, HaltSettings
 
 TINY = [
     "data.seq_len=32",
@@ -48,12 +50,14 @@ def test_radial_fraction_and_clamp_separate_the_readouts(runs, tmp_path):
     results = {}
     for name in VARIANTS:
         results[name] = diagnostics.run(
-            runs / "runs" / name / "seed0",
-            runs / "held_out.txt",
-            tokens=512,
-            seq_len=SEQ,
-            rollout=6,
-            out=tmp_path / name / "seed0",
+            DiagnoseSettings(
+                model=runs / "runs" / name / "seed0",
+                data=runs / "held_out.txt",
+                tokens=512,
+                seq_len=SEQ,
+                rollout=6,
+                out=tmp_path / name / "seed0",
+            )
         )
     norm, raw, final = (results[n]["radial"]["r"] for n in ("norm", "raw", "final_norm"))
     assert max(norm) < 1e-6 and min(raw) > 1e-4, (norm, raw)
@@ -81,13 +85,15 @@ def test_bf16_radial_floor_lies_above_fp32s_for_a_norm_readout(runs, tmp_path):
     share of the gradient (~1e-2) in both."""
     r = {
         (name, dtype): diagnostics.run(
-            runs / "runs" / name / "seed0",
-            runs / "held_out.txt",
-            tokens=256,
-            seq_len=SEQ,
-            rollout=2,
-            out=tmp_path / f"{name}-{dtype}",
-            dtype=dtype,
+            DiagnoseSettings(
+                model=runs / "runs" / name / "seed0",
+                data=runs / "held_out.txt",
+                tokens=256,
+                seq_len=SEQ,
+                rollout=2,
+                out=tmp_path / f"{name}-{dtype}",
+                dtype=dtype,
+            )
         )["radial"]["r"]
         for name in ("norm", "raw")
         for dtype in ("fp32", "bf16")
@@ -120,17 +126,18 @@ def test_depth_at_k_equals_the_exported_model_at_num_loops_k(runs, tmp_path):
     from megaloop.export import export
 
     run = runs / "runs/final_norm/seed0"
-    result = depth.run(
-        run,
-        runs / "held_out.txt",
-        [1, 2, 3, 4, 6],
+    settings = DepthSettings(
+        model=run,
+        data=runs / "held_out.txt",
+        loops=(1, 2, 3, 4, 6),
         sequences=12,
         seq_len=SEQ,
         batch_size=5,
         out=tmp_path / "depth",
     )
+    result = depth.run(settings)
     folder = export(run, tmp_path / "hf")
-    again = depth.run(folder, runs / "held_out.txt", [1, 2, 3, 4, 6], sequences=12, seq_len=SEQ)
+    again = depth.run(dataclasses.replace(settings, model=folder, batch_size=8, out=None))
     for row, same in zip(result["rows"], again["rows"]):  # the run and its export
         assert same["ce"] == pytest.approx(row["ce"], rel=1e-6)
     tokens = harness.read_tokens(
@@ -182,15 +189,17 @@ def test_calibration_picks_the_smallest_threshold_within_rho():
 def test_halting_meets_rho_and_dynamic_batching_counts_its_steps(runs, tmp_path):
     run = runs / "runs/raw/seed1"
     result = halting.run(
-        run,
-        runs / "held_out.txt",
-        k_max=4,
-        rho=1.02,
-        calib=24,
-        bench=16,
-        batch_size=5,
-        seq_len=SEQ,
-        out=tmp_path,
+        HaltSettings(
+            model=run,
+            data=runs / "held_out.txt",
+            k_max=4,
+            rho=1.02,
+            calib=24,
+            bench=16,
+            batch_size=5,
+            seq_len=SEQ,
+            out=tmp_path,
+        )
     )
     cal = result["calibration"]
     # recompute the calibrated dynamic PPL independently: each sequence at its exit depth
@@ -259,16 +268,18 @@ def test_gate_rule_calibrates_q_like_the_exported_early_exit(runs, tmp_path):
         ],
     )
     result = halting.run(
-        run,
-        runs / "held_out.txt",
-        k_max=4,
-        rho=1.05,
-        calib=8,
-        bench=8,
-        batch_size=4,
-        seq_len=SEQ,
-        rule="gate",
-        out=tmp_path / "h",
+        HaltSettings(
+            model=run,
+            data=runs / "held_out.txt",
+            k_max=4,
+            rho=1.05,
+            calib=8,
+            bench=8,
+            batch_size=4,
+            seq_len=SEQ,
+            rule="gate",
+            out=tmp_path / "h",
+        )
     )
     q = result["calibration"]["threshold"]
     from transformers import AutoModelForCausalLM
@@ -302,12 +313,15 @@ def test_report_renders_every_table_and_figure(runs, tmp_path):
     results = tmp_path / "results"
     for name in VARIANTS:
         for seed in (0, 1):
-            run, out = runs / "runs" / name / f"seed{seed}", results / name / f"seed{seed}"
-            depth.run(run, runs / "held_out.txt", [1, 2, 3, 4], sequences=8, seq_len=SEQ, out=out)
-            halting.run(
-                run, runs / "held_out.txt", calib=8, bench=8, batch_size=4, seq_len=SEQ, out=out
-            )
-            diagnostics.run(run, runs / "held_out.txt", tokens=256, seq_len=SEQ, rollout=6, out=out)
+            shared = {
+                "model": runs / "runs" / name / f"seed{seed}",
+                "data": runs / "held_out.txt",
+                "seq_len": SEQ,
+                "out": results / name / f"seed{seed}",
+            }
+            depth.run(DepthSettings(**shared, loops=(1, 2, 3, 4), sequences=8))
+            halting.run(HaltSettings(**shared, calib=8, bench=8, batch_size=4))
+            diagnostics.run(DiagnoseSettings(**shared, tokens=256, rollout=6))
     path = report.build([runs / "runs", results], tmp_path / "report")
     text = path.read_text()
     for name in VARIANTS:  # runs | depth | halt | diagnose: both seeds of each, nothing else
@@ -364,6 +378,22 @@ def test_bad_input_gets_one_clear_error_before_any_compute(runs, tmp_path, capsy
         assert not out.exists()
     with pytest.raises(EvalError, match="no runs"):
         report.build([tmp_path], tmp_path / "r")
+
+
+def test_depth_and_halt_default_to_the_models_positions(runs, tmp_path):
+    """No --seq-len on a model of 32 positions: windows of 32 tokens (a fixed default of 256
+    used to be refused by such a model), and --dtype auto: float32 on a CPU, bfloat16 on a GPU."""
+    from megaloop.cli import main
+
+    run, data, out = str(runs / "runs/norm/seed0"), str(runs / "held_out.txt"), str(tmp_path)
+    assert main(["depth", run, "--data", data, "--sequences", "4", "--out", out]) == 0
+    assert main(["halt", run, "--data", data, "--calib", "4", "--bench", "4", "--out", out]) == 0
+    for command in ("depth", "halt"):
+        s = json.loads((tmp_path / f"{command}.json").read_text())["settings"]
+        assert s["seq_len"] == SEQ, command
+        assert s["dtype"] == ("bfloat16" if s["device"].startswith("cuda") else "float32")
+    depth_json = json.loads((tmp_path / "depth.json").read_text())
+    assert depth_json["settings"]["tokens"] == 4 * SEQ
 
 
 def test_every_kind_of_data_gives_the_same_token_stream(tmp_path):

@@ -219,6 +219,7 @@ def test_table6_diagnostics_of_an_imported_model(imported, tmp_path):
     import numpy as np
 
     from megaloop.evaluation import diagnostics
+    from megaloop.evaluation.settings import DiagnoseSettings
     from megaloop.parallel import distributed
 
     _, ckpt = imported
@@ -226,7 +227,9 @@ def test_table6_diagnostics_of_an_imported_model(imported, tmp_path):
     np.save(tmp_path / "tokens.npy", stream)
     distributed.init(seed=0)
     result = diagnostics.run(
-        ckpt, tmp_path / "tokens.npy", tokens=64, seq_len=16, rollout=5, batch_size=2
+        DiagnoseSettings(
+            model=ckpt, data=tmp_path / "tokens.npy", tokens=64, seq_len=16, rollout=5, batch_size=2
+        )
     )
     windows = torch.from_numpy(stream[np.arange(4)[:, None] * 16 + np.arange(17)[None]])
     logits, gates = reference(

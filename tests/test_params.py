@@ -12,7 +12,7 @@ def test_embedding_counts_tied_once_and_untied_twice():
 
 
 def test_params_cli_prints_the_counts(capsys):
-    from megaloop.cli import build_parser, cmd_params
+    from megaloop.cli import build_parser
 
     args = build_parser().parse_args(
         [
@@ -25,7 +25,7 @@ def test_params_cli_prints_the_counts(capsys):
             "8",
         ]
     )
-    assert cmd_params(args) == 0
+    assert args.fn(args) == 0
     out = capsys.readouterr().out
     assert "128,994,048" in out and "15,728,640" in out
     assert "per rank at TP=2 PP=1 DP=4" in out and "optimizer" in out

@@ -7,40 +7,24 @@ trained depth, not the requested one. With `clamp`, every loop is held at its lo
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from megaloop.evaluation import harness
-from megaloop.evaluation.exported import EvalError
+from megaloop.evaluation.settings import DepthSettings
 
 
-def run(
-    model_path: Path,
-    data: Path,
-    loops: list[int],
-    sequences: int = 160,
-    seq_len: int = 256,
-    batch_size: int = 8,
-    clamp: bool = False,
-    dtype: str = "float32",
-    device: str | None = None,
-    out: Path | None = None,
-) -> dict:
-    harness.check_data(data)
-    if sequences < 1 or seq_len < 1 or batch_size < 1:
-        raise EvalError(
-            f"--sequences {sequences}, --seq-len {seq_len}, --batch-size "
-            f"{batch_size}: each must be >= 1 (an empty slice measures nothing)"
-        )
-    device, dtype = harness.device_and_dtype(dtype, device)
-    opened = harness.open_model(model_path, device, dtype)
-    harness.check_seq_len(opened, seq_len)
-    slice_ = harness.windows(harness.read_tokens(data, opened.encode), seq_len, sequences)
-    model, deepest = opened.model, max(loops)
-    totals, tokens = {k: 0.0 for k in loops}, 0
+def run(settings: DepthSettings) -> dict:
+    harness.check_data(settings.data)
+    device, dtype = harness.device_and_dtype(settings.dtype, settings.device)
+    opened = harness.open_model(settings.model, device, dtype)
+    settings = settings.fitted(opened.model.config.max_position_embeddings)
+    slice_ = harness.windows(
+        harness.read_tokens(settings.data, opened.encode), settings.seq_len, settings.sequences
+    )
+    model, deepest, clamp = opened.model, max(settings.loops), settings.clamp
+    totals, tokens = {k: 0.0 for k in settings.loops}, 0
     with torch.no_grad():
-        for batch in harness.batches(slice_, batch_size, f"depth (K up to {deepest})"):
+        for batch in harness.batches(slice_, settings.batch_size, f"depth (K up to {deepest})"):
             batch = batch.to(device)
             inputs, targets = batch[:, :-1], batch[:, 1:]
             for k, h in harness.trajectory(model, inputs, deepest, clamp):
@@ -51,25 +35,15 @@ def run(
             tokens += targets.numel()
     rows = [
         {"loops": k, "ce": totals[k] / tokens, "ppl": harness.ppl(totals[k] / tokens)}
-        for k in loops
+        for k in settings.loops
     ]
     result = {
         "model": opened.info,
-        "settings": {
-            "data": str(data),
-            "loops": loops,
-            "sequences": sequences,
-            "seq_len": seq_len,
-            "batch_size": batch_size,
-            "clamp": clamp,
-            "device": device,
-            "dtype": dtype,
-            "tokens": tokens,
-        },
+        "settings": settings.record(device=device, dtype=dtype, tokens=tokens),
         "rows": rows,
     }
-    if out is not None:
-        harness.write(out, "depth", result, markdown(result))
+    if settings.out is not None:
+        harness.write(settings.out, "depth", result, markdown(result))
     return result
 
 

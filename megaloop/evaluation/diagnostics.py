@@ -19,18 +19,15 @@ On a held-out slice, at the trained depth K:
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from megaloop.evaluation import harness
-from megaloop.evaluation.exported import EvalError
+from megaloop.evaluation.settings import DiagnoseSettings
 from megaloop.model import semantics
 
 PERCENTILES = (50, 90, 99, 99.9)
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-"""The short spellings `diagnose --dtype` also takes."""
 SCALES = np.logspace(-2, 2, 17)
 
 
@@ -79,35 +76,19 @@ def logit_statistics(logits: torch.Tensor, targets: torch.Tensor) -> np.ndarray:
     )
 
 
-def run(
-    model_path: Path,
-    data: Path,
-    tokens: int = 4096,
-    seq_len: int = 256,
-    rollout: int = 30,
-    batch_size: int = 8,
-    device: str | None = None,
-    out: Path | None = None,
-    dtype: str = "float32",
-) -> dict:
-    """`dtype` is the precision the model runs and the radial gradient is taken in: in float32 a
-    normalising readout's r_k is the (ε/mean square)² floor, which falls as the state grows; in
-    bfloat16 rounding sets a floor near 1e-8 at any scale (the study's precision). See
+def run(settings: DiagnoseSettings) -> dict:
+    """`settings.dtype` is the precision the model runs and the radial gradient is taken in: in
+    float32 a normalising readout's r_k is the (ε/mean square)² floor, which falls as the state
+    grows; in bfloat16 rounding sets a floor near 1e-8 at any scale (the study's precision). See
     docs/diagnostics.md."""
-    if rollout < 2:
-        raise EvalError(f"--rollout {rollout}: needs at least 2 loops")
-    if tokens < 1 or seq_len < 1 or batch_size < 1:
-        raise EvalError(
-            f"--tokens {tokens}, --seq-len {seq_len}: each must be >= 1 (an empty "
-            f"slice measures nothing)"
-        )
-    harness.check_data(data)
-    device, dtype = harness.device_and_dtype(DTYPES.get(dtype, dtype), device)
-    opened = harness.open_model(model_path, device, dtype)
-    harness.check_seq_len(opened, seq_len)
+    harness.check_data(settings.data)
+    device, dtype = harness.device_and_dtype(settings.dtype, settings.device)
+    opened = harness.open_model(settings.model, device, dtype)
+    settings = settings.fitted(opened.model.config.max_position_embeddings)
+    seq_len, batch_size, rollout = settings.seq_len, settings.batch_size, settings.rollout
     model, K = opened.model, opened.trained_loops
-    sequences = max(1, math.ceil(tokens / seq_len))
-    slice_ = harness.windows(harness.read_tokens(data, opened.encode), seq_len, sequences)
+    sequences = max(1, math.ceil(settings.tokens / seq_len))
+    slice_ = harness.windows(harness.read_tokens(settings.data, opened.encode), seq_len, sequences)
     deepest = max(rollout, K)
     token_rms = [[] for _ in range(deepest)]
     shares = [[] for _ in range(K)]
@@ -175,18 +156,14 @@ def run(
     free_rms = torch.cat(token_rms[K - 1]).mean().item()
     result = {
         "model": opened.info,
-        "settings": {
-            "data": str(data),
-            "tokens": count,
-            "sequences": sequences,
-            "seq_len": seq_len,
-            "rollout": rollout,
-            "batch_size": batch_size,
-            "device": device,
-            "dtype": dtype,
-            "hidden_size": d,
-            "num_loops_trained": K,
-        },
+        "settings": settings.record(
+            device=device,
+            dtype=dtype,
+            tokens=count,
+            sequences=sequences,
+            hidden_size=d,
+            num_loops_trained=K,
+        ),
         "scale": scale,
         "radial": {"r": [torch.cat(x).mean().item() for x in shares], "g_K": signed_g / count},
         "rollout": {
@@ -207,8 +184,8 @@ def run(
             dict(zip(("ce", "entropy", "top_logit_margin"), label_path / count)) if gated else None
         ),
     }
-    if out is not None:
-        harness.write(out, "diagnose", result, markdown(result))
+    if settings.out is not None:
+        harness.write(settings.out, "diagnose", result, markdown(result))
     return result
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from megaloop.evaluation.exported import EvalError, load_model, load_tokenizer, placement
+from megaloop.evaluation.settings import SPLITS, DownstreamSettings
 
 STUDY_TASKS = (
     "boolq",
@@ -37,7 +38,6 @@ STUDY_TASKS = (
     "hellaswag",
     "openbookqa",
 )
-SPLITS = ("validation", "default")
 SPLIT_KEYS = ("training_split", "validation_split", "test_split", "fewshot_split")
 TARGET_DELIMITER = " "  # lm-eval's default; none of the study's tasks sets another
 
@@ -208,51 +208,42 @@ def checked_lm(**kwargs):
     return CheckedHFLM(**kwargs)
 
 
-def run(
-    model_path: Path,
-    loops: int,
-    tasks=STUDY_TASKS,
-    out: Path = Path("eval_results"),
-    limit: int | None = None,
-    data_dir: Path | None = None,
-    batch_size: int = 8,
-    device: str | None = None,
-    split: str = "validation",
-) -> dict:
+def run(settings: DownstreamSettings) -> dict:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
+    tasks = settings.tasks or STUDY_TASKS
     unknown = [t for t in tasks if t not in builtin_tasks().task_index]
     if unknown:
         raise EvalError(f"unknown lm-eval task(s): {', '.join(unknown)}")
-    if loops < 1:
-        raise EvalError(f"--loops {loops}: must be >= 1")
     with tempfile.TemporaryDirectory() as tmp:
         task_manager = builtin_tasks()
-        if task_configs(tasks, split, data_dir, Path(tmp)):
+        if task_configs(tasks, settings.split, settings.data_dir, Path(tmp)):
             task_manager = TaskManager(include_path=tmp, include_defaults=False)
-        tokenizer = load_tokenizer(model_path)
-        device, dtype = placement(device)
-        model = load_model(model_path, device, dtype, num_loops=loops)
-        lm = checked_lm(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
+        tokenizer = load_tokenizer(settings.model)
+        device, dtype = placement(settings.device)
+        model = load_model(settings.model, device, dtype, num_loops=settings.loops)
+        lm = checked_lm(
+            pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size, device=device
+        )
         results = simple_evaluate(
             model=lm,
             tasks=list(tasks),
             num_fewshot=0,
-            limit=limit,
+            limit=settings.limit,
             log_samples=True,
             task_manager=task_manager,
             bootstrap_iters=0,
         )
     return write(
         results,
-        out,
+        settings.out,
         {
-            "model": str(model_path),
-            "loops": loops,
-            "limit": limit,
-            "data_dir": str(data_dir) if data_dir else None,
-            "split": split,
+            "model": str(settings.model),
+            "loops": settings.loops,
+            "limit": settings.limit,
+            "data_dir": str(settings.data_dir) if settings.data_dir else None,
+            "split": settings.split,
             "splits": {t: evaluated_split(cfg) for t, cfg in results["configs"].items()},
         },
     )

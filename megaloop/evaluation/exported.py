@@ -12,9 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
-class EvalError(ValueError):
-    """Bad evaluation input (model folder, task names, local data)."""
+from megaloop.evaluation.settings import EvalError
 
 
 def placement(device: str | None, dtype: str = "auto") -> tuple[str, str]:

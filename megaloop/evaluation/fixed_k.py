@@ -17,35 +17,26 @@ from pathlib import Path
 import numpy as np
 
 from megaloop.evaluation import harness
-from megaloop.evaluation.exported import EvalError
+from megaloop.evaluation.settings import FixedKSettings
 
 
-def run(
-    model_path: Path,
-    data: Path,
-    loops=(1, 2, 3, 4),
-    batch_size: int = 1,
-    seq_len: int = 128,
-    batches: int = 8,
-    warmup: int = 2,
-    dtype: str = "auto",
-    device: str | None = None,
-    out: Path | None = None,
-) -> list[dict]:
+def run(settings: FixedKSettings) -> list[dict]:
     import torch
     import torch.nn.functional as F
     from tqdm import tqdm
 
-    harness.check_data(data)
-    if min(batch_size, seq_len, batches) < 1 or warmup < 0:
-        raise EvalError("--batch-size, --seq-len and --batches must be >= 1, --warmup >= 0")
-    device, dtype = harness.device_and_dtype(dtype, device)
-    opened = harness.open_model(model_path, device, dtype)
+    harness.check_data(settings.data)
+    device, dtype = harness.device_and_dtype(settings.dtype, settings.device)
+    opened = harness.open_model(settings.model, device, dtype)
     model = opened.model
-    harness.check_seq_len(opened, seq_len)
+    settings = settings.fitted(model.config.max_position_embeddings)
+    batch_size, seq_len = settings.batch_size, settings.seq_len
+    batches, warmup = settings.batches, settings.warmup
     windows = (
         harness.windows(
-            harness.read_tokens(data, opened.encode), seq_len, (warmup + batches) * batch_size
+            harness.read_tokens(settings.data, opened.encode),
+            seq_len,
+            (warmup + batches) * batch_size,
         )
         .view(warmup + batches, batch_size, seq_len + 1)
         .to(device)
@@ -56,7 +47,7 @@ def run(
             torch.cuda.synchronize()
 
     rows = []
-    for k in tqdm(loops, desc="fixed-K", unit="K"):
+    for k in tqdm(settings.loops, desc="fixed-K", unit="K"):
         times, ce = [], []
         for i, window in enumerate(windows):
             sync()
@@ -81,8 +72,8 @@ def run(
     for row in rows:
         row["throughput_vs_k1"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
     info = {
-        "model": str(model_path),
-        "data": str(data),
+        "model": str(settings.model),
+        "data": str(settings.data),
         "device": device,
         "dtype": dtype,
         "batch_size": batch_size,
@@ -91,14 +82,14 @@ def run(
         "warmup_batches": warmup,
         "rows": rows,
     }
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(info, indent=1))
+    if settings.out is not None:
+        settings.out.parent.mkdir(parents=True, exist_ok=True)
+        settings.out.write_text(json.dumps(info, indent=1))
         plot_frontier(
             rows,
-            out.with_suffix(".png"),
-            f"{model_path.resolve().parent.name}/"
-            f"{model_path.name}, {device} {dtype}, "
+            settings.out.with_suffix(".png"),
+            f"{settings.model.resolve().parent.name}/"
+            f"{settings.model.name}, {device} {dtype}, "
             f"{batch_size} x {seq_len} tokens",
         )
     return rows

@@ -19,17 +19,14 @@ total tokens over total wall-clock time, the removal of halted rows included.
 from __future__ import annotations
 
 import time
-from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
 
 from megaloop.evaluation import harness
 from megaloop.evaluation.exported import EvalError
+from megaloop.evaluation.settings import HaltSettings, Rule
 from megaloop.model.semantics import Survival, exits
-
-Rule = Literal["margin", "gate"]
 
 
 def exit_loops(scores: np.ndarray, threshold: float | None) -> np.ndarray:
@@ -232,79 +229,61 @@ def benchmark(
     return {"tokens": tokens, "fixed": fixed, "dynamic": dynamic}
 
 
-def run(
-    model_path: Path,
-    data: Path,
-    k_max: int = 4,
-    rho: float = 1.01,
-    calib: int = 160,
-    bench: int = 160,
-    batch_size: int = 8,
-    seq_len: int = 256,
-    rule: Rule = "margin",
-    threshold: float | None = None,
-    dtype: str = "auto",
-    device: str | None = None,
-    out: Path | None = None,
-) -> dict:
-    """Calibrate (unless `threshold` is given: τ for margin, q for gate) and benchmark."""
-    if rho < 1:
-        raise EvalError(
-            f"--rho {rho}: the PPL budget is a ratio to fixed-K_max PPL, >= 1 (the study: 1.01)"
-        )
-    if k_max < 1 or calib < 1 or bench < 1 or batch_size < 1:
-        raise EvalError("--k-max, --calib, --bench and --batch must be >= 1")
-    harness.check_data(data)
-    device, dtype = harness.device_and_dtype(dtype, device)
-    opened = harness.open_model(model_path, device, dtype)
+def run(settings: HaltSettings) -> dict:
+    """Calibrate (unless `settings.threshold` is given: τ for margin, q for gate) and benchmark."""
+    harness.check_data(settings.data)
+    device, dtype = harness.device_and_dtype(settings.dtype, settings.device)
+    opened = harness.open_model(settings.model, device, dtype)
     model = opened.model
-    if rule == "gate" and model.exit_gate is None:
+    if settings.rule == "gate" and model.exit_gate is None:
         raise EvalError(
-            f"--rule gate: {model_path} has no exit gate (trained without "
+            f"--rule gate: {settings.model} has no exit gate (trained without "
             f"model.exit_gate); use --rule margin"
         )
-    harness.check_seq_len(opened, seq_len)
-    tokens = harness.read_tokens(data, opened.encode)
-    calib_slice = harness.windows(tokens, seq_len, calib, what="--data (calibration slice)")
+    settings = settings.fitted(model.config.max_position_embeddings)
+    tokens = harness.read_tokens(settings.data, opened.encode)
+    calib_slice = harness.windows(
+        tokens, settings.seq_len, settings.calib, what="--data (calibration slice)"
+    )
     bench_slice = harness.windows(
         tokens,
-        seq_len,
-        bench,
-        start=calib,
+        settings.seq_len,
+        settings.bench,
+        start=settings.calib,
         what="--data (benchmark slice, after the calibration slice)",
     )
-    scores, ce = cached_pass(model, calib_slice, k_max, rule, batch_size, device)
-    calibration = calibrate(scores, ce, calib_slice[:, 1:].numel(), rho)
-    if threshold is not None:
+    scores, ce = cached_pass(
+        model, calib_slice, settings.k_max, settings.rule, settings.batch_size, device
+    )
+    calibration = calibrate(scores, ce, calib_slice[:, 1:].numel(), settings.rho)
+    if settings.threshold is not None:
         calibration = {
-            **evaluate_threshold(scores, ce, calib_slice[:, 1:].numel(), threshold),
+            **evaluate_threshold(scores, ce, calib_slice[:, 1:].numel(), settings.threshold),
             "given": True,
         }
     timing = benchmark(
-        model, bench_slice, k_max, rule, calibration["threshold"], batch_size, device
+        model,
+        bench_slice,
+        settings.k_max,
+        settings.rule,
+        calibration["threshold"],
+        settings.batch_size,
+        device,
     )
+    recorded = settings.record(device=device, dtype=dtype)
+    recorded["threshold_given"] = recorded.pop("threshold")
     result = {
         "model": opened.info,
         "settings": {
-            "data": str(data),
-            "rule": rule,
-            "k_max": k_max,
-            "rho": rho,
-            "calib": calib,
-            "bench": bench,
-            "batch_size": batch_size,
-            "seq_len": seq_len,
-            "device": device,
-            "dtype": dtype,
-            "threshold_given": threshold,
-            "calib_windows": [0, calib],
-            "bench_windows": [calib, calib + bench],
+            **recorded,
+            "calib_windows": [0, settings.calib],
+            "bench_windows": [settings.calib, settings.calib + settings.bench],
         },
         "calibration": calibration,
         "benchmark": timing,
     }
-    if out is not None:
-        harness.write(out, "halt", result, markdown(result))
+    if settings.out is not None:
+        harness.write(settings.out, "halt", result, markdown(result))
     return result
 
 

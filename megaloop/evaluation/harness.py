@@ -155,14 +155,6 @@ def windows(
     return torch.from_numpy(tokens[index])
 
 
-def check_seq_len(opened: Opened, seq_len: int) -> None:
-    limit = opened.model.config.max_position_embeddings
-    if not 1 <= seq_len <= limit:
-        raise EvalError(
-            f"--seq-len {seq_len}: the model takes 1 to {limit} positions (max_position_embeddings)"
-        )
-
-
 def progress(iterable, desc: str, unit: str = "batch"):
     from tqdm import tqdm
 
@@ -188,16 +180,6 @@ def token_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view(
         targets.shape
     )
-
-
-def parse_loops(text: str) -> list[int]:
-    try:
-        loops = sorted({int(k) for k in text.split(",") if k.strip()})
-    except ValueError:
-        loops = []
-    if not loops or loops[0] < 1:
-        raise EvalError(f"--loops {text!r}: give loop counts >= 1, e.g. 1,2,3,4,8")
-    return loops
 
 
 def write(out: Path, command: str, result: dict, markdown: str) -> Path:

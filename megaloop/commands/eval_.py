@@ -1,0 +1,77 @@
+"""`megaloop eval downstream|compare`: lm-eval tasks on an export, paired bootstrap CIs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megaloop.commands.options import batch_size
+from megaloop.evaluation.settings import SPLITS
+from megaloop.extras import require
+
+BUILDS_MODEL = False
+
+
+def add_parser(sub) -> None:
+    actions = sub.add_parser("eval", help="evaluate exported models").add_subparsers(
+        dest="eval_command", required=True, metavar="ACTION"
+    )
+    down = actions.add_parser("downstream", help="lm-eval multiple-choice tasks at K loops")
+    down.add_argument("model", help="a folder from `megaloop export`")
+    down.add_argument("--loops", type=int, required=True, help="K at evaluation")
+    down.add_argument("--tasks", help="comma-separated lm-eval tasks (default: the study's nine)")
+    down.add_argument("--limit", type=int, help="at most this many examples per task")
+    down.add_argument(
+        "--data-dir",
+        help="run the built-in tasks from DIR/<task>/<split>.jsonl (hub schema) instead of the hub",
+    )
+    batch_size(down, 8)
+    down.add_argument(
+        "--split",
+        choices=list(SPLITS),
+        default="validation",
+        help="validation (the study: every task's validation split) or default "
+        "(the split lm-eval evaluates each task on)",
+    )
+    down.add_argument("--out", required=True, help="results folder (results, samples, summary)")
+    down.set_defaults(fn=downstream)
+    cmp = actions.add_parser("compare", help="paired bootstrap CIs between two results folders")
+    cmp.add_argument("a")
+    cmp.add_argument("b")
+    cmp.add_argument("--resamples", type=int, default=10_000)
+    cmp.add_argument("--seed", type=int, default=0)
+    cmp.add_argument("--out", help="write the table (.md) or the numbers (.json)")
+    cmp.set_defaults(fn=compare)
+
+
+def downstream(args) -> int:
+    require("eval", "megaloop eval downstream")
+    from megaloop.evaluation import downstream
+    from megaloop.evaluation.settings import DownstreamSettings
+
+    settings = DownstreamSettings(
+        model=args.model,
+        loops=args.loops,
+        tasks=tuple(t for t in args.tasks.split(",") if t) if args.tasks else None,
+        out=args.out,
+        limit=args.limit,
+        data_dir=args.data_dir,
+        batch_size=args.batch_size,
+        split=args.split,
+    )
+    print(downstream.table(downstream.run(settings)))
+    print(f"results and samples in {args.out}")
+    return 0
+
+
+def compare(args) -> int:
+    from megaloop.evaluation import compare
+
+    result = compare.compare(Path(args.a), Path(args.b), args.resamples, args.seed)
+    text = compare.table(result, Path(args.a).name, Path(args.b).name)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(
+            json.dumps(result, indent=1) if args.out.endswith(".json") else text + "\n"
+        )
+    return 0

@@ -1,0 +1,50 @@
+"""`megaloop export SOURCE OUT [--format ouro]`: a checkpoint as a transformers model folder."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from megaloop.extras import require
+
+BUILDS_MODEL = True
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "export",
+        help="a checkpoint as a transformers model folder "
+        "(trust_remote_code, safetensors, tokenizer)",
+    )
+    p.add_argument(
+        "source", help="a run directory or a checkpoints/step_* folder (any layout or engine)"
+    )
+    p.add_argument("out", help="output folder")
+    p.add_argument(
+        "--format",
+        choices=("megaloop", "ouro"),
+        default="megaloop",
+        help="megaloop: our remote code, any variant; ouro: Ouro's names and "
+        "config, loaded by its published code (Ouro's architecture only)",
+    )
+    p.set_defaults(fn=run)
+
+
+def run(args) -> int:
+    require("eval", "megaloop export", ("transformers",))
+    from megaloop.export import export
+    from megaloop.ouro import export_ouro
+    from megaloop.parallel import distributed
+
+    distributed.init(seed=0)
+    try:
+        out = (export_ouro if args.format == "ouro" else export)(Path(args.source), Path(args.out))
+    except ValueError as e:
+        print(f"megaloop: error: {e}", file=sys.stderr)
+        return 2
+    code = " (Ouro's code from the hub)" if args.format == "ouro" else ""
+    print(
+        f"wrote {out}: AutoModelForCausalLM.from_pretrained({str(out)!r}, "
+        f"trust_remote_code=True){code}"
+    )
+    return 0

@@ -1,0 +1,57 @@
+"""`megaloop plan CONFIG --gpus N --gpu-mem GiB [--search]`: a layout's memory, FLOPs, time."""
+
+from __future__ import annotations
+
+from megaloop.commands.options import load_config, with_config
+from megaloop.config import ConfigError
+
+BUILDS_MODEL = False
+
+
+def add_parser(sub) -> None:
+    p = with_config(
+        sub.add_parser(
+            "plan",
+            help="memory per GPU, FLOPs and step time of a config's layout on N GPUs "
+            "(--search: rank every layout that fits)",
+        )
+    )
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in the run (DP = N/(TP*PP))")
+    p.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU, GiB")
+    p.add_argument(
+        "--tflops",
+        type=float,
+        default=989.4,
+        help="dense bf16 peak per GPU (default: H100/H200 SXM)",
+    )
+    p.add_argument(
+        "--mfu",
+        type=float,
+        default=0.4,
+        help="model FLOPs utilization to assume (default 0.4: our choice)",
+    )
+    p.add_argument("--gpus-per-node", type=int, default=8, help="TP stays within a node")
+    p.add_argument(
+        "--search",
+        action="store_true",
+        help="rank the layouts (engine, ZeRO stage, TP, PP, recompute) that fit",
+    )
+    p.set_defaults(fn=run)
+
+
+def run(args) -> int:
+    cfg = load_config(args)
+    from megaloop.parallel import planner
+
+    if args.gpus < 1 or args.gpu_mem <= 0 or args.tflops <= 0 or not 0 < args.mfu <= 1:
+        raise ConfigError("plan: --gpus must be >= 1, --gpu-mem and --tflops > 0, --mfu in (0, 1]")
+    print(planner.describe_model(cfg))
+    if args.search:
+        plans, left_out = planner.search(
+            cfg, args.gpus, args.gpu_mem, args.tflops, args.mfu, args.gpus_per_node
+        )
+        print(planner.ranking(plans, left_out, args.gpus, args.gpu_mem))
+        return 0 if plans else 1
+    p = planner.plan(cfg, args.gpus, args.gpu_mem, args.tflops, args.mfu)
+    print(planner.describe(p, cfg, args.gpu_mem, args.tflops, args.mfu))
+    return 0
