@@ -28,7 +28,12 @@ AUTO_MAP = {
     "AutoConfig": "configuration_megaloop.MegaloopConfig",
     "AutoModelForCausalLM": "modeling_megaloop.MegaloopForCausalLM",
 }
-CODE_FILES = ("configuration_megaloop.py", "modeling_megaloop.py", "semantics.py")
+CODE_FILES = (
+    "configuration_megaloop.py",
+    "modeling_megaloop.py",
+    "semantics.py",
+    "modes.py",
+)
 
 
 def sha256(path: Path) -> str:

@@ -7,11 +7,10 @@ import pytest
 import torch
 
 from conftest import build
-from megaloop.model import semantics
+from megaloop.model import modes, semantics
 from megaloop.model.config import (
     DampingShape,
     GateInput,
-    LayerNorms,
     LoopNorm,
     ReadoutMode,
     RecurrenceMode,
@@ -20,24 +19,26 @@ from megaloop.model.configuration_megaloop import MegaloopConfig
 
 
 @pytest.mark.parametrize(
-    "modes, rules",
+    "names, rules",
     [
         (ReadoutMode, semantics.READOUTS),
+        (ReadoutMode, modes.READOUT_NORMALIZES),
         (RecurrenceMode, semantics.RECURRENCES),
-        (DampingShape, semantics.DAMPING_SHAPES),
+        (RecurrenceMode, modes.RECURRENCE_PARAMS),
+        (DampingShape, modes.DAMPING_SIZE),
         (GateInput, semantics.GATE_INPUTS),
-        (LoopNorm, semantics.LOOP_NORMS),
-        (LayerNorms, semantics.LAYER_NORMS),
+        (LoopNorm, modes.SHARES_LOOP_NORM),
     ],
 )
-def test_the_config_types_and_the_semantics_name_the_same_modes(modes, rules):
-    """A mode is one rule in megaloop.model.semantics and one name in the config's Literal
-    type; the exported model's config accepts exactly those (tests/test_export.py runs them)."""
-    assert sorted(get_args(modes)) == sorted(rules)
+def test_the_config_types_and_the_semantics_name_the_same_modes(names, rules):
+    """A mode is one name in model/modes.py's Literal type, with what it owns there and what it
+    computes in megaloop.model.semantics; the exported model's config accepts exactly those
+    (tests/test_export.py runs them)."""
+    assert sorted(get_args(names)) == sorted(rules)
 
 
 def test_the_exported_config_refuses_a_mode_the_semantics_lacks_and_names_those_it_has():
-    with pytest.raises(ValueError, match="readout='scale'.*" + ", ".join(semantics.READOUTS)):
+    with pytest.raises(ValueError, match="readout='scale'.*" + ", ".join(get_args(ReadoutMode))):
         MegaloopConfig(readout="scale")
 
 

@@ -1,8 +1,8 @@
 """What a looped model is, as config: its shape, readout, recurrence, exit gate and norms.
 
 Torch-free, so that commands which only read configs (`megaloop params`, `plan`, `slurm submit`)
-start without importing torch or megatron-core; the modules that build the model import their
-mode types from here.
+start without importing torch or megatron-core. The mode types come from modes.py, the
+torch-free half of the model's semantics that exports ship too.
 """
 
 from __future__ import annotations
@@ -11,14 +11,16 @@ from dataclasses import dataclass
 from typing import Literal
 
 from megaloop.config import Config, check
+from megaloop.model.modes import (
+    DampingShape,
+    GateInput,
+    LayerNorms,
+    LoopNorm,
+    ReadoutMode,
+    RecurrenceMode,
+)
 
-ReadoutMode = Literal["norm", "raw", "final_norm"]
-RecurrenceMode = Literal["none", "rmsnorm", "damping"]
-DampingShape = Literal["channel", "scalar"]
-GateInput = Literal["normed", "raw"]
-LayerNorms = Literal["pre", "sandwich"]
 Recompute = Literal["none", "selective", "full", "loop"]
-LoopNorm = Literal["separate", "shared"]
 
 
 @dataclass

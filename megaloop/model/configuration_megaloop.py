@@ -2,19 +2,22 @@
 
 Loop count, readout, recurrence, clamp and the early-exit rule are plain fields, so they can be
 changed at load time: `from_pretrained(path, trust_remote_code=True, num_loops=8, clamp=True)`.
-The modes are those semantics.py (copied beside this file) implements.
+The modes are modes.py's (copied beside this file, with semantics.py, which computes them).
 """
+
+from typing import get_args
 
 from transformers import PretrainedConfig
 
-from .semantics import (
-    DAMPING_SHAPES,
-    EARLY_EXITS,
-    GATE_INPUTS,
-    LAYER_NORMS,
-    LOOP_NORMS,
-    READOUTS,
-    RECURRENCES,
+from .modes import (
+    SHARES_LOOP_NORM,
+    DampingShape,
+    EarlyExit,
+    GateInput,
+    LayerNorms,
+    LoopNorm,
+    ReadoutMode,
+    RecurrenceMode,
 )
 
 
@@ -49,18 +52,18 @@ class MegaloopConfig(PretrainedConfig):
         use_cache: bool = True,
         **kwargs,
     ):
-        for name, value, table in (
-            ("readout", readout, READOUTS),
-            ("recurrence", recurrence, RECURRENCES),
-            ("damping_shape", damping_shape, DAMPING_SHAPES),
-            ("exit_gate_input", exit_gate_input, GATE_INPUTS),
-            ("layer_norms", layer_norms, LAYER_NORMS),
-            ("loop_norm", loop_norm, LOOP_NORMS),
-            ("early_exit", early_exit, EARLY_EXITS),
+        for name, value, modes in (
+            ("readout", readout, ReadoutMode),
+            ("recurrence", recurrence, RecurrenceMode),
+            ("damping_shape", damping_shape, DampingShape),
+            ("exit_gate_input", exit_gate_input, GateInput),
+            ("layer_norms", layer_norms, LayerNorms),
+            ("loop_norm", loop_norm, LoopNorm),
+            ("early_exit", early_exit, EarlyExit),
         ):
-            if value not in table:
-                raise ValueError(f"{name}={value!r}: use one of {', '.join(table)}")
-        if LOOP_NORMS[loop_norm] and recurrence != "none":
+            if value not in get_args(modes):
+                raise ValueError(f"{name}={value!r}: use one of {', '.join(get_args(modes))}")
+        if SHARES_LOOP_NORM[loop_norm] and recurrence != "none":
             raise ValueError("loop_norm='shared' is the inter-loop norm; recurrence must be none")
         if early_exit == "gate" and not exit_gate:
             raise ValueError("early_exit='gate' needs a model trained with the exit gate")

@@ -162,7 +162,9 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
         self.recurrence = Recurrence(config.recurrence, d, eps, damping_shape=config.damping_shape)
         self.rotary = Rotary(d // config.num_attention_heads, config.rope_theta)
         self.norm = loop_norm(config.loop_norm, d, eps)
-        self.readout_norm = readout_norm(config.readout, d, eps, config.loop_norm)
+        self.readout_norm = readout_norm(
+            config.readout, d, eps, config.loop_norm, config.num_loops_trained
+        )
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.exit_gate = nn.Linear(config.hidden_size, 1) if config.exit_gate else None
         self.post_init()

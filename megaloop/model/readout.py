@@ -31,7 +31,7 @@ class Readout(MegatronModule):
         super().__init__(config=config)
         self.mode, self.trained_loops = mode, trained_loops
         self.norm = semantics.readout_norm(
-            mode, config.hidden_size, config.layernorm_epsilon, loop_norm
+            mode, config.hidden_size, config.layernorm_epsilon, loop_norm, trained_loops
         )
         self.output_layer = tensor_parallel.ColumnParallelLinear(
             config.hidden_size,

@@ -9,10 +9,11 @@
 Under Ouro's wiring (loop_norm=shared) one RMSNorm N follows every loop: N(H_k) is what loop
 k+1 receives, what the gate reads and, with a normalising readout, what W_out reads.
 
-Torch only (no megatron-core, no transformers): `megaloop export` copies this file beside the
-exported model's code, which imports it relatively. Each mode is one entry of a rule table
-(READOUTS, RECURRENCES, GATE_INPUTS, ...) whose keys are the modes the config types name
-(megaloop/model/config.py; tests/test_readout.py checks that the two agree).
+Torch only (no megatron-core, no transformers): `megaloop export` copies this file and
+modes.py (the torch-free half: which modes exist and which parameters each owns) beside the
+exported model's code, which imports them relatively. What each mode computes is one entry of a
+rule table (READOUTS, RECURRENCES, GATE_INPUTS) keyed by the modes modes.py's types name
+(tests/test_readout.py checks that the two agree).
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .modes import (
+    DAMPING_SIZE,
+    READOUT_NORMALIZES,
+    SHARES_LOOP_NORM,
+    readout_owns_norm,
+)
 
 Norm = Callable[[torch.Tensor], torch.Tensor]
 
@@ -43,22 +51,22 @@ def rms(h: torch.Tensor, dtype: torch.dtype | None = None, keepdim: bool = False
 # ---- the readout: what W_out multiplies at exit k -------------------------------------------
 
 
-@dataclass(frozen=True)
-class ReadoutRule:
-    reads: Callable[[torch.Tensor, int, int, Norm], torch.Tensor]
-    """(H_k, k, K_train, norm) → W_out's input; `norm` is the exit norm (the readout's own
-    RMSNorm, or the shared loop norm)."""
-    learned_norm: bool = True
-    """Whether the readout owns an RMSNorm (none under the shared loop norm: it reads that)."""
+ReadoutRule = Callable[[torch.Tensor, bool, Norm], torch.Tensor]
+"""(H_k, whether modes.READOUT_NORMALIZES says exit k reads through the exit norm, that norm)
+→ W_out's input. The exit norm is the readout's own RMSNorm or the shared loop norm."""
+
+
+def _through_norm_where_told(h: torch.Tensor, normalizes: bool, norm: Norm) -> torch.Tensor:
+    return norm(h) if normalizes else h
 
 
 READOUTS: dict[str, ReadoutRule] = {
     # CE cannot see the scale of H_k (RMSNorm(cH) = RMSNorm(H)): the study's blind spot.
-    "norm": ReadoutRule(lambda h, loop, trained, norm: norm(h)),
-    "raw": ReadoutRule(lambda h, loop, trained, norm: h, learned_norm=False),
-    # The normalised interface belongs to the trained final loop: at any K, exits are read the
-    # way they were trained.
-    "final_norm": ReadoutRule(lambda h, loop, trained, norm: norm(h) if loop >= trained else h),
+    "norm": _through_norm_where_told,
+    # W_out·H_k: scale changes logits.
+    "raw": _through_norm_where_told,
+    # raw before the trained depth, normalised from there on.
+    "final_norm": _through_norm_where_told,
 }
 
 
@@ -66,22 +74,19 @@ def readout_input(
     mode: str, h: torch.Tensor, loop: int, trained_loops: int, norm: Norm | None
 ) -> torch.Tensor:
     """What W_out reads at exit `loop` (1-based) of a model trained at `trained_loops`."""
-    return READOUTS[mode].reads(h, loop, trained_loops, norm)
+    return READOUTS[mode](h, READOUT_NORMALIZES[mode](loop, trained_loops), norm)
 
 
-def readout_norm(mode: str, hidden_size: int, eps: float, loop_norm: str) -> nn.RMSNorm | None:
-    """The readout's own RMSNorm, if its mode has one and the model no shared loop norm."""
-    own = READOUTS[mode].learned_norm and not LOOP_NORMS[loop_norm]
+def readout_norm(
+    mode: str, hidden_size: int, eps: float, loop_norm: str, trained_loops: int
+) -> nn.RMSNorm | None:
+    """The readout's own RMSNorm, if its mode reads through one and the model has no shared
+    loop norm."""
+    own = readout_owns_norm(mode, trained_loops, loop_norm)
     return nn.RMSNorm(hidden_size, eps=eps) if own else None
 
 
 # ---- the recurrence: what H_k becomes before it re-enters the stack -------------------------
-
-DAMPING_SHAPES: dict[str, Callable[[int], int]] = {
-    "channel": lambda hidden_size: hidden_size,
-    "scalar": lambda hidden_size: 1,
-}
-"""`damping`: how many learned factors, per channel or one for the whole state."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,7 @@ def _rmsnorm_params(m: nn.Module, d: int, eps: float, init: float, shape: str) -
 
 def _damping_params(m: nn.Module, d: int, eps: float, init: float, shape: str) -> None:
     m.damping_logit = nn.Parameter(
-        torch.full((DAMPING_SHAPES[shape](d),), math.log(init / (1 - init)))
+        torch.full((DAMPING_SIZE[shape](d),), math.log(init / (1 - init)))
     )
 
 
@@ -130,16 +135,8 @@ class Recurrence(nn.Module):
         return RECURRENCES[self.mode].apply(self, h)
 
 
-LOOP_NORMS: dict[str, bool] = {"separate": False, "shared": True}
-"""Whether one RMSNorm after every loop serves the next loop, the gate and the readout (Ouro)."""
-
-
 def loop_norm(mode: str, hidden_size: int, eps: float) -> nn.RMSNorm | None:
-    return nn.RMSNorm(hidden_size, eps=eps) if LOOP_NORMS[mode] else None
-
-
-LAYER_NORMS = ("pre", "sandwich")
-"""pre: x + f(N(x)) per sublayer; sandwich: x + N₂(f(N₁(x))), Ouro's four norms a layer."""
+    return nn.RMSNorm(hidden_size, eps=eps) if SHARES_LOOP_NORM[mode] else None
 
 
 class Clamp:
@@ -221,10 +218,6 @@ def exit_probabilities(gates: list[torch.Tensor]) -> torch.Tensor:
     """p_1..p_K from λ_1..λ_K, stacked on dim 0 (they sum to one)."""
     survival = Survival()
     return torch.stack([survival.step(lam, k == len(gates)) for k, lam in enumerate(gates, 1)])
-
-
-EARLY_EXITS = ("none", "gate")
-"""Inference: every token runs all K loops, or exits where `exits` says (from the gate)."""
 
 
 def exits(cumulative: torch.Tensor, threshold: float) -> torch.Tensor:

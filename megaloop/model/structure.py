@@ -7,39 +7,18 @@ anything; tests/test_structure.py holds it to the real model's named_parameters(
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from megaloop.model import modes
 from megaloop.model.config import ModelConfig
 
 Part = Literal["embedding", "layer", "recurrence", "loop_norm", "exit_gate", "readout"]
 
-READOUT_NORMALIZES: dict[str, Callable[[int, int], bool]] = {
-    "norm": lambda loop, trained: True,
-    "raw": lambda loop, trained: False,
-    "final_norm": lambda loop, trained: loop >= trained,
-}
-"""(exit k, K_train) → whether readout mode reads a normalised H_k; a mode that normalises at
-its trained depth owns an RMSNorm (unless the shared loop norm is the one it reads)."""
-
-RECURRENCE_PARAMS: dict[str, Callable[[ModelConfig], dict[str, tuple[int, ...]]]] = {
-    "none": lambda cfg: {},
-    "rmsnorm": lambda cfg: {"norm.weight": (cfg.hidden_size,)},
-    "damping": lambda cfg: {
-        "damping_logit": (cfg.hidden_size if cfg.damping_shape == "channel" else 1,)
-    },
-}
-"""Each recurrence mode's parameters (on the first stage, where H_k re-enters the stack)."""
-
 
 def readout_normalizes(cfg: ModelConfig, loop: int) -> bool:
     """Whether exit `loop` (1-based) reads a normalised H_k."""
-    return READOUT_NORMALIZES[cfg.readout](loop, cfg.num_loops)
-
-
-def readout_has_norm(cfg: ModelConfig) -> bool:
-    return readout_normalizes(cfg, cfg.num_loops) and cfg.loop_norm != "shared"
+    return modes.READOUT_NORMALIZES[cfg.readout](loop, cfg.num_loops)
 
 
 @dataclass(frozen=True)
@@ -94,16 +73,17 @@ def parameters(
     for i in range(cfg.num_layers if layers is None else layers):
         out += layer_params(cfg, i, tp)
     if first:
-        for name, shape in RECURRENCE_PARAMS[cfg.recurrence](cfg).items():
-            out.append(Param(f"recurrence.{name}", shape, "recurrence"))
+        params = modes.RECURRENCE_PARAMS[cfg.recurrence](cfg.hidden_size, cfg.damping_shape)
+        for name, size in params.items():
+            out.append(Param(f"recurrence.{name}", (size,), "recurrence"))
     if not last:
         return out
-    if cfg.loop_norm == "shared":
+    if modes.SHARES_LOOP_NORM[cfg.loop_norm]:
         out.append(Param("loop_norm.weight", (d,), "loop_norm"))
     if cfg.exit_gate:
         out.append(Param("exit_gate.proj.weight", (1, d), "exit_gate"))
         out.append(Param("exit_gate.proj.bias", (1,), "exit_gate"))
-    if readout_has_norm(cfg):
+    if modes.readout_owns_norm(cfg.readout, cfg.num_loops, cfg.loop_norm):
         out.append(Param("readout.norm.weight", (d,), "readout"))
     if not (cfg.tie_embeddings and first):
         out.append(Param("readout.output_layer.weight", (vocab // tp, d), "embedding"))

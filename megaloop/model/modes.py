@@ -1,0 +1,53 @@
+"""The looped model's modes, and the parameters each one owns: the torch-free half of its meaning.
+
+The Literal types are the modes a config may name (model/config.py and the exported config read
+them from here); the tables say what each mode is made of, which the planner needs without torch
+(model/structure.py) and semantics.py builds. semantics.py holds what each mode computes, keyed
+by the same names (tests/test_readout.py holds the two to the same modes). Standard library
+only: `megaloop export` copies this file beside semantics.py and the exported model's code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+ReadoutMode = Literal["norm", "raw", "final_norm"]
+RecurrenceMode = Literal["none", "rmsnorm", "damping"]
+DampingShape = Literal["channel", "scalar"]
+GateInput = Literal["normed", "raw"]
+LayerNorms = Literal["pre", "sandwich"]
+LoopNorm = Literal["separate", "shared"]
+EarlyExit = Literal["none", "gate"]
+
+READOUT_NORMALIZES: dict[ReadoutMode, Callable[[int, int], bool]] = {
+    "norm": lambda loop, trained: True,
+    "raw": lambda loop, trained: False,
+    # the normalised interface belongs to the trained final loop, at any K the model runs at
+    "final_norm": lambda loop, trained: loop >= trained,
+}
+"""(exit k, K_train) → whether exit k reads H_k through the exit norm. A mode that does at its
+trained depth owns an RMSNorm, unless the shared loop norm is the norm it reads."""
+
+DAMPING_SIZE: dict[DampingShape, Callable[[int], int]] = {
+    "channel": lambda hidden_size: hidden_size,
+    "scalar": lambda hidden_size: 1,
+}
+"""`damping`: how many learned factors, one per channel or one for the whole state."""
+
+RECURRENCE_PARAMS: dict[RecurrenceMode, Callable[[int, DampingShape], dict[str, int]]] = {
+    "none": lambda d, shape: {},
+    "rmsnorm": lambda d, shape: {"norm.weight": d},
+    "damping": lambda d, shape: {"damping_logit": DAMPING_SIZE[shape](d)},
+}
+"""(hidden size, damping shape) → the recurrence's parameters, name → length."""
+
+SHARES_LOOP_NORM: dict[LoopNorm, bool] = {"separate": False, "shared": True}
+"""Whether one RMSNorm after every loop serves the next loop, the gate and the readout (Ouro)."""
+
+
+def readout_owns_norm(readout: ReadoutMode, trained_loops: int, loop_norm: LoopNorm) -> bool:
+    return (
+        READOUT_NORMALIZES[readout](trained_loops, trained_loops)
+        and not SHARES_LOOP_NORM[loop_norm]
+    )
