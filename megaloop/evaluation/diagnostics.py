@@ -85,108 +85,128 @@ def run(settings: DiagnoseSettings) -> dict:
     device, dtype = harness.device_and_dtype(settings.dtype, settings.device)
     opened = harness.open_model(settings.model, device, dtype)
     settings = settings.fitted(opened.model.config.max_position_embeddings)
-    seq_len, batch_size, rollout = settings.seq_len, settings.batch_size, settings.rollout
-    model, K = opened.model, opened.trained_loops
-    sequences = max(1, math.ceil(settings.tokens / seq_len))
-    slice_ = harness.windows(harness.read_tokens(settings.data, opened.encode), seq_len, sequences)
-    deepest = max(rollout, K)
-    token_rms = [[] for _ in range(deepest)]
-    shares = [[] for _ in range(K)]
-    signed_g = 0.0
-    ce = np.zeros(deepest)
-    sweep = np.zeros(len(SCALES))
-    roll = {
-        key: np.zeros(deepest - 1) for key in ("a_rad", "update_rms", "angle_deg", "scale_step")
-    }
-    clamped_ce, clamped_rms, clamp_drift, count = 0.0, [], 0.0, 0
-    gated = bool(getattr(model.config, "exit_gate", False))
-    label_path = np.zeros(3)
+    sequences = max(1, math.ceil(settings.tokens / settings.seq_len))
+    tokens = harness.read_tokens(settings.data, opened.encode)
+    tally = Tally(opened.model, opened.trained_loops, settings.rollout)
     with torch.no_grad():
-        for batch in harness.batches(slice_, batch_size, "diagnose"):
+        for batch in harness.batches(
+            harness.windows(tokens, settings.seq_len, sequences), settings.batch_size, "diagnose"
+        ):
             batch = batch.to(device)
-            inputs, targets = batch[:, :-1], batch[:, 1:]
-            previous, mixed, survival = None, None, semantics.Survival()
-            for k, h in harness.trajectory(model, inputs, deepest):
-                s = rms(h)
-                token_rms[k - 1].append(s.flatten().cpu())
-                logits = model.readout(h, k)
-                ce[k - 1] += harness.token_ce(logits, targets).double().sum().item()
-                if gated and k <= K:
-                    mixed = mix_exit(
-                        mixed, survival, logits, model.exit_probability(h)[..., 0], last=k == K
-                    )
-                if k <= K:
-                    share, inner = radial_terms(model, h, k, targets)
-                    shares[k - 1].append(share.flatten().cpu())
-                    if k == K:
-                        signed_g += inner
-                        for i, c in enumerate(SCALES):
-                            sweep[i] += (
-                                harness.token_ce(model.readout(c * h, k), targets)
-                                .double()
-                                .sum()
-                                .item()
-                            )
-                if previous is not None:
-                    x, b = previous.double(), h.double() - previous.double()
-                    d = x.shape[-1]
-                    u = x / rms(previous)[..., None]
-                    cos = (x * h.double()).sum(-1) / (x.norm(dim=-1) * h.double().norm(dim=-1))
-                    roll["a_rad"][k - 2] += ((u * b).sum(-1) / d).sum().item()
-                    roll["update_rms"][k - 2] += rms(b).sum().item()
-                    roll["angle_deg"][k - 2] += (
-                        torch.rad2deg(torch.arccos(cos.clamp(-1, 1))).sum().item()
-                    )
-                    roll["scale_step"][k - 2] += (s - rms(previous)).sum().item()
-                previous = h
-            if gated:
-                label_path += logit_statistics(mixed, targets)
-            loop1 = None
-            for k, h in harness.trajectory(model, inputs, K, clamp=True):
-                loop1 = rms(h) if loop1 is None else loop1
-                clamp_drift = max(clamp_drift, ((rms(h) / loop1) - 1).abs().max().item())
-                if k == K:
-                    clamped_ce += (
-                        harness.token_ce(model.readout(h, k), targets).double().sum().item()
-                    )
-                    clamped_rms.append(rms(h).flatten().cpu())
-            count += targets.numel()
-    d = model.config.hidden_size
-    scale = [_distribution(torch.cat(token_rms[k]).numpy(), d) for k in range(K)]
-    free_rms = torch.cat(token_rms[K - 1]).mean().item()
+            tally.free_run(batch[:, :-1], batch[:, 1:])
+            tally.clamped_run(batch[:, :-1], batch[:, 1:])
+    d = opened.model.config.hidden_size
     result = {
         "model": opened.info,
         "settings": settings.record(
             device=device,
             dtype=dtype,
-            tokens=count,
+            tokens=tally.count,
             sequences=sequences,
             hidden_size=d,
-            num_loops_trained=K,
+            num_loops_trained=opened.trained_loops,
         ),
-        "scale": scale,
-        "radial": {"r": [torch.cat(x).mean().item() for x in shares], "g_K": signed_g / count},
-        "rollout": {
-            "loops": list(range(1, deepest + 1)),
-            "s": [torch.cat(x).mean().item() for x in token_rms],
-            "ce": (ce / count).tolist(),
-            **{key: (v / count).tolist() for key, v in roll.items()},
-        },
-        "scale_sweep": {"c": SCALES.tolist(), "ce": (sweep / count).tolist()},
-        "clamp": {
-            "norm_ratio": torch.cat(clamped_rms).mean().item() / free_rms,
-            "ce_clamped": clamped_ce / count,
-            "ce_free": ce[K - 1] / count,
-            "delta_ce": (clamped_ce - ce[K - 1]) / count,
-            "max_rms_drift_from_loop1": clamp_drift,
-        },
-        "label_path": (
-            dict(zip(("ce", "entropy", "top_logit_margin"), label_path / count)) if gated else None
-        ),
+        **tally.result(d),
     }
     if settings.out is not None:
         harness.write(settings.out, "diagnose", result, markdown(result))
     return result
+
+
+class Tally:
+    """The sums `diagnose` reports, over the batches: per-loop scale and CE beyond K (the
+    rollout), the radial terms and the scale sweep at the exits, and the clamped run."""
+
+    def __init__(self, model, trained_loops: int, rollout: int):
+        self.model, self.K = model, trained_loops
+        self.deepest = max(rollout, trained_loops)
+        self.token_rms = [[] for _ in range(self.deepest)]
+        self.shares = [[] for _ in range(trained_loops)]
+        self.signed_g, self.count = 0.0, 0
+        self.ce = np.zeros(self.deepest)
+        self.sweep = np.zeros(len(SCALES))
+        self.roll = {
+            key: np.zeros(self.deepest - 1)
+            for key in ("a_rad", "update_rms", "angle_deg", "scale_step")
+        }
+        self.clamped_ce, self.clamped_rms, self.clamp_drift = 0.0, [], 0.0
+        self.gated = bool(getattr(model.config, "exit_gate", False))
+        self.label_path = np.zeros(3)
+
+    def free_run(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        model, K = self.model, self.K
+        previous, mixed, survival = None, None, semantics.Survival()
+        for k, h in harness.trajectory(model, inputs, self.deepest):
+            self.token_rms[k - 1].append(rms(h).flatten().cpu())
+            logits = model.readout(h, k)
+            self.ce[k - 1] += harness.token_ce(logits, targets).double().sum().item()
+            if self.gated and k <= K:
+                lam = model.exit_probability(h)[..., 0]
+                mixed = mix_exit(mixed, survival, logits, lam, last=k == K)
+            if k <= K:
+                share, inner = radial_terms(model, h, k, targets)
+                self.shares[k - 1].append(share.flatten().cpu())
+            if k == K:
+                self.signed_g += inner
+                for i, c in enumerate(SCALES):
+                    ce = harness.token_ce(model.readout(c * h, k), targets)
+                    self.sweep[i] += ce.double().sum().item()
+            if previous is not None:
+                self.rollout_step(k, previous, h)
+            previous = h
+        if self.gated:
+            self.label_path += logit_statistics(mixed, targets)
+        self.count += targets.numel()
+
+    def rollout_step(self, k: int, previous: torch.Tensor, h: torch.Tensor) -> None:
+        """Loop k's update of H_{k-1}: its radial part, size, angle and scale change."""
+        x, b = previous.double(), h.double() - previous.double()
+        u = x / rms(previous)[..., None]
+        cos = (x * h.double()).sum(-1) / (x.norm(dim=-1) * h.double().norm(dim=-1))
+        self.roll["a_rad"][k - 2] += ((u * b).sum(-1) / x.shape[-1]).sum().item()
+        self.roll["update_rms"][k - 2] += rms(b).sum().item()
+        self.roll["angle_deg"][k - 2] += torch.rad2deg(torch.arccos(cos.clamp(-1, 1))).sum().item()
+        self.roll["scale_step"][k - 2] += (rms(h) - rms(previous)).sum().item()
+
+    def clamped_run(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        loop1 = None
+        for k, h in harness.trajectory(self.model, inputs, self.K, clamp=True):
+            loop1 = rms(h) if loop1 is None else loop1
+            self.clamp_drift = max(self.clamp_drift, ((rms(h) / loop1) - 1).abs().max().item())
+            if k == self.K:
+                ce = harness.token_ce(self.model.readout(h, k), targets)
+                self.clamped_ce += ce.double().sum().item()
+                self.clamped_rms.append(rms(h).flatten().cpu())
+
+    def result(self, d: int) -> dict:
+        K, count = self.K, self.count
+        free_rms = torch.cat(self.token_rms[K - 1]).mean().item()
+        return {
+            "scale": [_distribution(torch.cat(self.token_rms[k]).numpy(), d) for k in range(K)],
+            "radial": {
+                "r": [torch.cat(x).mean().item() for x in self.shares],
+                "g_K": self.signed_g / count,
+            },
+            "rollout": {
+                "loops": list(range(1, self.deepest + 1)),
+                "s": [torch.cat(x).mean().item() for x in self.token_rms],
+                "ce": (self.ce / count).tolist(),
+                **{key: (v / count).tolist() for key, v in self.roll.items()},
+            },
+            "scale_sweep": {"c": SCALES.tolist(), "ce": (self.sweep / count).tolist()},
+            "clamp": {
+                "norm_ratio": torch.cat(self.clamped_rms).mean().item() / free_rms,
+                "ce_clamped": self.clamped_ce / count,
+                "ce_free": self.ce[K - 1] / count,
+                "delta_ce": (self.clamped_ce - self.ce[K - 1]) / count,
+                "max_rms_drift_from_loop1": self.clamp_drift,
+            },
+            "label_path": (
+                dict(zip(("ce", "entropy", "top_logit_margin"), self.label_path / count))
+                if self.gated
+                else None
+            ),
+        }
 
 
 def _distribution(values: np.ndarray, d: int) -> dict:
