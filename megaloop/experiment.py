@@ -270,7 +270,8 @@ def build_trainer(cfg: ExperimentConfig, log: bool = True):
     """The chain: process groups → data → engine (model + parallelism) → trainer."""
     from megaloop.parallel import distributed, layout
     from megaloop.parallel.megatron import MegatronEngine
-    from megaloop.train.trainer import Trainer
+    from megaloop.train import callbacks
+    from megaloop.train.trainer import Trainer, default_callbacks
 
     if cfg.engine == "deepspeed":
         require("deepspeed", "engine=deepspeed")
@@ -308,7 +309,8 @@ def build_trainer(cfg: ExperimentConfig, log: bool = True):
     if cfg.engine == "deepspeed":
         from megaloop.parallel.deepspeed import DeepSpeedEngine as engine_class
     engine = engine_class(cfg, cfg.data.seq_len, cfg.train.micro_batch_size)
-    return Trainer(cfg, engine, dataset, log=log and distributed.is_main())
+    hooks = [*default_callbacks(cfg), *callbacks.registered()]
+    return Trainer(cfg, engine, dataset, hooks, log=log and distributed.is_main())
 
 
 # -- checkpoints read back as experiments ---------------------------------------------------
