@@ -371,6 +371,7 @@ def _slurm_job(args, config: str, overrides: list):
         gpu_memory_gib=args.gpu_memory_gib,
         sbatch_args=tuple(args.sbatch_arg),
         job_name=args.job_name,
+        program=args.program,
     )
 
 
@@ -476,6 +477,7 @@ def slurm_options(p, required: bool) -> None:
         help="extra #SBATCH line, e.g. --sbatch-arg=--exclusive (repeatable)",
     )
     p.add_argument("--job-name")
+    p.add_argument("--program", help="what each rank runs in place of `python -m megaloop`")
     p.add_argument(
         "--dry-run",
         action="store_true",
