@@ -1,4 +1,6 @@
-"""The step loop: data → forward-backward over micro-batches → optimizer step → metrics/ckpt.
+"""The step loop: data → forward-backward over micro-batches → optimizer step, then the
+callbacks (megaloop/train/callbacks.py): the non-finite policy, the memory report, the scale
+watchdog, the progress log, validation, preemption and checkpoints, each beside its concern.
 
 The trainer sees an engine (megaloop.parallel) that owns the model, its wrapping and its
 schedule; it never touches parallelism itself.
@@ -44,7 +46,7 @@ class Trainer:
     """The step and the run's state; `fit` calls `callbacks` (megaloop/train/callbacks.py) for
     everything else."""
 
-    def __init__(self, cfg, engine, dataset, callbacks=(), log: bool = True):
+    def __init__(self, cfg, engine, dataset, callbacks: Sequence[Callback] = (), log: bool = True):
         self.cfg = cfg
         self.engine = engine
         self.dataset = dataset
