@@ -6,8 +6,9 @@ to a cluster.
     python bench/preempt_resume.py OUT [--steps 20 --at 10] [key=value ...]
 
 1. an uninterrupted run of `--steps` steps (the reference);
-2. the same run held at step `--at` (the MEGALOOP_TEST_HOLD_AT_STEP hook: no race with the
-   signal) until a SIGUSR1 reaches its worker: it must save, exit for a requeue and say so;
+2. the same run held at step `--at` (tests/faults.py --hold-at-step as torchrun's worker: no
+   race with the signal) until a SIGUSR1 reaches its worker: it must save, exit for a requeue
+   and say so;
 3. the relaunch resumes from that checkpoint and finishes;
 and prints both loss curves side by side. Exit status 1 if a loss differs by more than --rel.
 """
@@ -24,9 +25,12 @@ from pathlib import Path
 from megaloop.train.metrics import read as read_metrics
 
 CONFIG = "configs/experiments/tiny.yaml"
+FAULTS = str(Path(__file__).resolve().parent.parent / "tests/faults.py")
 
 
-def launch(run_dir: Path, overrides: list, env: dict, log) -> subprocess.Popen:
+def launch(run_dir: Path, overrides: list, env: dict, log, hold_at: int | None = None):
+    """torchrun of one rank; with `hold_at`, the worker waits at that step for the signal."""
+    program = [FAULTS, "--hold-at-step", str(hold_at)] if hold_at else ["-m", "megaloop"]
     command = [
         sys.executable,
         "-m",
@@ -34,8 +38,7 @@ def launch(run_dir: Path, overrides: list, env: dict, log) -> subprocess.Popen:
         "--standalone",
         "--nproc-per-node",
         "1",
-        "-m",
-        "megaloop",
+        *program,
         "train",
         CONFIG,
         *overrides,
@@ -95,7 +98,7 @@ def main() -> int:
         if launch(reference, overrides, env, log).wait(args.timeout) != 0:
             sys.exit(f"the reference run failed: {args.out / 'reference.log'}")
     with open(args.out / "preempted.log", "w") as log:
-        run = launch(held, overrides, {**env, "MEGALOOP_TEST_HOLD_AT_STEP": str(args.at)}, log)
+        run = launch(held, overrides, env, log, hold_at=args.at)
         deadline = time.monotonic() + args.timeout
         while len(steps_logged(held)) < args.at:
             if run.poll() is not None or time.monotonic() > deadline:

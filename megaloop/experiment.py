@@ -253,7 +253,8 @@ def hold_run_dir(cfg: ExperimentConfig) -> None:
 def build_trainer(cfg: ExperimentConfig, log: bool = True):
     """The chain: process groups → data → engine (model + parallelism) → trainer."""
     from megaloop.parallel import distributed, layout
-    from megaloop.train.trainer import Trainer
+    from megaloop.train import callbacks
+    from megaloop.train.trainer import Trainer, default_callbacks
 
     cfg.engine_spec.check_installed()
     cfg.data.check_files()
@@ -287,7 +288,8 @@ def build_trainer(cfg: ExperimentConfig, log: bool = True):
             check_indexed(prefix, cfg.model.vocab_size)
     layout.eval_microbatches(t, dataset.valid_windows, dp, cfg.parallel.pp)  # before the model
     engine = cfg.engine_spec.build(cfg, cfg.data.seq_len, cfg.train.micro_batch_size)
-    return Trainer(cfg, engine, dataset, log=log and distributed.is_main())
+    hooks = [*default_callbacks(cfg), *callbacks.registered()]
+    return Trainer(cfg, engine, dataset, hooks, log=log and distributed.is_main())
 
 
 # -- checkpoints read back as experiments ---------------------------------------------------

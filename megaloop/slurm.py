@@ -73,6 +73,11 @@ class TrainJob:
     gpu_memory_gib: float = 80.0
     sbatch_args: tuple = ()
     job_name: str | None = None
+    program: str | None = None
+    """What each rank runs, its `train ...` arguments following, in place of `python -m
+    megaloop` (words split as a shell would, nothing expanded): a container, `apptainer exec
+    IMAGE python -m megaloop`, or a script that registers callbacks of its own
+    (megaloop.train.callbacks.register) and calls megaloop.cli.main."""
 
     def check(self) -> None:
         if (
@@ -97,6 +102,19 @@ class TrainJob:
                 f"limit, and the run needs time to reach it"
             )
         self.config = str(find_config(self.config))  # a path, or a shipped config's name
+        if self.program is not None:
+            self.program_words()
+
+    def program_words(self) -> list[str]:
+        if self.program is None:
+            return [sys.executable, "-m", "megaloop"]
+        try:
+            words = shlex.split(self.program)
+        except ValueError as e:
+            raise LaunchError(f"--program {self.program!r}: {e}") from None
+        if not words:
+            raise LaunchError("--program is empty: give a command, e.g. 'python -m megaloop'")
+        return words
 
     @property
     def ranks_per_node(self) -> int:
@@ -199,7 +217,7 @@ def render_job(job: TrainJob, runs: list[Run], output: Path, name: str) -> str:
             "output": shlex.quote(str(output)),
             "sbatch_lines": "\n".join(lines),
             "runs": select,
-            "python": shlex.quote(sys.executable),
+            "program": shlex.join(job.program_words()),
         },
     )
 

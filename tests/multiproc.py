@@ -7,8 +7,10 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
+from faults import SCRIPT as FAULTS
 from megaloop.train.metrics import read as read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,8 +43,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def command(nproc: int, run_dir: Path, overrides: list[str]) -> list[str]:
-    args = ["-m", "megaloop", "train", TINY, *BASE, f"train.dir={run_dir}", *overrides]
+def command(nproc: int, run_dir: Path, overrides: list[str], faults: Sequence[str] = ()) -> list:
+    """`megaloop train` of the tiny config, or with `faults` (options of tests/faults.py, e.g.
+    ["--hold-at-step", "3"]) the same run through tests/faults.py."""
+    program = [FAULTS, *faults] if faults else ["-m", "megaloop"]
+    args = [*program, "train", TINY, *BASE, f"train.dir={run_dir}", *overrides]
     if nproc == 1:
         return [sys.executable, *args]
     return [
@@ -159,15 +164,14 @@ def assert_same_curve(run: dict, ref: dict, rel: float, steps=None) -> None:
 
 def kill_9_then_resume(run_dir: Path, overrides: list[str], reference: dict) -> None:
     """SIGKILL a 2-rank run (torchrun and every rank, as when a node dies) while it waits at
-    step 8 (the hold-at-step hook: step 7 is its newest checkpoint, whatever the machine's
+    step 8 (the hold-at-step fault: step 7 is its newest checkpoint, whatever the machine's
     speed), rerun it, and check it resumed from step 7 and repeated the uninterrupted run's
     remaining steps bit for bit (same layout, same arithmetic)."""
     import psutil
 
-    held = {**env(), "MEGALOOP_TEST_HOLD_AT_STEP": "8"}
     proc = subprocess.Popen(
-        command(2, run_dir, [*overrides, "train.save_every=1"]),
-        env=held,
+        command(2, run_dir, [*overrides, "train.save_every=1"], ["--hold-at-step", "8"]),
+        env=env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -2,7 +2,6 @@
 with each one named (it never trains from step 0 beside them), and pruning counts only
 loadable checkpoints (a corrupt one never pushes out a good one)."""
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -92,25 +91,15 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     half-written folder is left, and a relaunch resumes from step 2."""
     import subprocess
 
-    from multiproc import BASE, env, train
-    from multiproc import TINY as TINY_CONFIG
+    from multiproc import command, env, train
 
     run = tmp_path / "run"
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megaloop",
-            "train",
-            TINY_CONFIG,
-            *BASE,
-            "train.save_every=2",
-            f"train.dir={run}",
-        ],
+        command(1, run, ["train.save_every=2"], ["--file-limit-at", "3:65536"]),
         capture_output=True,
         text=True,
         timeout=300,
-        env={**env(), "MEGALOOP_TEST_FILE_LIMIT_AT": "3:65536"},
+        env=env(),
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "saving checkpoint step_0000004" in proc.stderr and "GiB free there" in proc.stderr

@@ -1,6 +1,6 @@
 """Long runs as users run them: one writer per run directory, a wandb run of its own, progress
 lines in a log, Ctrl-C that saves (docs/reliability.md, "Long runs"). Every run held at a step
-waits on a hook (MEGALOOP_TEST_PAUSE_AT_STEP, MEGALOOP_TEST_HOLD_AT_STEP), never on time."""
+waits on a fault of tests/faults.py (--pause-at-step, --hold-at-step), never on time."""
 
 import os
 import re
@@ -34,7 +34,7 @@ STARTED: list[subprocess.Popen] = []
 
 @pytest.fixture(autouse=True)
 def no_run_outlives_its_test():
-    """A failed assertion must not leave a run paused at its hook for ever."""
+    """A failed assertion must not leave a run paused at its fault for ever."""
     yield
     while STARTED:
         proc = STARTED.pop()
@@ -43,11 +43,11 @@ def no_run_outlives_its_test():
             proc.wait()
 
 
-def start(run_dir, overrides=OVERRIDES, nproc=1, **extra_env):
+def start(run_dir, overrides=OVERRIDES, nproc=1, faults=()):
     proc = subprocess.Popen(
-        command(nproc, run_dir, overrides),
+        command(nproc, run_dir, overrides, faults),
         text=True,
-        env={**env(), **extra_env},
+        env=env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
@@ -67,7 +67,7 @@ def consolidated(run_dir, tmp_path, name):
 def test_a_second_run_on_a_live_run_directory_stops_before_any_compute(tmp_path):
     train_here(tmp_path / "undisturbed", OVERRIDES)
     run_dir = tmp_path / "run"
-    first = start(run_dir, MEGALOOP_TEST_PAUSE_AT_STEP="3")
+    first = start(run_dir, faults=["--pause-at-step", "3"])
     wait_for_step(run_dir, 3, first)
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     second = subprocess.run(
@@ -94,7 +94,7 @@ def test_a_second_run_on_a_live_run_directory_stops_before_any_compute(tmp_path)
 
 def test_after_kill_9_of_the_holder_a_relaunch_proceeds(tmp_path):
     run_dir = tmp_path / "run"
-    first = start(run_dir, MEGALOOP_TEST_PAUSE_AT_STEP="3")
+    first = start(run_dir, faults=["--pause-at-step", "3"])
     wait_for_step(run_dir, 3, first)
     os.killpg(first.pid, signal.SIGKILL)
     first.wait(timeout=60)
@@ -155,7 +155,7 @@ def test_progress_lines_off_a_terminal_and_no_known_warnings(tmp_path):
 def test_ctrl_c_saves_exits_75_and_the_relaunch_continues(tmp_path):
     train_here(tmp_path / "undisturbed", OVERRIDES)
     run_dir = tmp_path / "run"
-    proc = start(run_dir, MEGALOOP_TEST_HOLD_AT_STEP="3")
+    proc = start(run_dir, faults=["--hold-at-step", "3"])
     wait_for_step(run_dir, 3, proc)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=240)
@@ -169,9 +169,9 @@ def test_ctrl_c_saves_exits_75_and_the_relaunch_continues(tmp_path):
 
 def test_a_second_ctrl_c_aborts_at_once(tmp_path):
     run_dir = tmp_path / "run"
-    proc = start(run_dir, MEGALOOP_TEST_PAUSE_AT_STEP="3")
+    proc = start(run_dir, faults=["--pause-at-step", "3"])
     wait_for_step(run_dir, 3, proc)
-    proc.send_signal(signal.SIGINT)  # the request: the pause hook keeps the run waiting
+    proc.send_signal(signal.SIGINT)  # the request: the pause fault keeps the run waiting
     said = ""
     while "Ctrl-C: finishing this step" not in said:  # the first press has been handled
         line = proc.stderr.readline()
@@ -190,7 +190,7 @@ def test_ctrl_c_under_torchrun_saves_on_every_rank(tmp_path):
     asked at (a terminal's Ctrl-C also reaches the ranks directly, INTERRUPT_ECHO_S before or
     after torchrun's copy: one request)."""
     run_dir = tmp_path / "run"
-    proc = start(run_dir, [*OVERRIDES, "parallel.pp=2"], nproc=2, MEGALOOP_TEST_HOLD_AT_STEP="3")
+    proc = start(run_dir, [*OVERRIDES, "parallel.pp=2"], nproc=2, faults=["--hold-at-step", "3"])
     wait_for_step(run_dir, 3, proc)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=240)

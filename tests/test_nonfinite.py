@@ -1,5 +1,5 @@
 """train.nonfinite: a NaN in a loop's loss or an inf in the gradients, injected at a chosen step
-(megaloop/train/faults.py), is never applied: `skip` counts the step and goes on with unchanged
+(tests/faults.py), is never applied: `skip` counts the step and goes on with unchanged
 weights, `stop` saves and stops (exit 65) naming the step and the loop. Under TP2 x PP2 every
 rank decides the same (a rank that stepped alone would hang the next collective)."""
 
@@ -10,6 +10,7 @@ import subprocess
 import pytest
 import torch
 
+from faults import NonFiniteAt
 from megaloop import experiment
 from megaloop.config import ConfigError
 from megaloop.train import checkpoint
@@ -25,9 +26,13 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def trainer(run_dir, *overrides):
+def trainer(run_dir, fault: str, *overrides):
+    """A trainer of the tiny config with the fault STEP:LOOP or STEP:grad."""
     cfg = experiment.load(TINY, [*BASE, f"train.dir={run_dir}", "train.steps=6", *overrides])
-    return experiment.build_trainer(cfg)
+    t = experiment.build_trainer(cfg)
+    at, what = fault.split(":")
+    t.add_callback(NonFiniteAt(int(at), what))
+    return t
 
 
 def weights(t) -> list:
@@ -35,9 +40,8 @@ def weights(t) -> list:
 
 
 @pytest.mark.parametrize("fault, what", [("4:3", "loop 3's loss"), ("4:grad", "the gradients")])
-def test_skip_leaves_the_weights_as_they_were(tmp_path, monkeypatch, one_thread, fault, what):
-    monkeypatch.setenv("MEGALOOP_TEST_NONFINITE_AT", fault)
-    t = trainer(tmp_path, "train.nonfinite=skip")
+def test_skip_leaves_the_weights_as_they_were(tmp_path, one_thread, fault, what):
+    t = trainer(tmp_path, fault, "train.nonfinite=skip")
     for _ in range(3):
         assert "skipped" not in t.train_step()
     before = weights(t)
@@ -56,9 +60,8 @@ def test_skip_leaves_the_weights_as_they_were(tmp_path, monkeypatch, one_thread,
     assert all(torch.isfinite(p).all() for p in weights(t))
 
 
-def test_skip_is_counted_and_logged(tmp_path, monkeypatch, one_thread, capsys):
-    monkeypatch.setenv("MEGALOOP_TEST_NONFINITE_AT", "3:2")
-    result = trainer(tmp_path, "train.nonfinite=skip").fit()
+def test_skip_is_counted_and_logged(tmp_path, one_thread, capsys):
+    result = trainer(tmp_path, "3:2", "train.nonfinite=skip").fit()
     m = metrics(tmp_path, finite=False)  # step 3's NaN is logged as it was
     assert [s["step"] for s in m["skipped_steps"]] == [3]
     assert all(math.isfinite(s["loss"]) for s in m["steps"] if s["step"] != 3)
@@ -67,10 +70,9 @@ def test_skip_is_counted_and_logged(tmp_path, monkeypatch, one_thread, capsys):
     assert len(m["steps"]) == 6 and all(math.isfinite(c) for c in result["ce"])
 
 
-def test_stop_saves_and_names_the_step_and_the_loop(tmp_path, monkeypatch, one_thread):
-    monkeypatch.setenv("MEGALOOP_TEST_NONFINITE_AT", "4:2")
+def test_stop_saves_and_names_the_step_and_the_loop(tmp_path, one_thread):
     with pytest.raises(UnhealthyRun, match="stopped at step 4: non-finite loop 2's loss"):
-        trainer(tmp_path).fit()
+        trainer(tmp_path, "4:2").fit()
     assert (tmp_path / STOP_MARKER).is_file()
     folder = checkpoint.find_latest(tmp_path / "checkpoints")
     assert folder.name == "step_0000004"
@@ -96,11 +98,11 @@ def test_deepspeed_refuses_skip():
 )
 def test_every_rank_stops_at_the_same_step(tmp_path, nproc, overrides):
     proc = subprocess.run(
-        command(nproc, tmp_path, [*overrides, "train.save_every=0"]),
+        command(nproc, tmp_path, [*overrides, "train.save_every=0"], ["--nonfinite-at", "3:4"]),
         capture_output=True,
         text=True,
         timeout=300,
-        env={**env(), "MEGALOOP_TEST_NONFINITE_AT": "3:4"},
+        env=env(),
     )
     assert proc.returncode != 0
     assert "stopped at step 3: non-finite loop 4's loss" in proc.stderr

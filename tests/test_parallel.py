@@ -171,11 +171,11 @@ def test_sigterm_saves_exits_75_and_resumes(run, tmp_path):
     _, reference = run("per_loop+penalty")
     run_dir = tmp_path / "run"
     overrides = [*OBJECTIVES["per_loop+penalty"], "train.save_every=0"]
-    # the run waits at step 3 for the signal (the hold-at-step hook): no race with its speed
+    # the run waits at step 3 for the signal (the hold-at-step fault): no race with its speed
     proc = subprocess.Popen(
-        command(1, run_dir, overrides),
+        command(1, run_dir, overrides, ["--hold-at-step", "3"]),
         text=True,
-        env={**env(), "MEGALOOP_TEST_HOLD_AT_STEP": "3"},
+        env=env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )

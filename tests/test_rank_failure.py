@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from faults import SCRIPT as FAULTS
 from multiproc import BASE, TINY, assert_same_curve, env, free_port, metrics, train, wait_for_step
 
 pytestmark = pytest.mark.multiprocess
@@ -27,15 +28,14 @@ TIMEOUT_S, DETECTED_S = 600, 120
 LAYOUT = ["parallel.tp=2", "parallel.pp=2", "train.save_every=2", f"parallel.timeout_s={TIMEOUT_S}"]
 
 
-def srun_tasks(run_dir, extra_env: dict) -> list[subprocess.Popen]:
+def srun_tasks(run_dir, faults: list[str]) -> list[subprocess.Popen]:
     """Four tasks as srun starts them: SLURM_PROCID/NTASKS/LOCALID, and the job script's
-    MASTER_ADDR/PORT."""
+    MASTER_ADDR/PORT (with `faults`, through tests/faults.py)."""
     port = free_port()
     procs = []
     for rank in range(4):
         task = {
             **env(),
-            **extra_env,
             "SLURM_STEP_ID": "0",
             "SLURM_PROCID": str(rank),
             "SLURM_NTASKS": "4",
@@ -49,8 +49,7 @@ def srun_tasks(run_dir, extra_env: dict) -> list[subprocess.Popen]:
             subprocess.Popen(
                 [
                     sys.executable,
-                    "-m",
-                    "megaloop",
+                    *([FAULTS, *faults] if faults else ["-m", "megaloop"]),
                     "train",
                     TINY,
                     *BASE,
@@ -70,8 +69,8 @@ def test_a_dead_rank_stops_the_others_and_the_relaunch_resumes(tmp_path):
     reference = tmp_path / "reference"
     train(4, reference, LAYOUT)
     run_dir = tmp_path / "run"
-    # the ranks wait at step 5 (hold-at-step hook): step 4 is the newest checkpoint
-    procs = srun_tasks(run_dir, {"MEGALOOP_TEST_HOLD_AT_STEP": "5"})
+    # the ranks wait at step 5 (the hold-at-step fault): step 4 is the newest checkpoint
+    procs = srun_tasks(run_dir, ["--hold-at-step", "5"])
     try:
         wait_for_step(run_dir, 5, procs[0])
         dead = procs[3]
@@ -97,7 +96,7 @@ def test_a_dead_rank_stops_the_others_and_the_relaunch_resumes(tmp_path):
         assert "timed out" not in failure.lower(), failure  # the connection, not the timeout
     assert (run_dir / "checkpoints/latest").read_text().strip() == "step_0000004"
 
-    relaunch = srun_tasks(run_dir, {})
+    relaunch = srun_tasks(run_dir, [])
     outs = [p.communicate(timeout=300) for p in relaunch]
     assert all(p.returncode == 0 for p in relaunch), outs[0][1][-3000:]
     assert f"resumed from {run_dir}/checkpoints/step_0000004" in outs[0][0]

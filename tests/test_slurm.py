@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from faults import SCRIPT as FAULTS
 from megaloop import slurm
 from megaloop.parallel.launch import LaunchError, task_env
 from multiproc import BASE, ROOT, TINY
@@ -144,6 +145,17 @@ def test_dry_run_of_the_1p4b_run_on_16_nodes_of_8_gpus(capsys):
     )
 
 
+def test_program_is_what_each_rank_runs(capsys):
+    default = submit_1p4b(capsys, "--dry-run")
+    assert f'srun --kill-on-bad-exit=1 {sys.executable} -m megaloop train "${{RUN[@]}}"' in (
+        default.stdout
+    )
+    wrapped = submit_1p4b(capsys, "--dry-run", "--program", "apptainer exec 'my image.sif' ml")
+    assert wrapped.returncode == 0, wrapped.stderr
+    line = "srun --kill-on-bad-exit=1 apptainer exec 'my image.sif' ml train \"${RUN[@]}\""
+    assert line in wrapped.stdout
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -152,6 +164,8 @@ def test_dry_run_of_the_1p4b_run_on_16_nodes_of_8_gpus(capsys):
         (["--gpu-memory-gib", "4"], "no layout fits 4 GiB per GPU"),
         (["--tasks-per-node", "4"], "--tasks-per-node 4 with --gpus-per-node 8"),
         (["--cpus-per-task", "0"], "--cpus-per-task must be >= 1"),
+        (["--program", "'python -m megaloop"], '--program "\'python -m megaloop": No closing'),
+        (["--program", " "], "--program is empty"),
     ],
 )
 def test_bad_job_requests_fail_before_submitting(capsys, args, message):
@@ -271,12 +285,14 @@ def jobs(cluster, tmp_path_factory):
         tmp_path_factory.mktemp(name) for name in ("uninterrupted", "limited", "prep", "sweep")
     )
     limited_job = submit(
-        {**cluster, "MEGALOOP_TEST_HOLD_AT_STEP": "50"},
+        cluster,
         limited,
         "--time",
         "10",
         "--warning-seconds",
         "10",
+        "--program",
+        f"{sys.executable} {FAULTS} --hold-at-step 50",
     )
     clock = threading.Thread(
         target=limit_while_held, args=(cluster, limited_job, limited, 50), daemon=True

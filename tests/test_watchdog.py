@@ -222,7 +222,7 @@ def test_job_script_never_requeues_an_unhealthy_stop(tmp_path, warned):
             "warning_seconds": 5,
             "output": str(run_dir / "logs/slurm.out"),
             "sbatch_lines": "",
-            "python": "python",
+            "program": "python -m megaloop",
             "runs": f"RUN_DIR={run_dir}; RUN=(c.yaml)",
         },
     )

@@ -121,6 +121,7 @@ def slurm_job(p: argparse.ArgumentParser, required: bool) -> None:
         help="extra #SBATCH line, e.g. --sbatch-arg=--exclusive (repeatable)",
     )
     p.add_argument("--job-name")
+    p.add_argument("--program", help="what each rank runs in place of `python -m megaloop`")
     p.add_argument(
         "--dry-run",
         action="store_true",
@@ -146,4 +147,5 @@ def train_job(args, config: str, overrides: list):
         gpu_memory_gib=args.gpu_memory_gib,
         sbatch_args=tuple(args.sbatch_arg),
         job_name=args.job_name,
+        program=args.program,
     )

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megaloop.config import CheckpointError
 from megaloop.parallel import comm
+from megaloop.train.callbacks import Callback
 
 MANIFEST = "manifest.json"
 
@@ -203,3 +204,18 @@ def resolve(path: Path) -> Path:
             f"directory with a complete checkpoint under checkpoints/"
         )
     return folder
+
+
+class Checkpointing(Callback):
+    """A checkpoint every train.save_every steps and one after the last step; it runs after
+    every other callback, so a step saved is a step that stood."""
+
+    priority = -90
+
+    def post_step(self, trainer, record: dict) -> None:
+        every, step = trainer.cfg.train.save_every, trainer.step
+        if every and step % every == 0 and step < trainer.cfg.train.steps:
+            trainer.save()
+
+    def post_train(self, trainer) -> None:
+        trainer.save()

@@ -27,6 +27,7 @@ from typing import Literal
 from tqdm import tqdm
 
 from megaloop.config import Config
+from megaloop.train.callbacks import Callback
 
 METRICS = "metrics.jsonl"
 KINDS = {"step": "steps", "eval": "evals", "alarm": "alarms", "skipped": "skipped_steps"}
@@ -123,6 +124,7 @@ class MetricsLogger:
         self.enabled, self.total, self.start_step = enabled, total_steps, start_step
         self.started = time.monotonic()
         self.has_layout, self.skipped_count = False, 0
+        self.last_step: int | None = None
         self.wandb = self.file = None
         if not enabled:
             return
@@ -182,8 +184,12 @@ class MetricsLogger:
             self._append("layout", {"layout": report})
 
     def log(self, record: dict, kind: str = "steps") -> None:
-        if not self.enabled:
+        """A step's record is written once, however many callbacks ask (the cadence, an
+        alarm)."""
+        if not self.enabled or (kind == "steps" and record["step"] == self.last_step):
             return
+        if kind == "steps":
+            self.last_step = record["step"]
         self._append("step" if kind == "steps" else "eval", record)
         if self.wandb is not None:
             prefix = "" if kind == "steps" else "valid/"
@@ -260,6 +266,37 @@ class MetricsLogger:
             self.file.close()
             if self.wandb is not None:
                 self.wandb.finish()
+
+
+class ProgressLog(Callback):
+    """The progress bar's step, and the step's record every train.log_every steps and at the
+    last one."""
+
+    priority = 70
+
+    def post_step(self, trainer, record: dict) -> None:
+        trainer.logger.advance()
+        t = trainer.cfg.train
+        if trainer.step % t.log_every == 0 or trainer.step == t.steps:
+            trainer.logger.log(record)
+
+
+class MemoryReport(Callback):
+    """The per-rank memory report, once: after the first step (the optimizer's state exists
+    then), or at the end of a run resumed with no step left. Every rank measures it."""
+
+    priority = 90
+
+    def post_step(self, trainer, record: dict) -> None:
+        self.report(trainer)
+
+    def post_train(self, trainer) -> None:
+        self.report(trainer)
+
+    @staticmethod
+    def report(trainer) -> None:
+        if not trainer.logger.has_layout:
+            trainer.logger.layout(trainer.engine.memory_report())
 
 
 def _clock(seconds: float) -> str:

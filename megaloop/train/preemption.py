@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from megaloop.parallel import comm
+from megaloop.train.callbacks import Callback
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later"
 
@@ -67,3 +68,22 @@ class PreemptionWatch:
         """Collective: true on every rank if any rank was signalled."""
         asked = self._signal or (self.stop_file is not None and self.stop_file.exists())
         return comm.any_rank(bool(asked))
+
+
+class PreemptionCheck(Callback):
+    """After each step, on every rank alike: if a preemption was asked for, save and raise
+    Preempted. It runs after the other per-step callbacks and before the cadence save."""
+
+    priority = -80
+
+    def pre_train(self, trainer) -> None:
+        self.watch = PreemptionWatch(trainer.run_dir / "PREEMPT", announce=trainer.is_main)
+
+    def post_step(self, trainer, record: dict) -> None:
+        if self.watch.requested():
+            trainer.save()
+            if trainer.log_enabled:
+                (trainer.run_dir / "PREEMPT").unlink(missing_ok=True)
+            raise Preempted(
+                f"preempted at step {trainer.step} ({self.watch.reason}); checkpoint saved"
+            )

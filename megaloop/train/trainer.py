@@ -1,4 +1,6 @@
-"""The step loop: data → forward-backward over micro-batches → optimizer step → metrics/ckpt.
+"""The step loop: data → forward-backward over micro-batches → optimizer step, then the
+callbacks (megaloop/train/callbacks.py): the non-finite policy, the memory report, the scale
+watchdog, the progress log, validation, preemption and checkpoints, each beside its concern.
 
 The trainer sees an engine (megaloop.parallel) that owns the model, its wrapping and its
 schedule; it never touches parallelism itself.
@@ -17,15 +19,13 @@ import torch.distributed as dist
 from megaloop.parallel.cost import flops_per_token, loss_exits, peak_tflops
 from megaloop.parallel.distributed import NonFiniteUpdate
 from megaloop.parallel.layout import eval_microbatches
-from megaloop.train import checkpoint, faults, run_lock
-from megaloop.train.metrics import MetricsLogger
-from megaloop.train.preemption import Preempted, PreemptionWatch
-from megaloop.train.watchdog import (
-    STOP_MARKER,
-    ScaleWatchdog,
-    UnhealthyRun,
-    write_stop_marker,
-)
+from megaloop.train import checkpoint, run_lock
+from megaloop.train.callbacks import Callback, ordered
+from megaloop.train.checkpoint import Checkpointing
+from megaloop.train.metrics import MemoryReport, MetricsLogger, ProgressLog
+from megaloop.train.nonfinite import NonFinitePolicy
+from megaloop.train.preemption import PreemptionCheck
+from megaloop.train.watchdog import STOP_MARKER, ScaleAlarms, UnhealthyRun, write_stop_marker
 
 
 class ValidMicrobatches(Sequence):
@@ -44,7 +44,10 @@ class ValidMicrobatches(Sequence):
 
 
 class Trainer:
-    def __init__(self, cfg, engine, dataset, log: bool = True):
+    """The step and the run's state; `fit` calls `callbacks` (megaloop/train/callbacks.py) for
+    everything else."""
+
+    def __init__(self, cfg, engine, dataset, callbacks: Sequence[Callback] = (), log: bool = True):
         self.cfg = cfg
         self.engine = engine
         self.dataset = dataset
@@ -64,12 +67,28 @@ class Trainer:
         self.step = 0
         self.log_enabled = log
         self.is_main = dist.get_rank() == 0
+        self.callbacks = ordered(list(callbacks))
+        self.logger: MetricsLogger | None = None
+        self.final_eval: dict | None = None
+
+    def add_callback(self, callback: Callback) -> None:
+        self.callbacks = ordered([*self.callbacks, callback])
+
+    def _call(self, hook: str, *args) -> None:
+        for callback in self.callbacks:
+            getattr(callback, hook)(self, *args)
 
     def train_step(self) -> dict:
         start = time.perf_counter()
         self.engine.train()
-        with faults.nonfinite(self.engine.module, self.step + 1):
+        self._call("pre_step")
+        try:
             outputs, grad_norm, lr, applied = self.engine.train_step(self.batches.next_step())
+        except NonFiniteUpdate as e:  # DeepSpeed's: every rank stops before the update
+            self.step += 1
+            self.stop_unhealthy("nonfinite", f"{e} (step {self.step})", save=False)
+        finally:
+            self._call("post_batch")
         self.step += 1
         elapsed = time.perf_counter() - start
         tokens = self.cfg.train.global_batch_size * self.dataset.seq_len
@@ -143,22 +162,16 @@ class Trainer:
         kept = f"checkpoint {folder} saved" if save else f"newest checkpoint: {folder}"
         raise UnhealthyRun(f"stopped at step {self.step}: {message}; {kept}")
 
-    def _nonfinite(self, record: dict, logger) -> None:
-        """train.nonfinite: the update was not applied; count and go on, or save and stop."""
-        what = faults.first_nonfinite(record)
-        if self.cfg.train.nonfinite == "stop":
-            self.stop_unhealthy("nonfinite", f"non-finite {what}; the update was not applied")
-        logger.skipped(self.step, what)
-
-    def fit(self) -> dict:
-        t = self.cfg.train
+    def start(self) -> None:
+        """Resume, run the callbacks' pre_train, open the run's metrics."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._clear_stop_marker()
         resumed = self.resume()
         if resumed is not None and self.log_enabled:
             print(f"megaloop: resumed from {resumed} (step {self.step})", flush=True)
-        preemption = PreemptionWatch(stop_file=self.run_dir / "PREEMPT", announce=self.is_main)
-        logger = MetricsLogger(
+        self._call("pre_train")
+        t = self.cfg.train
+        self.logger = MetricsLogger(
             self.run_dir,
             self.cfg.to_dict(),
             self.cfg.wandb,
@@ -166,55 +179,47 @@ class Trainer:
             start_step=self.step,
             enabled=self.log_enabled,
         )
-        watchdog = ScaleWatchdog(t.scale_alarm)
-        hold_at, pause_at = faults.hold_at_step(), faults.pause_at_step()
+
+    def fit(self) -> dict:
+        """Step to train.steps; everything but the step itself is a callback's. Returns the
+        final validation record."""
+        self.start()
         try:
-            while self.step < t.steps:
-                try:
-                    record = self.train_step()
-                except NonFiniteUpdate as e:
-                    self.step += 1
-                    self.stop_unhealthy("nonfinite", f"{e} (step {self.step})", save=False)
-                logger.advance()
-                faults.file_limit(self.step)
-                if record.get("skipped"):
-                    self._nonfinite(record, logger)
-                if not logger.has_layout:  # after a step: the optimizer's state exists
-                    logger.layout(self.engine.memory_report())
-                alarms = watchdog.check(record)
-                if self.step % t.log_every == 0 or self.step == t.steps or alarms:
-                    logger.log(record)
-                for alarm in alarms:
-                    logger.alarm(alarm.to_dict(), alarm.message())
-                if alarms and t.scale_alarm.action == "stop":
-                    self.stop_unhealthy(
-                        "scale_alarm",
-                        "scale alarm, " + "; ".join(a.what() for a in alarms),
-                        alarms=[a.to_dict() for a in alarms],
-                    )
-                if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
-                    logger.log(self.evaluate(), kind="evals")
-                if self.step == pause_at:  # a test's second run meets this one here
-                    faults.pause(self.run_dir)
-                if self.step == hold_at:  # a preemption at a chosen step, without a race
-                    while not preemption.requested():
-                        time.sleep(0.2)
-                if preemption.requested():
-                    self.save()
-                    if self.log_enabled:
-                        (self.run_dir / "PREEMPT").unlink(missing_ok=True)
-                    raise Preempted(
-                        f"preempted at step {self.step} ({preemption.reason}); checkpoint saved"
-                    )
-                if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
-                    self.save()
-            if not logger.has_layout:  # resumed with no step left
-                logger.layout(self.engine.memory_report())
-            final_eval = self.evaluate()
-            logger.log(final_eval, kind="evals")
-            self.save()
+            while self.step < self.cfg.train.steps:
+                record = self.train_step()
+                self._call("post_step", record)
+            self._call("post_train")
         finally:
-            logger.close()
+            self._call("close")
+            self.logger.close()
             if self.is_main:
                 run_lock.release(self.run_dir)
-        return final_eval
+        return self.final_eval
+
+
+class Validation(Callback):
+    """Validation every train.eval_every steps and after the last step (fit's result)."""
+
+    priority = 60
+
+    def post_step(self, trainer, record: dict) -> None:
+        every, step = trainer.cfg.train.eval_every, trainer.step
+        if every and step % every == 0 and step < trainer.cfg.train.steps:
+            trainer.logger.log(trainer.evaluate(), kind="evals")
+
+    def post_train(self, trainer) -> None:
+        trainer.final_eval = trainer.evaluate()
+        trainer.logger.log(trainer.final_eval, kind="evals")
+
+
+def default_callbacks(cfg) -> list[Callback]:
+    """Every run's callbacks, from its config, in the order they run."""
+    return [
+        NonFinitePolicy(),
+        MemoryReport(),
+        ScaleAlarms(cfg.train.scale_alarm),
+        ProgressLog(),
+        Validation(),
+        PreemptionCheck(),
+        Checkpointing(),
+    ]

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Literal
 
 from megaloop.config import Config, check
+from megaloop.train.callbacks import Callback
 
 EXIT_UNHEALTHY = 65
 """Exit code of a run stopped because its numbers went bad (a scale alarm; also meant for
@@ -132,3 +133,30 @@ class ScaleWatchdog:
         new = [a for a in active if (a.rule, a.loop) not in self.firing]
         self.firing = {(a.rule, a.loop) for a in active}
         return new
+
+
+class ScaleAlarms(Callback):
+    """The watchdog on every step's record: a new alarm is logged with the step's record
+    (whatever train.log_every says); with action=stop the run saves and stops."""
+
+    priority = 80
+
+    def __init__(self, cfg: ScaleAlarmConfig):
+        self.cfg = cfg
+
+    def pre_train(self, trainer) -> None:
+        self.watchdog = ScaleWatchdog(self.cfg)
+
+    def post_step(self, trainer, record: dict) -> None:
+        alarms = self.watchdog.check(record)
+        if not alarms:
+            return
+        trainer.logger.log(record)
+        for alarm in alarms:
+            trainer.logger.alarm(alarm.to_dict(), alarm.message())
+        if self.cfg.action == "stop":
+            trainer.stop_unhealthy(
+                "scale_alarm",
+                "scale alarm, " + "; ".join(a.what() for a in alarms),
+                alarms=[a.to_dict() for a in alarms],
+            )
