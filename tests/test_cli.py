@@ -31,6 +31,7 @@ SLURM_JOB = [
     "--gpu-memory-gib",
     "--sbatch-arg",
     "--job-name",
+    "--program",
     "--dry-run",
 ]
 PREP = ["--executor", "--workers", "--partition", "--time", "--cpus-per-task"]
