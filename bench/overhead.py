@@ -306,19 +306,20 @@ def megaloop_overrides(shape):
 
 
 def megaloop_trainer(overrides, steps, run_dir, config=None):
-    """The real trainer of `config` + `overrides` on synthetic data, for `steps` steps."""
+    """The real trainer of `config` + `overrides` on synthetic data, for `steps` steps (one
+    validation batch unless `overrides` say otherwise)."""
     from megaloop import _cpu_compat, experiment
 
     _cpu_compat.apply()
     cfg = experiment.load(
         config,
         [
-            *overrides,
             "data.kind=synthetic",
             f"train.steps={steps}",
             f"train.dir={run_dir}",
             "wandb.mode=disabled",
             "train.eval_batches=1",
+            *overrides,
         ],
     )
     return experiment.build_trainer(cfg, log=False)
@@ -346,8 +347,10 @@ def build_sides(shape, steps, run_dir):
     seq + 1] token window), their build seconds, and the two models' losses and parameter
     counts on one batch from the same weights (megaloop's initial ones)."""
     from megaloop.model.looped import build_model
+    from megaloop.train.config import TrainConfig
 
-    trainer, megaloop_build = timed(megaloop_trainer, megaloop_overrides(shape), steps, run_dir)
+    overrides = [*megaloop_overrides(shape), f"train.eval_batches={TrainConfig.eval_batches}"]
+    trainer, megaloop_build = timed(megaloop_trainer, overrides, steps, run_dir)
     cfg = trainer.cfg
     model = build_model(cfg.model, seed=0)
     ref = reference_model(shape)
@@ -612,6 +615,7 @@ def main():
             profile_steps(steps, shape, args.threads[-1], args.warmup, args.rounds)
             return
         runs = {t: interleave(steps, shape, t, args.warmup, args.rounds) for t in args.threads}
+        set_threads(args.threads[0])
         finish = once_per_run(trainer)
         tables = {t: shared_tables(model, shape, t, 5 * args.rounds) for t in args.threads}
     wall, _, first = runs[args.threads[0]]
@@ -672,7 +676,7 @@ def main():
             excess["megaloop step"],
             excess["plain step"],
         ),
-        *((label, seconds, 0.0) for label, seconds in finish.items()),
+        *((f"{label} ({args.threads[0]} thread(s))", s, 0.0) for label, s in finish.items()),
         ("total", fixed["megaloop"], fixed["plain"]),
     ):
         print(f"| {label} | {ours:.2f} | {ref:.2f} |")
