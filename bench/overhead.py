@@ -305,21 +305,20 @@ def megaloop_overrides(shape):
     ]
 
 
-def megaloop_trainer(overrides, steps, run_dir, config=None):
-    """The real trainer of `config` + `overrides` on synthetic data, for `steps` steps (one
-    validation batch unless `overrides` say otherwise)."""
+def megaloop_trainer(overrides, steps, run_dir, config=None, eval_batches=1):
+    """The real trainer of `config` + `overrides` on synthetic data, for `steps` steps."""
     from megaloop import _cpu_compat, experiment
 
     _cpu_compat.apply()
     cfg = experiment.load(
         config,
         [
+            *overrides,
             "data.kind=synthetic",
             f"train.steps={steps}",
             f"train.dir={run_dir}",
             "wandb.mode=disabled",
-            "train.eval_batches=1",
-            *overrides,
+            f"train.eval_batches={eval_batches}",
         ],
     )
     return experiment.build_trainer(cfg, log=False)
@@ -349,8 +348,11 @@ def build_sides(shape, steps, run_dir):
     from megaloop.model.looped import build_model
     from megaloop.train.config import TrainConfig
 
-    overrides = [*megaloop_overrides(shape), f"train.eval_batches={TrainConfig.eval_batches}"]
-    trainer, megaloop_build = timed(megaloop_trainer, overrides, steps, run_dir)
+    trainer, megaloop_build = timed(
+        lambda: megaloop_trainer(
+            megaloop_overrides(shape), steps, run_dir, eval_batches=TrainConfig.eval_batches
+        )
+    )
     cfg = trainer.cfg
     model = build_model(cfg.model, seed=0)
     ref = reference_model(shape)
