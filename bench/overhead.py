@@ -17,9 +17,9 @@ Three things are timed, each against its plain-PyTorch counterpart:
 - what a step costs seen from outside, over a run of `--steps` steps: once-per-run costs
   (imports, building, the first step's excess over a warm one; megaloop's final evaluation and
   checkpoint) spread over the run, plus the warm step.
-A fourth row times megaloop's model with RoPE's cos/sin computed once per position table
-instead of in every layer of every loop (`rope_tables_once`), which is what issue 23 asks of
-the loop.
+And what the loop rebuilds in every layer, which issue 23 asks it to compute once: megaloop's
+model with RoPE's cos/sin taken once per position table (`rope_tables_once`) against itself,
+RoPE alone both ways (`shared_tables`), and the causal mask `model.attention=megatron` builds.
 
 Before timing, megaloop's initial weights are loaded into the reference and both losses are
 checked equal. Each round times every callable once (the order reversed every other round, so
@@ -603,6 +603,25 @@ def parse_args():
     return args
 
 
+def print_shared_tables(shape, tables, runs):
+    print(
+        f"\nRebuilt in every layer of every loop (ms a step, {2 * shape['layers'] * shape['loops']}"
+        " RoPE calls: q and k, forward and backward):\n"
+    )
+    print(
+        "| threads | RoPE, megatron-core | RoPE, tables once | saved | saved / megaloop step | "
+        "causal masks (model.attention=megatron only) |"
+    )
+    print("|---|---|---|---|---|---|")
+    for threads, ms in tables.items():
+        saved = ms["RoPE, megatron-core"] - ms["RoPE, tables once"]
+        step_ms = 1e3 * statistics.median(runs[threads][0]["megaloop step"])
+        print(
+            f"| {threads} | {ms['RoPE, megatron-core']:.2f} | {ms['RoPE, tables once']:.2f} | "
+            f"{saved:.2f} | {100 * saved / step_ms:.2f}% | {ms['causal masks']:.2f} |"
+        )
+
+
 def main():
     args = parse_args()
     shape = args.shape
@@ -647,22 +666,7 @@ def main():
     print("|---|---|---|---|---|---|")
     for threads, (wall_t, cpu_t, _) in runs.items():
         print_threads(threads, wall_t, cpu_t)
-    print(
-        f"\nRebuilt in every layer of every loop (ms a step, {2 * shape['layers'] * shape['loops']}"
-        " RoPE calls: q and k, forward and backward):\n"
-    )
-    print(
-        "| threads | RoPE, megatron-core | RoPE, tables once | saved | saved / megaloop step | "
-        "causal masks (model.attention=megatron only) |"
-    )
-    print("|---|---|---|---|---|---|")
-    for threads, ms in tables.items():
-        saved = ms["RoPE, megatron-core"] - ms["RoPE, tables once"]
-        step_ms = 1e3 * statistics.median(runs[threads][0]["megaloop step"])
-        print(
-            f"| {threads} | {ms['RoPE, megatron-core']:.2f} | {ms['RoPE, tables once']:.2f} | "
-            f"{saved:.2f} | {100 * saved / step_ms:.2f}% | {ms['causal masks']:.2f} |"
-        )
+    print_shared_tables(shape, tables, runs)
     print("\nOnce a run (s): megaloop | plain PyTorch\n")
     print("| part | megaloop | plain PyTorch |")
     print("|---|---|---|")
