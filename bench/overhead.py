@@ -1,24 +1,33 @@
-"""Framework overhead: a megaloop training step against the same model and step written in
-plain PyTorch inside this script, each side in processes of its own, alternated.
+"""Framework overhead: megaloop against the same looped model and training step written in plain
+PyTorch inside this script, both in one process, timed in alternation, at 1 and 2 threads.
 
-    .venv/bin/python bench/overhead.py [--pairs 3] [--steps 4] [--warmup 2] [--threads 1]
+    .venv/bin/python bench/overhead.py [--threads 1,2] [--rounds 8] [--warmup 2] [--steps 100]
         [--hidden 256 --heads 4 --layers 4 --loops 4 --seq 256 --batch 4 --vocab 8192] [--profile]
 
-megaloop: the real trainer (megatron engine: megatron-core DDP + distributed optimizer, the
-no-pipelining schedule, the default per-loop objective with its diagnostics, synthetic data).
-Reference: `LoopedReference` below, the default megaloop model's math (pre-norm RMSNorm layers,
-SDPA with RoPE, SwiGLU of width 4d, no biases, K loops of the shared stack, an exit after every
-loop through one RMSNorm and the tied embedding, CE averaged over exits), torch AdamW with the
-same hyperparameters and no decay on 1-D parameters, gradient clipping. Before timing, the
-parent builds both models from the same weights and checks that their losses agree and their
-parameter counts match.
+Three things are timed, each against its plain-PyTorch counterpart:
+- the model: forward, loss and backward of megaloop's model (megatron-core layers, the default
+  per-loop objective with its diagnostics) without engine or optimizer, against
+  `LoopedReference` below (pre-norm RMSNorm layers, SDPA with RoPE, SwiGLU of width 4d, no
+  biases, K loops of the shared stack, an exit after every loop through one RMSNorm and the tied
+  embedding, CE averaged over the exits);
+- the training step: the real trainer's `train_step` (megatron engine: megatron-core DDP and
+  distributed optimizer, the no-pipelining schedule, synthetic data, logged terms) against the
+  step a user writes (nanoGPT's: forward, backward, clip the gradient norm, torch AdamW with no
+  decay on 1-D parameters, zero the gradients);
+- what a step costs seen from outside, over a run of `--steps` steps: once-per-run costs
+  (imports, building, the first step's excess over a warm one; megaloop's final evaluation and
+  checkpoint) spread over the run, plus the warm step.
+And what the loop rebuilds in every layer, which issue 23 asks it to compute once: megaloop's
+model with RoPE's cos/sin taken once per position table (`rope_tables_once`) against itself,
+RoPE alone both ways (`shared_tables`), and the causal mask `model.attention=megatron` builds.
 
-Each process sets `--threads` torch threads (one by default: 2 shared cores), runs warm-up
-steps, then timed steps, and reports its median step in wall and in CPU time, and the median
-time of each part of the step (data, forward + loss, backward, ...). The parent prints each
-side's figures and the median of the per-pair ratios with their min..max. `--profile` instead
-compares the two op by op in one process (torch.profiler, steps alternated) and shows megaloop's
-step under cProfile.
+Before timing, megaloop's initial weights are loaded into the reference and both losses are
+checked equal. Each round times every callable once (the order reversed every other round, so
+drift in the machine's load falls on both sides alike); a ratio is the median of the per-round
+ratios, with their min..max. Wall time and CPU time (the process's, every thread) are both
+reported: on shared cores a process can lose wall time to others without using more CPU.
+`--profile` instead compares the two training steps op by op (torch.profiler, steps
+alternated) and shows megaloop's step under cProfile.
 
 norm_penalty.py and bf16.py reuse `alternate`, `megaloop_trainer` and `summary` from here.
 """
@@ -149,56 +158,18 @@ def reference_model(shape):
     )
 
 
-class Phases:
-    """Seconds a step spends in named parts (each side decides which calls are timed); a part
-    timed inside another counts only for itself, so the parts add up to at most the step."""
-
-    def __init__(self):
-        self.step = collections.Counter()
-        self.inner = []
-
-    @contextlib.contextmanager
-    def time(self, phase):
-        start = time.perf_counter()
-        self.inner.append(0.0)
-        try:
-            yield
-        finally:
-            elapsed = time.perf_counter() - start
-            self.step[phase] += elapsed - self.inner.pop()
-            if self.inner:
-                self.inner[-1] += elapsed
-
-    def wrap(self, owner, name, phase):
-        """Time every call of `owner.name` as `phase`."""
-        fn = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            with self.time(phase):
-                return fn(*args, **kwargs)
-
-        setattr(owner, name, timed)
-
-    def take(self):
-        step, self.step = self.step, collections.Counter()
-        return step
+def batches(shape, seed=0):
+    """Uniform random [batch, seq + 1] token windows, the same sequence on every side."""
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        yield torch.randint(
+            0, shape["vocab"], (shape["batch"], shape["seq"] + 1), generator=generator
+        )
 
 
-PHASES = {
-    "data": "data",
-    "forward": "forward + loss",
-    "backward": "backward",
-    "grads": "gradient finalize (DP all-reduce)",
-    "optimizer": "zero grads, clip, optimizer, schedule",
-    "terms": "logged terms to numbers",
-    "other": "rest of the step",
-}
-
-
-def torch_side(shape, phases, seed=0):
-    """(step function, parameter count) of the reference."""
-    torch.manual_seed(seed)
-    model = reference_model(shape)
+def plain_step(model):
+    """The training step a user writes around `model`, nanoGPT's: AdamW (no decay on 1-D
+    parameters), the gradient norm clipped."""
     decay = [p for p in model.parameters() if p.dim() > 1]
     no_decay = [p for p in model.parameters() if p.dim() == 1]
     optimizer = torch.optim.AdamW(
@@ -210,25 +181,104 @@ def torch_side(shape, phases, seed=0):
         betas=BETAS,
         eps=EPS,
     )
-    generator = torch.Generator().manual_seed(seed)
 
-    def step():
-        with phases.time("data"):
-            tokens = torch.randint(
-                0, shape["vocab"], (shape["batch"], shape["seq"] + 1), generator=generator
-            )
-        with phases.time("forward"):
-            loss = model(tokens[:, :-1], tokens[:, 1:])
-        with phases.time("backward"):
-            loss.backward()
-        with phases.time("optimizer"):
-            nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        with phases.time("terms"):
-            return loss.item()
+    def step(tokens):
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
 
-    return step, sum(p.numel() for p in model.parameters())
+    return step
+
+
+def forward_backward(model, loss_of):
+    """Forward, loss and backward alone, the gradients dropped after."""
+
+    def step(tokens):
+        loss = loss_of(model, tokens)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
+
+
+def reference_loss(model, tokens):
+    return model(tokens[:, :-1], tokens[:, 1:])
+
+
+def megaloop_loss(objective):
+    from megaloop import objectives
+
+    def loss_of(model, tokens):
+        return objectives.compute(objective, model(tokens[:, :-1], labels=tokens[:, 1:]))[0]
+
+    return loss_of
+
+
+@contextlib.contextmanager
+def rope_tables_once():
+    """megatron-core's RoPE with cos/sin taken once per position table, as `LoopedReference`
+    does, instead of in every layer of every loop, and without its copy through an empty
+    pass-through concatenation (rotary_percent=1): what computing the shared tables once would
+    save, measured before the model changes."""
+    from megatron.core.transformer import attention
+
+    stock, tables = attention.apply_rotary_pos_emb, {}
+
+    def apply(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None):
+        key = (freqs.data_ptr(), freqs.shape, t.dtype, mscale)
+        if key not in tables:
+            tables[key] = ((freqs.cos() * mscale).to(t.dtype), (freqs.sin() * mscale).to(t.dtype))
+        cos, sin = tables[key]
+        return rotate(t, cos, sin)
+
+    attention.apply_rotary_pos_emb = apply
+    try:
+        yield
+    finally:
+        attention.apply_rotary_pos_emb = stock
+
+
+def shared_tables(model, shape, threads, rounds):
+    """Milliseconds a training step spends rebuilding what every layer of every loop shares
+    (median of `rounds` alternated rounds, `threads` threads): RoPE on q and k, forward and
+    backward, as megatron-core applies it (cos/sin in every call) and with the tables taken
+    once; and the causal mask that `model.attention=megatron` builds in every layer (SDPA, the
+    default, builds none)."""
+    from megatron.core.transformer import attention
+    from megatron.core.transformer.utils import get_default_causal_mask
+
+    set_threads(threads)
+    t, head_dim, calls = shape["seq"], shape["hidden"] // shape["heads"], shape["layers"]
+    calls *= shape["loops"]
+    freqs = model.rotary_pos_emb(t)
+    x = torch.randn(t, shape["batch"], shape["heads"], head_dim, requires_grad=True)
+    grad = torch.randn_like(x)
+
+    def rope():
+        for _ in range(2 * calls):  # q and k
+            attention.apply_rotary_pos_emb(x, freqs, config=model.config).backward(grad)
+
+    def rope_once():
+        with rope_tables_once():
+            rope()
+
+    def masks():
+        for _ in range(calls):
+            get_default_causal_mask(t)
+
+    parts = {"RoPE, megatron-core": rope, "RoPE, tables once": rope_once, "causal masks": masks}
+    times = collections.defaultdict(list)
+    for i in range(rounds + 1):
+        for name in parts if i % 2 == 0 else reversed(parts):
+            start = time.perf_counter()
+            parts[name]()
+            if i:
+                times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(v) for name, v in times.items()}
 
 
 # -- megaloop ----------------------------------------------------------------------------------
@@ -255,7 +305,7 @@ def megaloop_overrides(shape):
     ]
 
 
-def megaloop_trainer(overrides, steps, run_dir, config=None):
+def megaloop_trainer(overrides, steps, run_dir, config=None, eval_batches=1):
     """The real trainer of `config` + `overrides` on synthetic data, for `steps` steps."""
     from megaloop import _cpu_compat, experiment
 
@@ -268,59 +318,74 @@ def megaloop_trainer(overrides, steps, run_dir, config=None):
             f"train.steps={steps}",
             f"train.dir={run_dir}",
             "wandb.mode=disabled",
-            "train.eval_batches=1",
+            f"train.eval_batches={eval_batches}",
         ],
     )
     return experiment.build_trainer(cfg, log=False)
 
 
-def megaloop_side(shape, steps, run_dir, phases):
-    """(step function, parameter count) of the trainer, its parts timed where they are called
-    (megatron-core's schedule calls forward_step and backward_step by their module names); the
-    engine's step outside them is the optimizer's part."""
-    from megatron.core.pipeline_parallel import schedules
-
-    trainer = megaloop_trainer(megaloop_overrides(shape), steps, run_dir)
-    engine = trainer.engine
-    phases.wrap(trainer.batches, "next_step", "data")
-    phases.wrap(schedules, "forward_step", "forward")
-    phases.wrap(schedules, "backward_step", "backward")
-    phases.wrap(engine.config, "finalize_model_grads_func", "grads")
-    phases.wrap(engine, "train_step", "optimizer")
-    phases.wrap(engine, "reduce", "terms")
-    params = sum(p.numel() for p in engine.module.parameters())
-    return (lambda: trainer.train_step()["loss"]), params
-
-
-def check_same_math(shape):
-    """Both models from megaloop's initial weights on one batch: (megaloop loss, reference loss,
-    megaloop parameters, reference parameters)."""
-    from megaloop import _cpu_compat, experiment, objectives
-    from megaloop.model.looped import build_model
-    from megaloop.parallel import distributed
+def import_megaloop():
+    """Seconds to import what `megaloop train` imports before it builds anything."""
+    start = time.perf_counter()
+    from megaloop import _cpu_compat, experiment  # noqa: F401
+    from megaloop.parallel import megatron  # noqa: F401
+    from megaloop.train import trainer  # noqa: F401
 
     _cpu_compat.apply()
-    distributed.init(seed=0)
-    cfg = experiment.load(None, megaloop_overrides(shape))
-    ours = build_model(cfg.model, seed=0)
+    return time.perf_counter() - start
+
+
+def timed(fn, *args):
+    start = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - start
+
+
+def build_sides(shape, steps, run_dir):
+    """The trainer, megaloop's bare model, the timed callables (name -> step of a [batch,
+    seq + 1] token window), their build seconds, and the two models' losses and parameter
+    counts on one batch from the same weights (megaloop's initial ones)."""
+    from megaloop.model.looped import build_model
+    from megaloop.train.config import TrainConfig
+
+    trainer, megaloop_build = timed(
+        lambda: megaloop_trainer(
+            megaloop_overrides(shape), steps, run_dir, eval_batches=TrainConfig.eval_batches
+        )
+    )
+    cfg = trainer.cfg
+    model = build_model(cfg.model, seed=0)
     ref = reference_model(shape)
-    ref.load_state_dict({reference_name(n): p.detach() for n, p in ours.named_parameters()})
-    tokens = torch.randint(
-        0,
-        shape["vocab"],
-        (shape["batch"], shape["seq"] + 1),
-        generator=torch.Generator().manual_seed(1),
-    )
+    ref.load_state_dict({reference_name(n): p.detach() for n, p in model.named_parameters()})
+    tokens = next(batches(shape, seed=1))
+    loss_of = megaloop_loss(cfg.objective)
     with torch.no_grad():
-        loss, _ = objectives.compute(cfg.objective, ours(tokens[:, :-1], labels=tokens[:, 1:]))
-        ref_loss = ref(tokens[:, :-1], tokens[:, 1:])
-    distributed.shutdown()
-    return (
-        loss.item(),
-        ref_loss.item(),
-        sum(p.numel() for p in ours.parameters()),
-        sum(p.numel() for p in ref.parameters()),
-    )
+        same = {
+            "megaloop": loss_of(model, tokens).item(),
+            "reference": reference_loss(ref, tokens).item(),
+        }
+        with rope_tables_once():
+            same["megaloop, RoPE tables once"] = loss_of(model, tokens).item()
+    params = {
+        "megaloop": sum(p.numel() for p in model.parameters()),
+        "reference": sum(p.numel() for p in ref.parameters()),
+    }
+    torch.manual_seed(0)
+    plain, plain_build = timed(lambda: plain_step(reference_model(shape)))
+    steps = {
+        "megaloop step": lambda tokens: trainer.train_step()["loss"],
+        "plain step": plain,
+        "megaloop model": forward_backward(model, loss_of),
+        "plain model": forward_backward(ref, reference_loss),
+    }
+    model_once = forward_backward(model, loss_of)
+
+    def once(tokens):
+        with rope_tables_once():
+            return model_once(tokens)
+
+    steps["megaloop model, RoPE once"] = once
+    return trainer, model, steps, {"megaloop": megaloop_build, "plain": plain_build}, same, params
 
 
 # -- measuring ---------------------------------------------------------------------------------
@@ -330,29 +395,84 @@ def set_threads(threads=1):
     torch.set_num_threads(threads)
 
 
-def time_steps(step, warmup, steps, phases=None):
-    """Over `steps` calls after `warmup` calls: the median wall and CPU milliseconds of a step,
-    the last loss, and the median wall milliseconds of each part of `phases` (what no part timed
-    as `other`). With one thread, CPU time leaves out the time other processes take the core,
-    so it spreads less than wall time on a shared machine (contention for caches and memory
-    still shows)."""
-    wall, cpu, parts = [], [], collections.defaultdict(list)
+def time_steps(step, warmup, steps):
+    """Over `steps` calls after `warmup` calls: the median wall and CPU milliseconds of a step
+    and the last loss. With one thread, CPU time leaves out the time other processes take the
+    core, so it spreads less than wall time on a shared machine (contention for caches and
+    memory still shows)."""
+    wall, cpu = [], []
     for i in range(warmup + steps):
         start, start_cpu = time.perf_counter(), time.process_time()
         loss = step()
-        elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
-        timed = phases.take() if phases else {}
         if i >= warmup:
-            wall.append(elapsed)
-            cpu.append(elapsed_cpu)
-            for phase in PHASES:
-                parts[phase].append(timed.get(phase, 0.0))
-            parts["other"][-1] = elapsed - sum(timed.values())
+            wall.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
     return {
         "step_ms": 1e3 * statistics.median(wall),
         "cpu_ms": 1e3 * statistics.median(cpu),
         "loss": loss,
-        "phases_ms": {k: 1e3 * statistics.median(v) for k, v in parts.items()},
+    }
+
+
+def interleave(steps, shape, threads, warmup, rounds):
+    """Every callable of `steps` once a round, the order reversed every other round, with
+    `threads` torch threads: per callable the wall and CPU seconds of each round and the wall
+    seconds of its first call."""
+    set_threads(threads)
+    data = batches(shape, seed=threads)
+    wall, cpu, first = (collections.defaultdict(list) for _ in range(3))
+    for i in range(warmup + rounds):
+        for name in steps if i % 2 == 0 else reversed(steps):
+            tokens = next(data)
+            start, start_cpu = time.perf_counter(), time.process_time()
+            steps[name](tokens)
+            (wall if i >= warmup else first)[name].append(time.perf_counter() - start)
+            if i >= warmup:
+                cpu[name].append(time.process_time() - start_cpu)
+        done = "warm-up" if i < warmup else "timed"
+        print(f"{threads} thread(s), round {i + 1}/{warmup + rounds} ({done})", file=sys.stderr)
+    return wall, cpu, {name: times[0] for name, times in first.items()}
+
+
+def ratio_cell(ours, ref):
+    """The median of the per-round ratios and their min..max."""
+    ratios = [a / b for a, b in zip(ours, ref)]
+    return f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}..{max(ratios):.3f})"
+
+
+COMPARED = [
+    ("model: forward, loss, backward", "megaloop model", "plain model"),
+    ("training step (optimizer included)", "megaloop step", "plain step"),
+    (
+        "model, RoPE cos/sin once (megaloop) vs stock (megaloop)",
+        "megaloop model, RoPE once",
+        "megaloop model",
+    ),
+]
+
+
+def print_threads(threads, wall, cpu):
+    for label, ours, ref in COMPARED:
+        ms = [1e3 * statistics.median(wall[n]) for n in (ours, ref)]
+        wall_ratio, cpu_ratio = ratio_cell(wall[ours], wall[ref]), ratio_cell(cpu[ours], cpu[ref])
+        print(f"| {threads} | {label} | {ms[0]:.1f} | {ms[1]:.1f} | {wall_ratio} | {cpu_ratio} |")
+
+
+def once_per_run(trainer):
+    """Seconds of what `megaloop train` does once a run besides its steps."""
+    return {
+        "memory report (after the first step)": timed(trainer.engine.memory_report)[1],
+        "final evaluation": timed(trainer.evaluate)[1],
+        "final checkpoint": timed(trainer.save)[1],
+    }
+
+
+def outside(run_steps, fixed, warm):
+    """A run of `run_steps` steps as its whole time shows it: once-per-run seconds plus the
+    warm steps; (megaloop / plain) for each thread count's warm step seconds (ours, ref)."""
+    return {
+        threads: (fixed["megaloop"] + run_steps * ours) / (fixed["plain"] + run_steps * ref)
+        for threads, (ours, ref) in warm.items()
     }
 
 
@@ -423,131 +543,155 @@ def spread(values):
     return f"{min(values):.1f}..{max(values):.1f}"
 
 
-def profile_both(shape, warmup, steps, rows=30):
-    """Both sides in this process, their steps alternated under torch.profiler: each op's self
-    CPU milliseconds a step on either side, largest differences first; then cProfile's view of
-    the megaloop step (its Python: schedule, optimizer, objective, logging)."""
+def profile_steps(steps, shape, threads, warmup, rounds, rows=30):
+    """The two training steps alternated under torch.profiler: each op's self CPU milliseconds a
+    step on either side, largest differences first; then cProfile's view of megaloop's step
+    (its Python: schedule, optimizer, objective, logging)."""
     import cProfile
     import pstats
 
     from torch.profiler import ProfilerActivity, profile
 
-    set_threads()
-    totals = {"megaloop": collections.Counter(), "torch": collections.Counter()}
-    with tempfile.TemporaryDirectory() as run_dir:
-        sides = {
-            "megaloop": megaloop_side(shape, warmup + 2 * steps, run_dir, Phases())[0],
-            "torch": torch_side(shape, Phases())[0],
-        }
-        for _ in range(warmup):
-            for step in sides.values():
-                step()
-        for _ in range(steps):
-            for side, step in sides.items():
-                with profile(activities=[ProfilerActivity.CPU]) as prof:
-                    step()
+    set_threads(threads)
+    names, data = ("megaloop step", "plain step"), batches(shape)
+    totals = {name: collections.Counter() for name in names}
+    for i in range(warmup + rounds):
+        for name in names:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                steps[name](next(data))
+            if i >= warmup:
                 for event in prof.key_averages():
-                    totals[side][event.key] += event.self_cpu_time_total / 1e3 / steps
-        ours, ref = totals["megaloop"], totals["torch"]
-        print(
-            f"self CPU ms a step, mean of {steps} alternated steps; total megaloop "
-            f"{sum(ours.values()):.1f}, plain PyTorch {sum(ref.values()):.1f}\n"
-        )
-        print("| op | megaloop | plain PyTorch | difference |")
-        print("|---|---|---|---|")
-        for op in sorted(set(ours) | set(ref), key=lambda k: -abs(ours[k] - ref[k]))[:rows]:
-            print(f"| {op[:70]} | {ours[op]:.1f} | {ref[op]:.1f} | {ours[op] - ref[op]:+.1f} |")
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(steps):
-            sides["megaloop"]()
-        profiler.disable()
-    print(f"\nmegaloop, cProfile over {steps} steps:")
+                    totals[name][event.key] += event.self_cpu_time_total / 1e3 / rounds
+    ours, ref = totals.values()
+    print(
+        f"self CPU ms a step, {threads} thread(s), mean of {rounds} alternated steps; total "
+        f"megaloop {sum(ours.values()):.1f}, plain PyTorch {sum(ref.values()):.1f}\n"
+    )
+    print("| op | megaloop | plain PyTorch | difference |")
+    print("|---|---|---|---|")
+    for op in sorted(set(ours) | set(ref), key=lambda k: -abs(ours[k] - ref[k]))[:rows]:
+        print(f"| {op[:70]} | {ours[op]:.1f} | {ref[op]:.1f} | {ours[op] - ref[op]:+.1f} |")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(rounds):
+        steps["megaloop step"](next(data))
+    profiler.disable()
+    print(f"\nmegaloop, cProfile over {rounds} steps:")
     pstats.Stats(profiler).sort_stats("cumulative").print_stats(rows)
 
 
-def main():
+def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--pairs", type=int, default=3)
-    p.add_argument("--steps", type=int, default=4, help="timed steps per process")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", default="1,2", help="torch thread counts, comma-separated")
+    p.add_argument("--rounds", type=int, default=8, help="timed rounds per thread count")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds before them")
+    p.add_argument("--steps", type=int, default=100, help="the run length of the outside view")
     for key, value in SHAPE.items():
         p.add_argument(f"--{key}", type=int, default=value)
-    p.add_argument("--threads", type=int, default=1, help="torch threads of each process")
-    p.add_argument("--smoke", action="store_true", help="tiny shapes, one pair, one step")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, one round")
     p.add_argument("--profile", action="store_true")
-    p.add_argument("--side", choices=["megaloop", "torch"], help=argparse.SUPPRESS)
     args = p.parse_args()
-    shape = SMOKE_SHAPE if args.smoke else {k: getattr(args, k) for k in SHAPE}
+    try:
+        args.threads = [int(t) for t in args.threads.split(",")]
+    except ValueError:
+        p.error(f"--threads {args.threads!r}: give thread counts like 1,2")
+    if min(args.threads) < 1:
+        p.error(f"--threads {args.threads}: every thread count must be >= 1")
     if args.smoke:
-        args.pairs, args.steps, args.warmup = 1, 1, 1
-    if args.side:
-        set_threads(args.threads)
-        phases = Phases()
-        with tempfile.TemporaryDirectory() as run_dir:
-            step, params = (
-                megaloop_side(shape, args.warmup + args.steps, run_dir, phases)
-                if args.side == "megaloop"
-                else torch_side(shape, phases)
-            )
-            result = time_steps(step, args.warmup, args.steps, phases)
-        report(**result, params=params, threads=torch.get_num_threads())
-        return
-    if args.profile:
-        profile_both(shape, args.warmup, args.steps)
-        return
-    set_threads()
-    ours, ref, n_ours, n_ref = check_same_math(shape)
-    assert n_ours == n_ref, f"parameter counts differ: megaloop {n_ours:,}, reference {n_ref:,}"
-    assert math.isclose(ours, ref, rel_tol=1e-4), f"losses differ: {ours} vs {ref}"
-    child = [
-        "--steps",
-        str(args.steps),
-        "--warmup",
-        str(args.warmup),
-        "--threads",
-        str(args.threads),
-        *[a for k in SHAPE for a in (f"--{k}", str(shape[k]))],
-    ]
-    results = alternate(__file__, ("megaloop", "torch"), args.pairs, child, args.threads)
-    ml, pt = ([r["step_ms"] for r in results[side]] for side in ("megaloop", "torch"))
-    ml_cpu, pt_cpu = ([r["cpu_ms"] for r in results[side]] for side in ("megaloop", "torch"))
-    ratio, low, high, (ci_low, ci_high) = summary([a / b for a, b in zip(ml, pt)])
-    cpu_ratio, cpu_low, cpu_high, _ = summary([a / b for a, b in zip(ml_cpu, pt_cpu)])
+        args.rounds, args.warmup = 1, 1
+    args.shape = SMOKE_SHAPE if args.smoke else {k: getattr(args, k) for k in SHAPE}
+    return args
+
+
+def print_shared_tables(shape, tables, runs):
+    print(
+        f"\nRebuilt in every layer of every loop (ms a step, {2 * shape['layers'] * shape['loops']}"
+        " RoPE calls: q and k, forward and backward):\n"
+    )
+    print(
+        "| threads | RoPE, megatron-core | RoPE, tables once | saved | saved / megaloop step | "
+        "causal masks (model.attention=megatron only) |"
+    )
+    print("|---|---|---|---|---|---|")
+    for threads, ms in tables.items():
+        saved = ms["RoPE, megatron-core"] - ms["RoPE, tables once"]
+        step_ms = 1e3 * statistics.median(runs[threads][0]["megaloop step"])
+        print(
+            f"| {threads} | {ms['RoPE, megatron-core']:.2f} | {ms['RoPE, tables once']:.2f} | "
+            f"{saved:.2f} | {100 * saved / step_ms:.2f}% | {ms['causal masks']:.2f} |"
+        )
+
+
+def main():
+    args = parse_args()
+    shape = args.shape
+    imports_s = import_megaloop()
+    with tempfile.TemporaryDirectory() as run_dir:
+        steps_run = len(args.threads) * (args.warmup + args.rounds) + 1
+        trainer, model, steps, build_s, same, params = build_sides(shape, steps_run, run_dir)
+        assert params["megaloop"] == params["reference"], f"parameter counts differ: {params}"
+        for loss in same.values():
+            assert math.isclose(loss, same["megaloop"], rel_tol=1e-5), f"losses differ: {same}"
+        if args.profile:
+            profile_steps(steps, shape, args.threads[-1], args.warmup, args.rounds)
+            return
+        runs = {t: interleave(steps, shape, t, args.warmup, args.rounds) for t in args.threads}
+        set_threads(args.threads[0])
+        finish = once_per_run(trainer)
+        tables = {t: shared_tables(model, shape, t, 5 * args.rounds) for t in args.threads}
+    wall, _, first = runs[args.threads[0]]
+    excess = {n: first[n] - statistics.median(wall[n]) for n in ("megaloop step", "plain step")}
+    fixed = {
+        "megaloop": imports_s
+        + build_s["megaloop"]
+        + excess["megaloop step"]
+        + sum(finish.values()),
+        "plain": build_s["plain"] + excess["plain step"],
+    }
     print(
         f"d={shape['hidden']}, {shape['heads']} heads, L={shape['layers']}, "
         f"K={shape['loops']}, T={shape['seq']}, B={shape['batch']}, V={shape['vocab']}, fp32, "
-        f"{args.threads} thread(s) a process; {args.pairs} pairs of processes (megaloop, torch, "
-        f"...), each the median of {args.steps} steps after {args.warmup} warm-up"
+        f"one process; per thread count {args.warmup} untimed and {args.rounds} timed rounds "
+        f"(every callable once a round, alternated)"
     )
     print(
-        f"same math: loss at init {ours:.6f} (megaloop) vs {ref:.6f} (reference); "
-        f"parameters {n_ours:,} = {n_ref:,}\n"
+        f"same math: loss at init {same['megaloop']:.6f} (megaloop) vs {same['reference']:.6f} "
+        f"(reference), {same['megaloop, RoPE tables once']:.6f} (megaloop, RoPE tables once); "
+        f"parameters {params['megaloop']:,} = {params['reference']:,}\n"
     )
     print(
-        "| side | parameters | step (ms) | per-process medians (ms) | CPU time (ms) | "
-        "per-process CPU (ms) |"
+        "| threads | what | megaloop (ms) | plain PyTorch (ms) | megaloop / plain, wall | "
+        "in CPU time |"
     )
     print("|---|---|---|---|---|---|")
-    for label, n, w, c in (("megaloop", n_ours, ml, ml_cpu), ("plain PyTorch", n_ref, pt, pt_cpu)):
-        print(
-            f"| {label} | {n:,} | {statistics.median(w):.1f} | {spread(w)} | "
-            f"{statistics.median(c):.1f} | {spread(c)} |"
-        )
-    print(
-        f"\nmegaloop / plain PyTorch: {ratio:.3f}x (median of {args.pairs} per-pair ratios, "
-        f"min..max {low:.3f}..{high:.3f}, bootstrap 95% {ci_low:.3f}..{ci_high:.3f}); "
-        f"in CPU time: {cpu_ratio:.3f}x (min..max {cpu_low:.3f}..{cpu_high:.3f}); goal <= 1.05: "
-        f"{'met' if ratio <= 1.05 else 'missed'} (wall), "
-        f"{'met' if cpu_ratio <= 1.05 else 'missed'} (CPU)\n"
-    )
-    print("Where the step goes (ms; per part, the median over processes of each one's median):\n")
-    print("| part | megaloop | plain PyTorch | megaloop - PyTorch |")
-    print("|---|---|---|---|")
-    for phase, label in PHASES.items():
-        a = statistics.median(r["phases_ms"][phase] for r in results["megaloop"])
-        b = statistics.median(r["phases_ms"][phase] for r in results["torch"])
-        print(f"| {label} | {a:.1f} | {b:.1f} | {a - b:+.1f} |")
+    for threads, (wall_t, cpu_t, _) in runs.items():
+        print_threads(threads, wall_t, cpu_t)
+    print_shared_tables(shape, tables, runs)
+    print("\nOnce a run (s): megaloop | plain PyTorch\n")
+    print("| part | megaloop | plain PyTorch |")
+    print("|---|---|---|")
+    for label, ours, ref in (
+        ("imports (megaloop, megatron-core; torch is shared)", imports_s, 0.0),
+        (
+            "build (process groups, data, model, engine, optimizer)",
+            build_s["megaloop"],
+            build_s["plain"],
+        ),
+        (
+            f"first step beyond a warm one ({args.threads[0]} thread(s))",
+            excess["megaloop step"],
+            excess["plain step"],
+        ),
+        *((f"{label} ({args.threads[0]} thread(s))", s, 0.0) for label, s in finish.items()),
+        ("total", fixed["megaloop"], fixed["plain"]),
+    ):
+        print(f"| {label} | {ours:.2f} | {ref:.2f} |")
+    warm = {
+        t: tuple(statistics.median(runs[t][0][n]) for n in ("megaloop step", "plain step"))
+        for t in args.threads
+    }
+    seen = ", ".join(f"{t} thread(s) {r:.3f}x" for t, r in outside(args.steps, fixed, warm).items())
+    print(f"\nmeasured from outside over {args.steps} steps (megaloop / plain PyTorch): {seen}")
 
 
 if __name__ == "__main__":

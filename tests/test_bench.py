@@ -98,13 +98,54 @@ def sign_test(slower: int, pairs: int) -> float:
 
 
 def test_overhead_smoke():
-    out = run("overhead.py")
-    assert "| megaloop |" in out and "| plain PyTorch |" in out
-    table_numbers(out)
-    ratio(out, "megaloop / plain PyTorch")
-    ratio(out, "in CPU time")
+    """Both thread counts, every comparison; with one round a ratio is the quotient of the two
+    times it prints, the once-a-run parts add up to their total, and the outside view follows
+    from that total and the warm steps."""
+    out = run("overhead.py", "--steps", "100")
     ours, ref = re.search(r"parameters " + NUMBER + " = " + NUMBER, out).groups()
     assert ours == ref
+    losses = re.search(r"loss at init (\S+) \(megaloop\) vs (\S+) \(reference\), (\S+) ", out)
+    assert losses and len(set(losses.groups())) == 1, out
+    rows = table_rows(out)
+    steps = [r for r in rows if r[0] in ("1", "2") and "x (" in r[4]]
+    assert [(r[0], r[1].split(":")[0].split(",")[0]) for r in steps] == [
+        (t, what)
+        for t in ("1", "2")
+        for what in ("model", "training step (optimizer included)", "model")
+    ], out
+    warm = {}
+    for threads, what, a, b, wall, _cpu in steps:
+        low, high = quotient_interval(num(a), num(b), 1, 1)
+        value = float(wall.split("x")[0])
+        assert low - 1e-3 <= value <= high + 1e-3, (what, a, b, wall)
+        if what.startswith("training step"):
+            warm[threads] = num(a) / 1e3, num(b) / 1e3
+    rope = [r for r in rows if len(r) == 6 and r[4].endswith("%")]
+    assert [r[0] for r in rope] == ["1", "2"], out
+    for threads, stock, once, saved, share, _masks in rope:
+        assert abs(num(stock) - num(once) - num(saved)) <= 0.011, (stock, once, saved)
+        step_ms = 1e3 * warm[threads][0]
+        low, high = quotient_interval(100 * num(saved), step_ms, 0, 1)  # saved: 2 decimals
+        assert low - 0.01 <= num(share.rstrip("%")) <= high + 0.01, (saved, step_ms, share)
+    table_numbers(out)
+    once = {r[0]: (num(r[1]), num(r[2])) for r in rows if len(r) == 3 and r[0] != "part"}
+    total = once.pop("total")
+    for side in (0, 1):
+        assert abs(sum(v[side] for v in once.values()) - total[side]) <= 0.005 * len(once) + 1e-9
+    seen = re.search(
+        r"measured from outside over 100 steps \(megaloop / plain PyTorch\): 1 thread\(s\) "
+        + FLOAT
+        + r"x, 2 thread\(s\) "
+        + FLOAT
+        + "x",
+        out,
+    )
+    assert seen, out
+    for threads, printed in zip(("1", "2"), seen.groups()):
+        (a, b), err = warm[threads], 0.005 + 100 * 0.05e-3  # the printed figures' rounding
+        low = (total[0] + 100 * a - err) / (total[1] + 100 * b + err)
+        high = (total[0] + 100 * a + err) / (total[1] + 100 * b - err)
+        assert low - 1e-3 <= num(printed) <= high + 1e-3, (threads, printed, out)
 
 
 VERDICT = re.compile(
