@@ -11,13 +11,12 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from megaloop.train.metrics import read as read_metrics
+from support import ROOT, article, web_documents, wikitext
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.multiprocess
 
 NUMBER = r"([-+]?\d[\d,]*\.?\d*(?:e[-+]?\d+)?)"
@@ -323,7 +322,6 @@ def test_prep_throughput_smoke(tmp_path):
     tokens in whole sequences of 1,025."""
     import random
 
-    from test_data import article, web_documents, wikitext
     from tokenizers import Tokenizer
 
     from data_prep.common import train_bpe

@@ -11,8 +11,7 @@ from megaloop import experiment
 from megaloop.config import ConfigError
 from megaloop.train import checkpoint
 from multiproc import metrics as read_metrics
-
-TINY = Path(__file__).resolve().parent.parent / "configs/experiments/tiny.yaml"
+from support import TINY
 
 
 class FileEngine:
@@ -92,8 +91,8 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     half-written folder is left, and a relaunch resumes from step 2."""
     import subprocess
 
-    from multiproc import BASE, env, train
-    from multiproc import TINY as TINY_CONFIG
+    from multiproc import BASE, train
+    from support import env
 
     run = tmp_path / "run"
     proc = subprocess.run(
@@ -102,7 +101,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path):
             "-m",
             "megaloop",
             "train",
-            TINY_CONFIG,
+            TINY,
             *BASE,
             "train.save_every=2",
             f"train.dir={run}",

@@ -6,16 +6,15 @@ import re
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from multiproc import env, free_port
+from multiproc import free_port
+from support import ROOT, env
 
 pytestmark = pytest.mark.multiprocess  # two torchrun launches among them
 
-ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "slurm/README.md"]
 PROGRAMS = ("megaloop", "torchrun", "make", "python", "bash", "srun", "sbatch")
 

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from multiproc import BASE, TINY, assert_same_curve, env, free_port, metrics, train, wait_for_step
+from multiproc import BASE, assert_same_curve, free_port, metrics, train, wait_for_step
+from support import TINY, env
 
 pytestmark = pytest.mark.multiprocess
 
