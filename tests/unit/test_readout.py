@@ -32,7 +32,8 @@ from megaloop.model.configuration_megaloop import MegaloopConfig
 )
 def test_the_config_types_and_the_semantics_name_the_same_modes(modes, rules):
     """A mode is one rule in megaloop.model.semantics and one name in the config's Literal
-    type; the exported model's config accepts exactly those (tests/test_export.py runs them)."""
+    type; the exported model's config accepts exactly those (tests/unit/test_export.py runs
+    them)."""
     assert sorted(get_args(modes)) == sorted(rules)
 
 
