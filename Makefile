@@ -30,7 +30,7 @@ slurm:
 	      --no-install-recommends $(SLURM_PACKAGES) >/dev/null; \
 	  else \
 	    echo "make: Slurm is not installed and this is not a root Debian shell; the cluster" \
-	         "tests in tests/test_slurm.py will be skipped (apt-get install $(SLURM_PACKAGES))"; \
+	         "tests in tests/cluster/test_slurm.py will be skipped (apt-get install $(SLURM_PACKAGES))"; \
 	  fi; \
 	fi
 

@@ -32,7 +32,7 @@
 #   WHEELS=.whl     wheel folder to install offline; absent: no install (PY has everything)
 #   STEPS="..."     the benchmark steps to run (default all, in the order above)
 #   LIMIT_<step>=S  another time limit for a step (seconds)
-#   GPU_TEST_STALL=<step>  that step sleeps past its limit (tests/test_gpu_kit.py)
+#   GPU_TEST_STALL=<step>  that step sleeps past its limit (tests/multiprocess/test_gpu_kit.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD

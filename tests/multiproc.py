@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import socket
 import subprocess
 import sys
@@ -12,9 +11,7 @@ from pathlib import Path
 
 from faults import SCRIPT as FAULTS
 from megaloop.train.metrics import read as read_metrics
-
-ROOT = Path(__file__).resolve().parent.parent
-TINY = str(ROOT / "configs/experiments/tiny.yaml")
+from support import TINY, env
 
 # L=4, K=4, tiny widths: 10 steps of 4 micro-batches of 1 sequence, checkpoints at 5 and 10
 BASE = [
@@ -58,10 +55,6 @@ def command(nproc: int, run_dir: Path, overrides: list[str], faults: Sequence[st
         f"--master-port={free_port()}",
         *args,
     ]
-
-
-def env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 
 
 # A DeepSpeed launch occasionally aborts in a C++ destructor after all its work is done.

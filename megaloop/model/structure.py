@@ -1,8 +1,9 @@
 """The looped model's parameters from its config alone: the name, shape and part of every tensor
 LoopedLM holds, on any pipeline stage and tensor-parallel rank.
 
-Torch-free, so that `megaloop params` and `plan` count parameters and state bytes without building
-anything; tests/test_structure.py holds it to the real model's named_parameters() in every mode.
+Torch-free, so that `megaloop params` and `plan` count parameters and state bytes without
+building anything; tests/unit/test_structure.py holds it to the real model's named_parameters()
+in every mode.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ import torch
 
 from megaloop import experiment
 from megaloop.train import checkpoint
-from multiproc import BASE, TINY, env, train, train_here
+from multiproc import BASE, train, train_here
+from support import TINY, env, megaloop
 
 OPEN = f"{io.open.__module__}.open"
 """How a pickle names io.open: `io.open` on Python 3.11, `_io.open` on 3.12."""
@@ -38,16 +39,6 @@ class Payload:
 
     def __reduce__(self):
         return (open, (self.path, "w"))
-
-
-def megaloop(*args, extra_env=None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "megaloop", *map(str, args)],
-        capture_output=True,
-        text=True,
-        env={**env(), **(extra_env or {})},
-        timeout=300,
-    )
 
 
 @pytest.fixture

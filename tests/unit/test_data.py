@@ -16,26 +16,7 @@ from data_prep import FineWebConfig, WikiTextConfig
 from data_prep.common import PrepError
 from data_prep.wikitext103 import split_articles
 from multiproc import metrics as read_metrics
-
-WORDS = (
-    "the of and to in that is was for with as on by at from his her they which this be "
-    "river city music history people water garden winter market school letter morning "
-    "painter harbour village station theatre engine island forest summer journey story "
-    "built opened wrote carried crossed lived found moved became turned remained named "
-    "small large early later northern southern famous quiet bright ancient narrow"
-).split()
-
-
-CONTENT_WORDS = WORDS[WORDS.index("river") :]
-
-
-def sentence(rng) -> str:
-    words = [rng.choice(WORDS) for _ in range(rng.randint(8, 14))]
-    return " ".join(words).capitalize() + "."
-
-
-def article(rng, paragraphs: int = 3) -> str:
-    return "\n".join(" ".join(sentence(rng) for _ in range(4)) for _ in range(paragraphs))
+from support import TINY, article, web_documents, wikitext
 
 
 def web_config(**options) -> FineWebConfig:
@@ -73,25 +54,6 @@ def test_prep_flags_build_the_same_config_as_the_dataclass():
 
 
 # -- WikiText --------------------------------------------------------------------------------
-
-
-def wikitext(rng, titles) -> str:
-    parts = [" \n"]
-    for title in titles:
-        parts.append(f" = {title} = \n \n {article(rng, 2)} \n \n = = Section = = \n \n")
-        parts.append(f" {sentence(rng)} \n = 1 rad / s and impedance k = \n 1 ohm . \n \n")
-    return "".join(parts)
-
-
-def miniature_source(tmp_path: Path, seed: int) -> Path:
-    """TMP/source with bench/repro_mini's inputs: wiki.test.raw (trained on, 40 articles) and
-    wiki.valid.raw (20)."""
-    rng = random.Random(seed)
-    source = tmp_path / "source"
-    source.mkdir()
-    (source / "wiki.test.raw").write_text(wikitext(rng, [f"Train {i}" for i in range(40)]))
-    (source / "wiki.valid.raw").write_text(wikitext(rng, [f"Valid {i}" for i in range(20)]))
-    return source
 
 
 def test_articles_split_on_top_level_headings_only():
@@ -194,23 +156,6 @@ def test_wikitext_bad_inputs(tmp_path):
 
 
 # -- FineWeb-style web text ------------------------------------------------------------------
-
-
-def web_documents(rng):
-    good = [{"text": article(rng, 3)} for _ in range(8)]
-    designed = {
-        "repeated": {"text": "\n".join(["The same line about the river and the city."] * 30)},
-        "no_stop_words": {
-            "text": "\n".join(
-                " ".join(rng.choice(CONTENT_WORDS) for _ in range(12)).capitalize() + "."
-                for _ in range(8)
-            )
-        },
-        "curly": {"text": article(rng, 3) + "\nfunction() { return the value; }"},
-        "empty": {"text": "   "},
-        "binary": {"text": "".join(chr(c) for c in range(1, 30)) * 200},
-    }
-    return good, designed
 
 
 @pytest.fixture(scope="module")
@@ -439,7 +384,6 @@ def test_train_on_prepared_data_indexed_epochs_and_webdataset(wikitext_prep, web
     from megaloop.data.indexed import samples_for_epochs
 
     _, out, _ = wikitext_prep
-    tiny = Path(__file__).resolve().parent.parent / "configs/experiments/tiny.yaml"
     common = [
         "model.vocab_size=512",
         "model.max_seq_len=64",
@@ -449,7 +393,7 @@ def test_train_on_prepared_data_indexed_epochs_and_webdataset(wikitext_prep, web
         "train.log_every=1",
     ]
     cfg = experiment.load(
-        tiny,
+        TINY,
         [
             *common,
             "data.kind=indexed",
@@ -467,7 +411,7 @@ def test_train_on_prepared_data_indexed_epochs_and_webdataset(wikitext_prep, web
     assert metrics["config"]["train"]["steps"] == steps == len(metrics["steps"])
     web_out = web_prep[0]
     cfg = experiment.load(
-        tiny,
+        TINY,
         [
             *common,
             "data.kind=webdataset",

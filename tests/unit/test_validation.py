@@ -4,7 +4,6 @@ over DP and PP, and says which."""
 
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,9 +13,8 @@ from megaloop import experiment
 from megaloop.config import ConfigError
 from megaloop.data import IndexedConfig, SyntheticConfig, TextConfig
 from multiproc import metrics as read_metrics
+from support import ROOT, TINY
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY = ROOT / "configs/experiments/tiny.yaml"
 SEQ = 16
 
 

@@ -5,7 +5,6 @@ same keys (the multi-process tests check the DeepSpeed engine's reports, and hol
 
 import inspect
 import re
-from pathlib import Path
 from typing import get_args, get_type_hints
 
 import pytest
@@ -17,7 +16,8 @@ from megaloop.parallel.engine import RANK_REPORT_KEYS, StepResult, TrainingEngin
 from megaloop.parallel.engines import ENGINES, EngineName
 from megaloop.parallel.megatron import MegatronEngine
 from megaloop.train.config import TrainConfig
-from multiproc import BASE, TINY
+from multiproc import BASE
+from support import ROOT, TINY
 
 METHODS = sorted(
     name
@@ -64,7 +64,6 @@ def test_a_megatron_engine_is_a_training_engine(tmp_path):
 
 # -- capabilities: each engine's rules live in its description (megaloop/parallel/engines.py) --
 
-ROOT = Path(__file__).resolve().parents[1]
 ENGINE_FILES = {"engines.py", "megatron.py", "deepspeed.py"}
 NAME_RULE = re.compile(
     r"""\bengine\b["'\]]*(\s*(==|!=)|\s+in\s+[(\[{])"""  # cfg.engine == ..., meta["engine"] in (

@@ -12,7 +12,8 @@ from megaloop.parallel import distributed
 from megaloop.parallel.cost import state_bytes
 from megaloop.parallel.engine import RANK_REPORT_KEYS
 from megaloop.train.metrics import read as read_metrics
-from multiproc import BASE, OBJECTIVES, TINY, assert_same_curve, kill_9_then_resume, metrics, train
+from multiproc import BASE, OBJECTIVES, assert_same_curve, kill_9_then_resume, metrics, train
+from support import TINY
 
 pytestmark = pytest.mark.multiprocess
 
@@ -106,7 +107,8 @@ def test_a_deepspeed_checkpoint_in_another_layout_is_refused_before_any_compute(
     import shutil
     import subprocess
 
-    from multiproc import command, env
+    from multiproc import command
+    from support import env
 
     source, _ = ds_run("zero2-dp2")
     run_dir = tmp_path / "run"

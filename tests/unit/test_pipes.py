@@ -9,11 +9,11 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from megaloop.train.metrics import read as read_metrics
+from support import ROOT
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 
@@ -102,7 +102,6 @@ def test_config_only_commands_import_no_training_stack(args, tmp_path):
     assert "HEAVY []" in proc.stderr, proc.stderr
 
 
-ROOT = Path(__file__).resolve().parents[1]
 EARLY_READER = re.compile(r"\|\s*(grep\s+(-\w*q|--quiet)|head\b)")
 
 

@@ -1,13 +1,11 @@
 """Configs: YAML composition, overrides, every shipped file, and one clear error per bad value."""
 
-from pathlib import Path
-
 import pytest
 
 from megaloop import experiment
 from megaloop.config import ConfigError
+from support import ROOT, TINY
 
-ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = sorted(p.relative_to(ROOT) for p in (ROOT / "configs").rglob("*.yaml"))
 
 
@@ -73,8 +71,6 @@ def test_ablation_table_has_one_file_per_row_for_both_sizes():
             cfg = experiment.load(ROOT / f"configs/experiments/wikitext103/{size}/{row}.yaml")
             assert (cfg.model.hidden_size, cfg.model.num_loops) == (d, 4)
 
-
-TINY = str(ROOT / "configs/experiments/tiny.yaml")
 
 BAD = [
     # (overrides, words the one error message must contain)

@@ -15,7 +15,8 @@ from megaloop import experiment
 from megaloop.config import ConfigError
 from megaloop.train import checkpoint
 from megaloop.train.watchdog import EXIT_UNHEALTHY, STOP_MARKER, UnhealthyRun
-from multiproc import BASE, TINY, command, env, metrics
+from multiproc import BASE, command, metrics
+from support import TINY, env
 
 
 @pytest.fixture

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from megaloop.parallel import comm
+from support import ROOT
 
-PACKAGE = Path(__file__).resolve().parent.parent / "megaloop"
+PACKAGE = ROOT / "megaloop"
 COLLECTIVES = {
     "all_reduce",
     "all_gather",

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from multiproc import BASE, TINY, env, free_port, metrics
+from multiproc import BASE, free_port, metrics
+from support import TINY, env, megaloop
 
 # Ouro's architecture at a reduced width; the tiny experiment's byte vocabulary and 4 layers
 SHAPE = {
@@ -171,16 +172,6 @@ def reference(w: dict, tokens: torch.Tensor, loops: int) -> tuple[list, list]:
             )[..., 0]
         )
     return logits, gates
-
-
-def megaloop(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "megaloop", *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=env(),
-        timeout=600,
-    )
 
 
 @pytest.fixture(scope="module")

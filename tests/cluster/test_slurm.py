@@ -20,19 +20,9 @@ import pytest
 from faults import SCRIPT as FAULTS
 from megaloop import slurm
 from megaloop.parallel.launch import LaunchError, task_env
-from multiproc import BASE, ROOT, TINY
+from multiproc import BASE
 from multiproc import metrics as read_metrics
-
-
-def megaloop(*args, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "megaloop", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
-
+from support import ROOT, TINY, article, megaloop
 
 # -- without a cluster --------------------------------------------------------------------------
 
@@ -76,9 +66,8 @@ def test_inconsistent_slurm_environments_are_named(env, message):
 
 
 def test_a_rank_without_master_address_fails_in_one_line():
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    env.update(srun_env(MASTER_ADDR="", SLURM_PROCID="0", SLURM_NTASKS="2"))
-    proc = megaloop("train", TINY, *BASE, env=env)
+    task = srun_env(MASTER_ADDR="", SLURM_PROCID="0", SLURM_NTASKS="2")
+    proc = megaloop("train", TINY, *BASE, extra_env={"RANK": None, "WORLD_SIZE": None, **task})
     assert proc.returncode == 2
     assert (
         proc.stderr.strip()
@@ -263,7 +252,7 @@ def submit(env, run_dir: Path, *args) -> str:
         *BASE,
         *STEPS,
         f"train.dir={run_dir}",
-        env=env,
+        extra_env=env,
     )
     assert proc.returncode == 0, proc.stderr
     assert "TP=1 PP=1 DP=2" in proc.stdout
@@ -417,14 +406,7 @@ SWEEP = [
 
 def submit_sweep(env, root: Path) -> str:
     """`megaloop sweep` of the tiny config over seeds 0 and 1 as one job array."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "megaloop", *SWEEP],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=root,
-        timeout=120,
-    )
+    proc = megaloop(*SWEEP, extra_env=env, cwd=root)
     assert proc.returncode == 0, proc.stderr
     assert "2 run(s), one per array task" in proc.stdout
     return proc.stdout.split("submitted job ")[1].split(":")[0]
@@ -442,22 +424,13 @@ def test_sweep_is_one_job_array_and_skips_what_it_finished(cluster, jobs):
         assert m["config"]["train"]["seed"] == seed and m["evals"][-1]["step"] == 4, logs(run_dir)
         assert all(np.isfinite(r["loss"]) for r in m["steps"])
         assert "ended with 0" in (run_dir / "logs/attempt-0.log").read_text()
-    again = subprocess.run(
-        [sys.executable, "-m", "megaloop", *SWEEP],
-        capture_output=True,
-        text=True,
-        env=cluster,
-        cwd=root,
-        timeout=120,
-    )
+    again = megaloop(*SWEEP, extra_env=cluster, cwd=root)
     assert again.returncode == 0 and "all 2 runs are finished" in again.stdout, again.stderr
 
 
 def submit_prep(env, root: Path) -> list:
     """A datatrove job array over two JSONL files; returns the command (run it again when the
     array is done to write the manifest)."""
-    from test_data import article
-
     from data_prep.common import train_bpe
 
     rng = random.Random(5)
@@ -490,7 +463,7 @@ def submit_prep(env, root: Path) -> list:
         "--job-name",
         "test-prep",
     ]
-    submitted = megaloop(*command, env=env)
+    submitted = megaloop(*command, extra_env=env)
     assert submitted.returncode == 0, submitted.stderr
     assert "run the same command again when they are done" in submitted.stdout
     return command
@@ -513,7 +486,7 @@ def test_datatrove_prep_job_array_matches_a_local_run(cluster, jobs):
         )
     )
     wait_queue_empty(cluster, timeout=240, name="test-prep")
-    finished = megaloop(*command, env=cluster)
+    finished = megaloop(*command, extra_env=cluster)
     assert finished.returncode == 0, finished.stderr
     a, b = (json.loads((root / d / "manifest.json").read_text()) for d in ("slurm", "local"))
     for key in ("documents_read", "documents_kept", "tokens", "sequences", "dropped", "shards"):

@@ -17,16 +17,15 @@ from megaloop.parallel.cost import params_per_rank, state_bytes
 from multiproc import (
     BASE,
     OBJECTIVES,
-    TINY,
     assert_same_curve,
     command,
-    env,
     kill_9_then_resume,
     metrics,
     train,
     train_here,
     wait_for_step,
 )
+from support import TINY, env
 
 pytestmark = pytest.mark.multiprocess
 

@@ -6,12 +6,10 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from test_data import miniature_source
 
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT, miniature_source
 
 
 @pytest.mark.multiprocess  # two training processes at a time

@@ -5,7 +5,8 @@ import pytest
 
 from megaloop import extras
 from megaloop.cli import main
-from multiproc import BASE, TINY
+from multiproc import BASE
+from support import TINY
 
 
 @pytest.fixture

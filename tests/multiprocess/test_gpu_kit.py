@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from support import ROOT
+
 pytestmark = pytest.mark.multiprocess
 
-REPO = Path(__file__).resolve().parents[1]
 STEPS = ["preempt_resume", "recompute_memory", "mfu_129m", "mfu_1p4b", "fixed_k"]
 
 
@@ -31,7 +32,7 @@ def gpu_sh(out: Path, tmp_path: Path, **env) -> subprocess.CompletedProcess:
         **env,
     }
     return subprocess.run(
-        ["bash", str(REPO / "bench" / "gpu.sh"), str(out)],
+        ["bash", str(ROOT / "bench" / "gpu.sh"), str(out)],
         env=env,
         capture_output=True,
         text=True,

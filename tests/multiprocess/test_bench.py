@@ -11,13 +11,12 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from megaloop.train.metrics import read as read_metrics
+from support import ROOT, article, web_documents, wikitext
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.multiprocess
 
 NUMBER = r"([-+]?\d[\d,]*\.?\d*(?:e[-+]?\d+)?)"
@@ -300,7 +299,7 @@ def test_mfu_smoke():
 def test_recompute_memory_smoke():
     """Memory counted, not timed: it grows with K for every option, recompute keeps less than
     none (loop least: one tensor a loop against full's one a layer), the ratio column is the
-    cell over none, and `megaloop plan` is within 15% (tests/test_layout.py's bound)."""
+    cell over none, and `megaloop plan` is within 15% (tests/unit/test_layout.py's bound)."""
     out = run(
         "recompute_memory.py",
         *("--hidden", "64", "--heads", "4", "--layers", "2", "--seq", "128", "--batch", "4"),
@@ -364,7 +363,6 @@ def test_prep_throughput_smoke(tmp_path):
     tokens in whole sequences of 1,025."""
     import random
 
-    from test_data import article, web_documents, wikitext
     from tokenizers import Tokenizer
 
     from data_prep.common import train_bpe

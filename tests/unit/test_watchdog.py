@@ -21,9 +21,8 @@ from megaloop.objectives import ObjectiveConfig, compute
 from megaloop.parallel.distributed import reduce_terms
 from megaloop.train.watchdog import EXIT_UNHEALTHY, ScaleAlarmConfig, ScaleWatchdog
 from multiproc import metrics as read_metrics
+from support import ROOT, TINY
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY = ROOT / "configs/experiments/tiny.yaml"
 SHORT = ["data.seq_len=32", "train.log_every=1", "wandb.mode=disabled"]
 
 

@@ -3,14 +3,14 @@ and the version guard the megatron engine's own patch shares with it."""
 
 import re
 import sys
-from pathlib import Path
 
 import pytest
 
 from megaloop import _cpu_compat
 from megaloop.parallel import versions
+from support import ROOT
 
-PACKAGE = Path(__file__).resolve().parent.parent / "megaloop"
+PACKAGE = ROOT / "megaloop"
 
 
 def test_every_patch_names_a_file_and_line_of_a_version_locked_library():

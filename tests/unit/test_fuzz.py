@@ -23,9 +23,7 @@ from megaloop import experiment
 from megaloop.config import Config, ConfigError, DataError
 from megaloop.data import KINDS, DataConfig
 from megaloop.experiment import ExperimentConfig
-
-ROOT = Path(__file__).resolve().parent.parent
-TINY = str(ROOT / "configs/experiments/tiny.yaml")
+from support import TINY
 
 
 def fuzz(n: int):

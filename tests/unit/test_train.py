@@ -5,7 +5,6 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,9 +12,7 @@ from safetensors.torch import load_file
 
 from megaloop import experiment
 from multiproc import metrics as read_metrics
-
-ROOT = Path(__file__).resolve().parent.parent
-TINY = ROOT / "configs/experiments/tiny.yaml"
+from support import TINY
 
 
 def test_fifty_steps_of_the_tiny_config_reduce_the_loss(tmp_path):

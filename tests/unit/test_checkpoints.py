@@ -10,8 +10,7 @@ from megaloop import experiment
 from megaloop.config import ConfigError
 from megaloop.train import checkpoint
 from multiproc import metrics as read_metrics
-
-TINY = Path(__file__).resolve().parent.parent / "configs/experiments/tiny.yaml"
+from support import TINY
 
 
 class FileEngine:

@@ -6,16 +6,15 @@ import re
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from multiproc import env, free_port
+from multiproc import free_port
+from support import ROOT, env
 
 pytestmark = pytest.mark.multiprocess  # two torchrun launches among them
 
-ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "slurm/README.md"]
 PROGRAMS = ("megaloop", "torchrun", "make", "python", "bash", "srun", "sbatch")
 
@@ -71,21 +70,21 @@ DRY_RUN = [  # Slurm submissions: rendered and checked, not submitted
     "megaloop slurm submit configs/experiments/fineweb/1p4b_42b_tokens.yaml --nodes 16 --gpus-per-node 8 --partition gpu --time 2-00:00:00 --sbatch-arg=--exclusive --dry-run train.dir=/scratch/megaloop/runs/fineweb-1p4b",
 ]
 SKIP = {
-    "make demo": "the demo itself (tests/test_demo.py runs it short)",
+    "make demo": "the demo itself (tests/unit/test_demo.py runs it short)",
     "make test": "this test suite",
     "make test-fast": "this test suite, less the multi-process and Slurm tests",
     "megaloop train configs/experiments/wikitext103/44m/per_loop_norm.yaml train.seed=1": "a 44M model on prepared WikiText-103 (bench/repro_mini trains the miniature)",
-    "megaloop sweep configs/experiments/wikitext103/44m/*.yaml --seeds 0,1,2": "33 full runs (tests/test_sweep.py sweeps the tiny config)",
-    "megaloop sweep configs/experiments/wikitext103/44m_drift/*.yaml --seeds 0,1,2": "6 full runs (tests/test_sweep.py sweeps the tiny config)",
-    "megaloop sweep configs/experiments/wikitext103/44m/*.yaml --seeds 0,1,2 --executor slurm --nodes 1 --gpus-per-node 8 --partition gpu --time 1-00:00:00": "a Slurm cluster with GPUs (tests/test_slurm.py submits sweeps to a local cluster)",
-    "megaloop sweep configs/experiments/fineweb/1p4b_{baseline,no_readout_norm}.yaml --seeds 0 --executor slurm --nodes 2 --gpus-per-node 8 --partition gpu": "a Slurm cluster with GPUs (tests/test_slurm.py)",
-    "megaloop prep fineweb --source HuggingFaceFW/fineweb/sample/10BT --tokenizer tokenizer.json --seq-len 4096 --out data/fineweb --executor slurm --partition cpu": "FineWeb from the hub, on a Slurm cluster (tests/test_data.py and tests/test_slurm.py prepare generated JSONL, locally and as a Slurm job)",
-    "megaloop eval downstream runs/tiny/hf --loops 4 --out runs/tiny/eval-K4": "the tasks' data come from the hub (tests/test_downstream_tasks.py runs it on local task files)",
-    "megaloop eval downstream runs/tiny/hf --loops 8 --out runs/tiny/eval-K8": "the tasks' data come from the hub (tests/test_downstream_tasks.py)",
-    "megaloop eval compare runs/tiny/eval-K4 runs/tiny/eval-K8": "reads the two downstream runs above (tests/test_evaluation.py compares generated ones)",
-    "megaloop import ouro path/to/Ouro-1.4B runs/ouro-1p4b": "Ouro-1.4B's weights from the hub (tests/test_ouro.py imports a generated Ouro folder)",
-    "megaloop train configs/experiments/fineweb/1p4b_baseline.yaml train.init_from=runs/ouro-1p4b": "a 1.4B model (tests/test_ouro.py trains from an import)",
-    "megaloop export runs/fineweb/1p4b_baseline/seed0 runs/1p4b-ouro --format ouro": "a 1.4B run (tests/test_ouro.py exports a small one in Ouro's format)",
+    "megaloop sweep configs/experiments/wikitext103/44m/*.yaml --seeds 0,1,2": "33 full runs (tests/unit/test_sweep.py sweeps the tiny config)",
+    "megaloop sweep configs/experiments/wikitext103/44m_drift/*.yaml --seeds 0,1,2": "6 full runs (tests/unit/test_sweep.py sweeps the tiny config)",
+    "megaloop sweep configs/experiments/wikitext103/44m/*.yaml --seeds 0,1,2 --executor slurm --nodes 1 --gpus-per-node 8 --partition gpu --time 1-00:00:00": "a Slurm cluster with GPUs (tests/cluster/test_slurm.py submits sweeps to a local cluster)",
+    "megaloop sweep configs/experiments/fineweb/1p4b_{baseline,no_readout_norm}.yaml --seeds 0 --executor slurm --nodes 2 --gpus-per-node 8 --partition gpu": "a Slurm cluster with GPUs (tests/cluster/test_slurm.py)",
+    "megaloop prep fineweb --source HuggingFaceFW/fineweb/sample/10BT --tokenizer tokenizer.json --seq-len 4096 --out data/fineweb --executor slurm --partition cpu": "FineWeb from the hub, on a Slurm cluster (tests/unit/test_data.py and tests/cluster/test_slurm.py prepare generated JSONL, locally and as a Slurm job)",
+    "megaloop eval downstream runs/tiny/hf --loops 4 --out runs/tiny/eval-K4": "the tasks' data come from the hub (tests/unit/test_downstream_tasks.py runs it on local task files)",
+    "megaloop eval downstream runs/tiny/hf --loops 8 --out runs/tiny/eval-K8": "the tasks' data come from the hub (tests/unit/test_downstream_tasks.py)",
+    "megaloop eval compare runs/tiny/eval-K4 runs/tiny/eval-K8": "reads the two downstream runs above (tests/unit/test_evaluation.py compares generated ones)",
+    "megaloop import ouro path/to/Ouro-1.4B runs/ouro-1p4b": "Ouro-1.4B's weights from the hub (tests/unit/test_ouro.py imports a generated Ouro folder)",
+    "megaloop train configs/experiments/fineweb/1p4b_baseline.yaml train.init_from=runs/ouro-1p4b": "a 1.4B model (tests/unit/test_ouro.py trains from an import)",
+    "megaloop export runs/fineweb/1p4b_baseline/seed0 runs/1p4b-ouro --format ouro": "a 1.4B run (tests/unit/test_ouro.py exports a small one in Ouro's format)",
 }
 
 

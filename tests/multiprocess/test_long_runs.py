@@ -19,11 +19,11 @@ from multiproc import (
     OBJECTIVES,
     assert_same_curve,
     command,
-    env,
     metrics,
     train_here,
     wait_for_step,
 )
+from support import env
 
 pytestmark = pytest.mark.multiprocess
 OVERRIDES = [*OBJECTIVES["per_loop+penalty"], "train.save_every=2"]

@@ -9,8 +9,8 @@ import torch
 from megaloop import experiment
 from megaloop.model.looped import build_model
 from megaloop.parallel import cost, measure, planner
+from support import TINY
 
-TINY = "configs/experiments/tiny.yaml"
 SHAPE = [
     "model.hidden_size=64",
     "model.num_heads=4",

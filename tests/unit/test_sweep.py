@@ -13,9 +13,8 @@ import torch
 from megaloop import experiment
 from megaloop.config import ConfigError
 from multiproc import metrics as read_metrics
+from support import ROOT, TINY
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY = ROOT / "configs/experiments/tiny.yaml"
 QUICK = ["train.steps=3", "data.seq_len=32", "train.log_every=1", "wandb.mode=disabled"]
 
 

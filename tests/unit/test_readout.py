@@ -33,7 +33,7 @@ from megaloop.model.configuration_megaloop import MegaloopConfig
 def test_the_config_types_and_the_semantics_name_the_same_modes(names, rules):
     """A mode is one name in model/modes.py's Literal type, with what it owns there and what it
     computes in megaloop.model.semantics; the exported model's config accepts exactly those
-    (tests/test_export.py runs them)."""
+    (tests/unit/test_export.py runs them)."""
     assert sorted(get_args(names)) == sorted(rules)
 
 

@@ -1,0 +1,105 @@
+"""What test files share: the repository's paths, the tiny config, the `megaloop` command run as
+a user runs it, and synthetic text for the data pipelines (Wikitext-style articles, web pages).
+Test files import from here, never from each other."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs/experiments/tiny.yaml")
+
+COMMAND_TIMEOUT = 300
+"""Seconds a `megaloop` command may take before the test fails (a hang, not a slow machine)."""
+
+
+def env() -> dict:
+    """The environment child processes run in: one thread each, no W&B."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+
+
+def megaloop(
+    *args,
+    extra_env: dict | None = None,
+    cwd: Path | None = None,
+    timeout: int = COMMAND_TIMEOUT,
+) -> subprocess.CompletedProcess:
+    """`python -m megaloop ARGS` in env() plus `extra_env` (a value of None unsets a variable)."""
+    child = env()
+    for key, value in (extra_env or {}).items():
+        if value is None:
+            child.pop(key, None)
+        else:
+            child[key] = value
+    return subprocess.run(
+        [sys.executable, "-m", "megaloop", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=child,
+        cwd=cwd,
+        timeout=timeout,
+    )
+
+
+# -- synthetic text ------------------------------------------------------------------------------
+
+WORDS = (
+    "the of and to in that is was for with as on by at from his her they which this be "
+    "river city music history people water garden winter market school letter morning "
+    "painter harbour village station theatre engine island forest summer journey story "
+    "built opened wrote carried crossed lived found moved became turned remained named "
+    "small large early later northern southern famous quiet bright ancient narrow"
+).split()
+CONTENT_WORDS = WORDS[WORDS.index("river") :]
+
+
+def sentence(rng: random.Random) -> str:
+    words = [rng.choice(WORDS) for _ in range(rng.randint(8, 14))]
+    return " ".join(words).capitalize() + "."
+
+
+def article(rng: random.Random, paragraphs: int = 3) -> str:
+    return "\n".join(" ".join(sentence(rng) for _ in range(4)) for _ in range(paragraphs))
+
+
+def wikitext(rng: random.Random, titles) -> str:
+    """Wikitext-103's raw layout: ` = Title = ` articles with a ` = = Section = = ` each, and a
+    formula line that looks like a heading but is not one."""
+    parts = [" \n"]
+    for title in titles:
+        parts.append(f" = {title} = \n \n {article(rng, 2)} \n \n = = Section = = \n \n")
+        parts.append(f" {sentence(rng)} \n = 1 rad / s and impedance k = \n 1 ohm . \n \n")
+    return "".join(parts)
+
+
+def miniature_source(tmp_path: Path, seed: int) -> Path:
+    """TMP/source with bench/repro_mini's inputs: wiki.test.raw (trained on, 40 articles) and
+    wiki.valid.raw (20)."""
+    rng = random.Random(seed)
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "wiki.test.raw").write_text(wikitext(rng, [f"Train {i}" for i in range(40)]))
+    (source / "wiki.valid.raw").write_text(wikitext(rng, [f"Valid {i}" for i in range(20)]))
+    return source
+
+
+def web_documents(rng: random.Random) -> tuple[list[dict], dict[str, dict]]:
+    """Eight good pages, and one page for each quality filter to drop (named by the filter)."""
+    good = [{"text": article(rng, 3)} for _ in range(8)]
+    designed = {
+        "repeated": {"text": "\n".join(["The same line about the river and the city."] * 30)},
+        "no_stop_words": {
+            "text": "\n".join(
+                " ".join(rng.choice(CONTENT_WORDS) for _ in range(12)).capitalize() + "."
+                for _ in range(8)
+            )
+        },
+        "curly": {"text": article(rng, 3) + "\nfunction() { return the value; }"},
+        "empty": {"text": "   "},
+        "binary": {"text": "".join(chr(c) for c in range(1, 30)) * 200},
+    }
+    return good, designed
