@@ -2,9 +2,6 @@
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,7 +9,7 @@ from safetensors.torch import load_file
 
 from megaloop import experiment
 from multiproc import metrics as read_metrics
-from support import TINY
+from support import TINY, megaloop
 
 
 def test_fifty_steps_of_the_tiny_config_reduce_the_loss(tmp_path):
@@ -40,27 +37,18 @@ def test_fifty_steps_of_the_tiny_config_reduce_the_loss(tmp_path):
 
 def test_train_cli_writes_checkpoint_metrics_and_offline_wandb_run(tmp_path):
     run = tmp_path / "run"
-    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "2"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megaloop",
-            "train",
-            str(TINY),
-            f"train.dir={run}",
-            "train.steps=6",
-            "train.log_every=2",
-            "train.save_every=3",
-            "train.keep_last=1",
-            "data.seq_len=32",
-            "model.readout=raw",
-            "objective.norm_penalty=0.01",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
+    proc = megaloop(
+        "train",
+        TINY,
+        f"train.dir={run}",
+        "train.steps=6",
+        "train.log_every=2",
+        "train.save_every=3",
+        "train.keep_last=1",
+        "data.seq_len=32",
+        "model.readout=raw",
+        "objective.norm_penalty=0.01",
+        extra_env={"WANDB_MODE": "offline", "OMP_NUM_THREADS": "2"},
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -80,13 +68,7 @@ def test_train_cli_writes_checkpoint_metrics_and_offline_wandb_run(tmp_path):
     meta = json.loads((ckpt / "meta.json").read_text())
     assert meta["consumed_samples"] == 6 * 16 and meta["layout"] == {"tp": 1, "pp": 1, "dp": 1}
     out = tmp_path / "consolidated"
-    proc = subprocess.run(
-        [sys.executable, "-m", "megaloop", "ckpt", "consolidate", str(run), str(out)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    proc = megaloop("ckpt", "consolidate", run, out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     weights = load_file(out / "model.safetensors")
     assert weights["embedding.word_embeddings.weight"].shape == (256, 128)

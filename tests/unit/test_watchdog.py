@@ -7,7 +7,6 @@ import os
 import signal
 import stat
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from megaloop.objectives import ObjectiveConfig, compute
 from megaloop.parallel.distributed import reduce_terms
 from megaloop.train.watchdog import EXIT_UNHEALTHY, ScaleAlarmConfig, ScaleWatchdog
 from multiproc import metrics as read_metrics
-from support import ROOT, TINY
+from support import ROOT, TINY, megaloop
 
 SHORT = ["data.seq_len=32", "train.log_every=1", "wandb.mode=disabled"]
 
@@ -140,24 +139,14 @@ def test_warn_logs_the_alarm_and_keeps_training(tmp_path, capsys):
 
 def test_stop_saves_marks_and_exits_with_its_own_code(tmp_path, capsys):
     run = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megaloop",
-            "train",
-            str(TINY),
-            f"train.dir={run}",
-            "train.steps=5",
-            *SHORT,
-            "train.scale_alarm.max_rms=0.1",
-            "train.scale_alarm.action=stop",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
+    proc = megaloop(
+        "train",
+        TINY,
+        f"train.dir={run}",
+        "train.steps=5",
+        *SHORT,
+        "train.scale_alarm.max_rms=0.1",
+        "train.scale_alarm.action=stop",
     )
     assert proc.returncode == EXIT_UNHEALTHY == 65, proc.stderr[-3000:]
     assert "megaloop: stopped at step 1: scale alarm, " in proc.stderr
