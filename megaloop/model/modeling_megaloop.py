@@ -577,9 +577,8 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
         rows, idx, valid = gather_index(work)
         at, written = (rows[:, None], idx), (rows[:, None].expand_as(idx)[valid], idx[valid])
         positions, P = idx + tokens.offset, tokens.hidden.shape[1]
-        new_only = bool(valid.all()) and torch.equal(
-            idx, P - s + torch.arange(s, device=idx.device).expand_as(idx)
-        )
+        new = P - s + torch.arange(s, device=idx.device)
+        new_only = idx.shape[1] == s and bool(valid.all()) and torch.equal(idx, new.expand_as(idx))
         mask = None  # the new tokens only, no padding: the causal mask, as without early exit
         if key_mask is not None or not new_only:
             rows_mask = None if key_mask is None else key_mask[rows]

@@ -3,13 +3,21 @@ after k, under each exit rule and KV policy, at batch 1 and 8, on megaloop's own
 an Ouro-architecture model (sandwich norms, shared loop norm, exit gate)."""
 
 from contextlib import contextmanager
+from typing import get_args
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from megaloop.model.modeling_megaloop import LoopCache
-from megaloop.model.semantics import Survival, top1_margin
+from megaloop.model.modes import KEEPS_HIDDEN, KV_LOOP_SLOTS, EarlyExit, KVPolicy
+from megaloop.model.semantics import (
+    EXIT_SCORES,
+    READS_GATE,
+    READS_LOGITS,
+    Survival,
+    top1_margin,
+)
 from support import tiny_export
 
 MODELS = {
@@ -197,3 +205,68 @@ def test_bad_cache_input_names_the_fix(model):
     with configured(model, early_exit="gate"), torch.no_grad():
         with pytest.raises(ValueError, match="pass past_key_values=LoopCache"):
             model(prompt[:, :1], past_key_values=dynamic)
+
+
+def test_every_exit_rule_and_kv_policy_is_defined_once():
+    assert set(get_args(EarlyExit)) == set(EXIT_SCORES) == set(READS_GATE) == set(READS_LOGITS)
+    assert set(get_args(KVPolicy)) == set(KV_LOOP_SLOTS) == set(KEEPS_HIDDEN)
+
+
+@pytest.mark.parametrize("policy", ["copy", "recompute"])
+def test_a_prompt_may_exit_early_too(model, policy):
+    """`prefill_exit`: the prompt's tokens exit as decoded ones do, in one forward. Recompute
+    still gives the no-cache forward; copy runs each token to its exit loop only."""
+    tokens, fields = prompts(2, length=12, seed=4), dict(early_exit="gate")
+    with configured(model, exit_threshold=model.middle["gate"], **fields), torch.no_grad():
+        reference = model(tokens, use_cache=False)
+        cache = LoopCache(policy)
+        out = model(tokens, past_key_values=cache, prefill_exit=True)
+    assert torch.equal(out.exit_loops, reference.exit_loops)
+    assert len(out.exit_loops.unique()) >= 3
+    if policy == "recompute":
+        assert ((out.logits - reference.logits).abs().max() / reference.logits.abs().max()) <= 1e-5
+    else:
+        assert cache.loop_applications == int(out.exit_loops.sum())
+
+
+def test_left_padded_rows_exit_as_each_row_alone(model):
+    """Padding is masked in the gathered attention as in the full-depth path."""
+    g = torch.Generator().manual_seed(5)
+    long, short = (
+        torch.randint(1, 64, (1, 9), generator=g),
+        torch.randint(1, 64, (1, 5), generator=g),
+    )
+    batch = torch.cat([long, torch.cat([torch.zeros(1, 4, dtype=torch.long), short], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :4] = 0
+    fields = dict(early_exit="gate", exit_threshold=model.middle["gate"])
+    with configured(model, **fields), torch.no_grad():
+        cache = LoopCache("copy")
+        out = model.generate(
+            batch,
+            attention_mask=mask,
+            max_new_tokens=6,
+            do_sample=False,
+            pad_token_id=0,
+            past_key_values=cache,
+        )
+    for row, prompt, pad in ((0, long, 0), (1, short, 4)):
+        alone_cache = LoopCache("copy")
+        alone = greedy(model, prompt, 6, alone_cache, **fields)[0]
+        assert out[row, pad:].tolist() == alone[0].tolist()
+        exits = torch.cat(cache.exit_loops[1:], 1)[row]
+        assert torch.equal(exits, torch.cat(alone_cache.exit_loops[1:], 1)[0])
+
+
+def test_the_kv_policy_is_chosen_at_load_or_per_call(model):
+    with configured(model, early_exit="margin", kv_policy="share"), torch.no_grad():
+        out = model.generate(
+            prompts(1),
+            max_new_tokens=2,
+            do_sample=False,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+        )
+        assert isinstance(out.past_key_values, LoopCache)
+        assert out.past_key_values.kv_policy == "share"
+        assert model(prompts(1), kv_policy="recompute").past_key_values.kv_policy == "recompute"
