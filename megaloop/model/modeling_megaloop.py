@@ -254,17 +254,26 @@ class Tokens:
 
 class ActiveSlots:
     """One loop's view of a LoopCache for the rows it runs: `update` writes the running tokens'
-    keys and values at their positions and returns those rows' slots, as Cache.update does."""
+    keys and values at their positions and returns those rows' slots, as Cache.update does
+    (without a copy when every row runs, with a slice when only the newest positions do)."""
 
-    def __init__(self, cache: LoopCache, rows: torch.Tensor, positions, valid: torch.Tensor):
-        self.cache, self.rows, self.valid = cache, rows, valid
+    def __init__(self, cache: LoopCache, rows, positions, valid: torch.Tensor, new_only: bool):
+        self.cache, self.rows, self.valid, self.new_only = cache, rows, valid, new_only
+        self.all_rows = len(rows) == cache.keys[0].shape[0]
         self.at = (rows[:, None].expand_as(positions)[valid], positions[valid])
 
     def update(self, k: torch.Tensor, v: torch.Tensor, index: int):
         slot = self.cache.slot(index)
         keys, values = self.cache.keys[slot], self.cache.values[slot]
-        keys[self.at[0], :, self.at[1]] = k.transpose(1, 2)[self.valid]
-        values[self.at[0], :, self.at[1]] = v.transpose(1, 2)[self.valid]
+        for store, new in ((keys, k), (values, v)):
+            if self.new_only and self.all_rows:
+                store[:, :, -new.shape[2] :] = new
+            elif self.new_only:
+                store[self.rows, :, -new.shape[2] :] = new
+            else:
+                store[self.at[0], :, self.at[1]] = new.transpose(1, 2)[self.valid]
+        if self.all_rows:
+            return keys, values
         return keys[self.rows], values[self.rows]
 
 
@@ -532,7 +541,7 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
             open_[rows[stop], cols[stop]] = False
             if s == 1 or prefill_exit:
                 running = open_.clone()
-                if cache.kv_policy == "copy" and k < K:
+                if cache.kv_policy == "copy" and k < K and bool(stop.any()):
                     cache.copy_down(k, rows[stop], new.offset + cols[stop])
             if not running.any():
                 break
@@ -583,7 +592,7 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
         if key_mask is not None or not new_only:
             rows_mask = None if key_mask is None else key_mask[rows]
             mask = attendable(rows_mask, positions, cache.get_seq_length())
-        slots = ActiveSlots(cache, rows, positions, valid)
+        slots = ActiveSlots(cache, rows, positions, valid, new_only)
         h = self.loop(tokens.hidden[at], k, self.rotary(tokens.positions[at]), slots, mask)
         if self.config.clamp:
             held = Clamp()
