@@ -221,6 +221,33 @@ class LoopCache(Cache):
                 for deeper in range(k, self.num_loops):
                     store[deeper * L + layer][rows, :, positions] = exit_entry
 
+    @property
+    def batch_size(self) -> int:
+        return self.keys[0].shape[0] if self.keys else -1
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError("an early-exit cache cannot be cropped: generate without an assistant")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: the rows follow their beams (the per-forward counts stay as run)."""
+        self.select_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.select_rows(lambda t: t[indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.select_rows(lambda t: t.repeat_interleave(repeats, 0))
+
+    def select_rows(self, select) -> None:
+        self.keys = [select(t) for t in self.keys]
+        self.values = [select(t) for t in self.values]
+        if self.tokens is not None:
+            self.tokens = Tokens(*map(select, self.tokens.tensors()), self.tokens.offset)
+
     def bytes_per_token(self) -> float:
         """What the cache holds per cached position, measured from its tensors."""
         held = [*self.keys, *self.values]

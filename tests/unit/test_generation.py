@@ -270,3 +270,14 @@ def test_the_kv_policy_is_chosen_at_load_or_per_call(model):
         assert isinstance(out.past_key_values, LoopCache)
         assert out.past_key_values.kv_policy == "share"
         assert model(prompts(1), kv_policy="recompute").past_key_values.kv_policy == "recompute"
+
+
+@pytest.mark.parametrize("policy", ["copy", "recompute"])
+def test_beam_search_reorders_the_rows(model, policy):
+    """Beam search moves the cache's rows with their beams: never exiting, it is fixed K's."""
+    fields = dict(do_sample=False, num_beams=3, max_new_tokens=5, pad_token_id=0)
+    with torch.no_grad():
+        ref = model.generate(prompts(2), **fields)
+        with configured(model, early_exit="gate", exit_threshold=NEVER["gate"]):
+            got = model.generate(prompts(2), past_key_values=LoopCache(policy), **fields)
+    assert torch.equal(got, ref)
