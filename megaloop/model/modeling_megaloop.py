@@ -476,11 +476,8 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's logits at its exit loop (config.early_exit's rule), and that loop, with
         every loop run for every token: the no-cache reference of the exiting forward."""
-        rule, logits, exit_loops = (
-            ExitRule(self.config.early_exit, self.config.exit_threshold, K),
-            None,
-            None,
-        )
+        rule = ExitRule(self.config.early_exit, self.config.exit_threshold, K)
+        logits, exit_loops = None, None
         for k, h in trajectory:
             lam = self.exit_probability(h)[..., 0] if rule.reads_gate else None
             logits_k = self.readout(h, k)
