@@ -103,3 +103,49 @@ def web_documents(rng: random.Random) -> tuple[list[dict], dict[str, dict]]:
         "binary": {"text": "".join(chr(c) for c in range(1, 30)) * 200},
     }
     return good, designed
+
+
+# -- tiny exported models ------------------------------------------------------------------------
+
+
+def tiny_export(seed: int = 0, gate_scale: float = 0.3, **model):
+    """A tiny trainer model (ModelConfig defaults below, `model` overriding them) with its norms
+    and damping moved off their initial constants, exported in memory to transformers, its exit
+    gate (if any) drawn at `gate_scale` so that tokens exit at different loops."""
+    import torch
+
+    from conftest import build
+    from megaloop.export import hf_model
+    from megaloop.model import ModelConfig
+    from megaloop.parallel import distributed
+
+    distributed.init(seed=0)  # a no-op in a test, which has its world already
+    settings = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_heads=4,
+        num_query_groups=2,
+        num_layers=2,
+        num_loops=4,
+        max_seq_len=64,
+    )
+    cfg = ModelConfig(**{**settings, **model})
+    trainer = build(cfg, seed).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in trainer.named_parameters():
+            if any(part in name for part in ("norm", "damping")):
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    state = {
+        k: v
+        for k, v in trainer.state_dict().items()
+        if isinstance(v, torch.Tensor) and "_extra_state" not in k
+    }
+    hf = hf_model(state, cfg).eval()
+    if hf.exit_gate is not None:
+        with torch.no_grad():
+            hf.exit_gate.weight.copy_(
+                gate_scale * torch.randn(hf.exit_gate.weight.shape, generator=g)
+            )
+            hf.exit_gate.bias.zero_()
+    return hf

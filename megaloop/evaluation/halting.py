@@ -26,7 +26,7 @@ import torch
 from megaloop.evaluation import harness
 from megaloop.evaluation.exported import EvalError
 from megaloop.evaluation.settings import HaltSettings, Rule
-from megaloop.model.semantics import Survival, exits
+from megaloop.model.semantics import Survival, exits, top1_margin
 
 
 def exit_loops(scores: np.ndarray, threshold: float | None) -> np.ndarray:
@@ -76,8 +76,7 @@ def calibrate(scores: np.ndarray, ce: np.ndarray, tokens: int, rho: float) -> di
 
 def sequence_margin(logits: torch.Tensor) -> torch.Tensor:
     """Mean over tokens of top-1 minus top-2 logit, per sequence: [b, s, V] → [b]."""
-    top = logits.float().topk(2, dim=-1).values
-    return (top[..., 0] - top[..., 1]).mean(-1)
+    return top1_margin(logits).mean(-1)
 
 
 def cached_pass(

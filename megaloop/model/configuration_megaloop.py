@@ -1,7 +1,8 @@
 """The configuration of an exported megaloop model (transformers remote code).
 
-Loop count, readout, recurrence, clamp and the early-exit rule are plain fields, so they can be
-changed at load time: `from_pretrained(path, trust_remote_code=True, num_loops=8, clamp=True)`.
+Loop count, readout, recurrence, clamp, the early-exit rule and its KV policy are plain fields,
+so they can be changed at load time:
+`from_pretrained(path, trust_remote_code=True, num_loops=8, clamp=True)`.
 The modes are modes.py's (copied beside this file, with semantics.py, which computes them).
 """
 
@@ -14,6 +15,7 @@ from .modes import (
     DampingShape,
     EarlyExit,
     GateInput,
+    KVPolicy,
     LayerNorms,
     LoopNorm,
     ReadoutMode,
@@ -48,6 +50,7 @@ class MegaloopConfig(PretrainedConfig):
         clamp: bool = False,
         early_exit: str = "none",
         exit_threshold: float = 0.5,
+        kv_policy: str = "copy",
         tie_word_embeddings: bool = True,
         use_cache: bool = True,
         **kwargs,
@@ -60,6 +63,7 @@ class MegaloopConfig(PretrainedConfig):
             ("layer_norms", layer_norms, LayerNorms),
             ("loop_norm", loop_norm, LoopNorm),
             ("early_exit", early_exit, EarlyExit),
+            ("kv_policy", kv_policy, KVPolicy),
         ):
             if value not in get_args(modes):
                 raise ValueError(f"{name}={value!r}: use one of {', '.join(get_args(modes))}")
@@ -100,8 +104,14 @@ class MegaloopConfig(PretrainedConfig):
         self.clamp = clamp
         """The inference-time recurrent-scale clamp: each token's H_k held at its loop-1 RMS."""
         self.early_exit = early_exit
-        """gate: each token exits at the first loop whose cumulative exit probability (from the
-        exit gate) reaches exit_threshold, and its logits are that loop's."""
+        """Each token's exit loop (semantics.EXIT_SCORES): none, all at K; gate, the first loop
+        whose cumulative exit probability reaches exit_threshold; margin, the first whose top-1
+        minus top-2 logit does (`megaloop halt`'s threshold as it is). Its logits are that
+        loop's; with a cache, it runs no loop after it (docs/generation.md)."""
         self.exit_threshold = exit_threshold
+        self.kv_policy = kv_policy
+        """What early exit's cache holds at the loops a token skipped: copy, the exit loop's keys
+        and values; share, one slot per layer (the last computed); recompute, computed when a
+        later token needs them (exact). A forward's `kv_policy` overrides it for a new cache."""
         self.use_cache = use_cache
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

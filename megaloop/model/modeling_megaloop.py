@@ -15,12 +15,15 @@ The stack is L pre-norm layers (RMSNorm, causal attention with RoPE, SwiGLU; wit
 a second RMSNorm on each sublayer's output), the same layers megatron-core runs in training;
 `megaloop export` converts their weights. The KV cache holds one entry per (loop, layer), as
 Ouro's code does: loop k's layer l attends to the keys loop k's layer l computed for earlier
-tokens.
+tokens. With early exit the cache is a LoopCache, and a token that exits at loop k runs no loop
+after it; its KV policy says what the loops it skipped hold (docs/generation.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import get_args
 
 import torch
 import torch.nn.functional as F
@@ -30,12 +33,12 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_megaloop import MegaloopConfig
+from .modes import KEEPS_HIDDEN, KV_LOOP_SLOTS, KVPolicy
 from .semantics import (
     Clamp,
+    ExitRule,
     Recurrence,
-    Survival,
     exit_lambda,
-    exits,
     gate_input,
     loop_norm,
     readout_input,
@@ -136,15 +139,180 @@ class Layer(nn.Module):
 
 def allowed_keys(key_mask: torch.Tensor | None, s: int, keys: int, device) -> torch.Tensor:
     """[b or 1, 1, s, keys] booleans: the last `s` of `keys` positions attend causally to the
-    keys that `key_mask` [b, keys] marks as tokens (not padding). A padding query still sees
-    itself, so its row is never empty (an empty row would give NaN, and NaN times a zero
-    attention weight still spreads to real tokens)."""
-    query = torch.arange(keys - s, keys, device=device)[:, None]
-    key = torch.arange(keys, device=device)[None, :]
-    allowed = (key <= query)[None, None]
+    keys that `key_mask` [b, keys] marks as tokens (not padding)."""
+    return attendable(key_mask, torch.arange(keys - s, keys, device=device)[None], keys)
+
+
+def attendable(key_mask: torch.Tensor | None, queries: torch.Tensor, keys: int) -> torch.Tensor:
+    """[b or 1, 1, s, keys] booleans: queries at positions `queries` [b or 1, s] attend causally
+    to the keys that `key_mask` [b, keys] marks as tokens. A padding query still sees itself, so
+    its row is never empty (an empty row would give NaN, and NaN times a zero attention weight
+    still spreads to real tokens)."""
+    query = queries[:, :, None]
+    key = torch.arange(keys, device=queries.device)[None, None, :]
+    allowed = key <= query
     if key_mask is not None:
-        allowed = (allowed & key_mask.bool()[:, None, None, :]) | (key == query)
-    return allowed
+        allowed = (allowed & key_mask.bool()[:, None, :]) | (key == query)
+    return allowed[:, None]
+
+
+@dataclass
+class LoopedOutput(CausalLMOutputWithPast):
+    """The causal LM output, and each new token's exit loop [b, s] when a rule chose one."""
+
+    exit_loops: torch.LongTensor | None = None
+
+
+class LoopCache(Cache):
+    """Early exit's KV cache: (loop, layer) slots of keys and values [b, kv_heads, T, head_dim],
+    as many per layer as the KV policy keeps (modes.KV_LOOP_SLOTS), and what the exiting forward
+    counts: each new token's exit loop and loops run (`exit_loops`, `loops_run`: one [b, s] per
+    forward) and every application of the stack to a token (`loop_applications`, recompute's
+    catch-up included). `recompute` also keeps every token's latest hidden state (`tokens`)."""
+
+    is_compileable = False
+
+    def __init__(self, kv_policy: str = "copy"):
+        if kv_policy not in get_args(KVPolicy):
+            raise ValueError(f"kv_policy={kv_policy!r}: use one of {', '.join(get_args(KVPolicy))}")
+        super().__init__(layers=[])
+        self.kv_policy = kv_policy
+        self.num_loops: int | None = None
+        self.num_layers = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.tokens: Tokens | None = None
+        self.exit_loops: list[torch.Tensor] = []
+        self.loops_run: list[torch.Tensor] = []
+        self.loop_applications = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def slot(self, index: int) -> int:
+        """The slot of cache entry (k - 1)·L + l: its own, or layer l's under `share`."""
+        return index % self.num_layers if self.kv_policy == "share" else index
+
+    def grow(self, s: int, num_loops: int, like: torch.Tensor, layers: int) -> None:
+        """Room for s new positions in every slot; the first call fixes K and the slots' shape
+        from `like` [b, kv_heads, 0, head_dim]."""
+        if self.num_loops is None:
+            self.num_loops, self.num_layers = num_loops, layers
+            slots = KV_LOOP_SLOTS[self.kv_policy](num_loops) * layers
+            self.keys = [like.clone() for _ in range(slots)]
+            self.values = [like.clone() for _ in range(slots)]
+        elif num_loops != self.num_loops:
+            raise ValueError(
+                f"num_loops={num_loops}: this cache holds K={self.num_loops}; start a new cache "
+                "to change K"
+            )
+        b, heads, _, head_dim = self.keys[0].shape
+        room = self.keys[0].new_zeros(b, heads, s, head_dim)
+        self.keys = [torch.cat([t, room], 2) for t in self.keys]
+        self.values = [torch.cat([t, room], 2) for t in self.values]
+
+    def copy_down(self, k: int, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """`copy`: loop k's keys and values of the tokens at (rows, positions) into every deeper
+        loop's slots, which later tokens attend to at those loops."""
+        L = self.num_layers
+        for store in (self.keys, self.values):
+            for layer in range(L):
+                exit_entry = store[(k - 1) * L + layer][rows, :, positions]
+                for deeper in range(k, self.num_loops):
+                    store[deeper * L + layer][rows, :, positions] = exit_entry
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys[0].shape[0] if self.keys else -1
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError("an early-exit cache cannot be cropped: generate without an assistant")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: the rows follow their beams (the per-forward counts stay as run)."""
+        self.select_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.select_rows(lambda t: t[indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.select_rows(lambda t: t.repeat_interleave(repeats, 0))
+
+    def select_rows(self, select) -> None:
+        self.keys = [select(t) for t in self.keys]
+        self.values = [select(t) for t in self.values]
+        if self.tokens is not None:
+            self.tokens = Tokens(*map(select, self.tokens.tensors()), self.tokens.offset)
+
+    def bytes_per_token(self) -> float:
+        """What the cache holds per cached position, measured from its tensors."""
+        held = [*self.keys, *self.values]
+        if self.tokens is not None:
+            held += self.tokens.tensors()
+        return sum(t.nbytes for t in held) / (self.keys[0].shape[0] * self.get_seq_length())
+
+
+@dataclass
+class Tokens:
+    """The positions a forward may run loops on: each one's latest hidden state [b, P, d], loops
+    run [b, P], clamp reference [b, P, 1] and rope position [b, P]; index 0 is cache position
+    `offset`. `recompute` keeps all of them across forwards (a token resumes where it exited);
+    the other policies only a forward's new tokens."""
+
+    hidden: torch.Tensor
+    depth: torch.Tensor
+    reference: torch.Tensor
+    positions: torch.Tensor
+    offset: int
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.hidden, self.depth, self.reference, self.positions]
+
+    def extend(self, new: Tokens) -> Tokens:
+        return Tokens(
+            *(torch.cat([old, add], 1) for old, add in zip(self.tensors(), new.tensors())),
+            self.offset,
+        )
+
+
+class ActiveSlots:
+    """One loop's view of a LoopCache for the rows it runs: `update` writes the running tokens'
+    keys and values at their positions and returns those rows' slots, as Cache.update does
+    (without a copy when every row runs, with a slice when only the newest positions do)."""
+
+    def __init__(self, cache: LoopCache, rows, positions, valid: torch.Tensor, new_only: bool):
+        self.cache, self.rows, self.valid, self.new_only = cache, rows, valid, new_only
+        self.all_rows = len(rows) == cache.keys[0].shape[0]
+        self.at = (rows[:, None].expand_as(positions)[valid], positions[valid])
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, index: int):
+        slot = self.cache.slot(index)
+        keys, values = self.cache.keys[slot], self.cache.values[slot]
+        for store, new in ((keys, k), (values, v)):
+            if self.new_only and self.all_rows:
+                store[:, :, -new.shape[2] :] = new
+            elif self.new_only:
+                store[self.rows, :, -new.shape[2] :] = new
+            else:
+                store[self.at[0], :, self.at[1]] = new.transpose(1, 2)[self.valid]
+        if self.all_rows:
+            return keys, values
+        return keys[self.rows], values[self.rows]
+
+
+def gather_index(work: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows with work [r], each one's working positions first [r, n] (n: the most any row
+    has) and which of those are real [r, n], from `work` [b, P] booleans: the gather that runs a
+    loop on the active rows only."""
+    rows = work.any(1).nonzero().squeeze(1)
+    of_rows = work[rows]
+    n = int(of_rows.sum(1).max()) if len(rows) else 0
+    idx = torch.argsort((~of_rows).to(torch.int8), dim=1, stable=True)[:, :n]
+    return rows, idx, of_rows.gather(1, idx)
 
 
 class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
@@ -246,14 +414,24 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         num_loops: int | None = None,
         logits_to_keep: int = 0,
+        kv_policy: str | None = None,
+        prefill_exit: bool = False,
         **kwargs,
-    ) -> CausalLMOutputWithPast:
+    ) -> LoopedOutput:
+        """`kv_policy` (a new cache's; default config.kv_policy) and `prefill_exit` (a prompt of
+        more than one token exits early too, instead of running at full depth) concern early
+        exit with a cache only."""
         K, L = num_loops or self.config.num_loops, self.config.num_hidden_layers
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        if use_cache and past_key_values is None:
+        exiting = use_cache and (
+            self.config.early_exit != "none" or isinstance(past_key_values, LoopCache)
+        )
+        if exiting:
+            past_key_values = self.loop_cache(past_key_values, kv_policy)
+        elif use_cache and past_key_values is None:
             past_key_values = DynamicCache()
         cache = past_key_values if use_cache else None
-        if cache is not None and hasattr(cache, "layers"):
+        if cache is not None and not exiting and hasattr(cache, "layers"):
             while len(cache.layers) < K * L:  # generate() sizes its cache for L layers
                 cache.layers.append(DynamicLayer())
         b, s = input_ids.shape
@@ -263,14 +441,22 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -s:]
         elif position_ids is None:
             position_ids = torch.arange(past, past + s, device=input_ids.device)[None]
-        mask = allowed_keys(attention_mask, s, past + s, input_ids.device) if padded else None
+        key_mask = attention_mask if padded else None
 
-        h, rope = self.embed(input_ids, position_ids)
-        trajectory = self.loops(h, rope, K, self.config.clamp, cache, mask)
-        if self.config.early_exit == "gate":
-            logits = self.early_exit(trajectory, K)
+        exit_loops = None
+        if exiting:
+            positions = position_ids.expand(b, s)
+            logits, exit_loops = self.exiting(
+                input_ids, positions, cache, key_mask, K, prefill_exit
+            )
         else:
-            logits = next(self.readout(h, k) for k, h in trajectory if k == K)
+            mask = allowed_keys(key_mask, s, past + s, input_ids.device) if padded else None
+            h, rope = self.embed(input_ids, position_ids)
+            trajectory = self.loops(h, rope, K, self.config.clamp, cache, mask)
+            if self.config.early_exit != "none":
+                logits, exit_loops = self.early_exit(trajectory, K)
+            else:
+                logits = next(self.readout(h, k) for k, h in trajectory if k == K)
         if logits_to_keep:
             logits = logits[:, -logits_to_keep:]
         loss = None
@@ -278,20 +464,165 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
             loss = F.cross_entropy(
                 logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
             )
-        return CausalLMOutputWithPast(
-            loss=loss, logits=logits, past_key_values=cache if use_cache else None
+        return LoopedOutput(
+            loss=loss,
+            logits=logits,
+            past_key_values=cache if use_cache else None,
+            exit_loops=exit_loops,
         )
 
-    def early_exit(self, trajectory: Iterator[tuple[int, torch.Tensor]], K: int) -> torch.Tensor:
-        """Each token's logits at its exit loop: the first whose cumulative exit probability
-        reaches exit_threshold (all tokens by K). Every loop still runs for the whole batch,
-        so the cache holds every (loop, layer) entry."""
-        survival, chosen, logits = Survival(), None, None
+    def early_exit(
+        self, trajectory: Iterator[tuple[int, torch.Tensor]], K: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's logits at its exit loop (config.early_exit's rule), and that loop, with
+        every loop run for every token: the no-cache reference of the exiting forward."""
+        rule = ExitRule(self.config.early_exit, self.config.exit_threshold, K)
+        logits, exit_loops = None, None
         for k, h in trajectory:
-            survival.step(self.exit_probability(h))
-            stop = exits(survival.cumulative(), self.config.exit_threshold) | (k == K)
-            take = stop if chosen is None else stop & ~chosen
+            lam = self.exit_probability(h)[..., 0] if rule.reads_gate else None
             logits_k = self.readout(h, k)
-            logits = logits_k if logits is None else torch.where(take, logits_k, logits)
-            chosen = take if chosen is None else chosen | take
-        return logits
+            stop = rule.stop(k, h, lam, logits_k)
+            if logits is None:
+                logits, exit_loops = logits_k, torch.zeros_like(stop, dtype=torch.long)
+            take = stop & (exit_loops == 0)
+            logits = torch.where(take[..., None], logits_k, logits)
+            exit_loops = torch.where(take, k, exit_loops)
+        return logits, exit_loops
+
+    # ---- early exit with a cache: a token runs no loop after its exit -------------------------
+
+    def loop_cache(self, cache: Cache | None, kv_policy: str | None) -> LoopCache:
+        """The LoopCache of an exiting forward: the one given, or a new one in place of none
+        or of the empty cache generate() makes."""
+        if isinstance(cache, LoopCache):
+            if kv_policy is not None and kv_policy != cache.kv_policy:
+                raise ValueError(
+                    f"kv_policy={kv_policy!r}: this cache was filled under "
+                    f"{cache.kv_policy!r}; pass a new LoopCache to change policy"
+                )
+            return cache
+        if cache is not None and cache.get_seq_length() > 0:
+            raise ValueError(
+                f"early exit needs a LoopCache, got a filled {type(cache).__name__}: pass "
+                "past_key_values=LoopCache(kv_policy) or none"
+            )
+        return LoopCache(kv_policy or self.config.kv_policy)
+
+    def cache_bytes_per_token(
+        self, kv_policy: str | None = None, num_loops: int | None = None
+    ) -> int:
+        """The exiting cache's memory per cached token under a KV policy (default
+        config.kv_policy), at K loops: (loop, layer) slots of keys and values, and under
+        `recompute` the token's latest hidden state, clamp reference, depth and position."""
+        c = self.config
+        policy, K = kv_policy or c.kv_policy, num_loops or c.num_loops
+        size = self.dtype.itemsize
+        kv = 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * size
+        total = KV_LOOP_SLOTS[policy](K) * c.num_hidden_layers * kv
+        if KEEPS_HIDDEN[policy]:
+            total += (c.hidden_size + 1) * size + 2 * torch.long.itemsize
+        return total
+
+    def exiting(
+        self,
+        input_ids: torch.LongTensor,
+        positions: torch.LongTensor,
+        cache: LoopCache,
+        key_mask: torch.Tensor | None,
+        K: int,
+        prefill_exit: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [b, s, V] and exit loops [b, s] of the new tokens: at loop k only the tokens
+        still running (and, under `recompute`, the earlier ones their attention needs at k) are
+        gathered and run; a token stops at its rule's exit. A prompt (s > 1) runs at full depth
+        unless `prefill_exit`, its logits still its rule's exit loop's."""
+        b, s = input_ids.shape
+        c = self.config
+        head_dim = c.hidden_size // c.num_attention_heads
+        h0 = self.embed_tokens(input_ids)
+        cache.grow(s, K, h0.new_zeros(b, c.num_key_value_heads, 0, head_dim), len(self.layers))
+        new = Tokens(
+            h0,
+            torch.zeros_like(input_ids),
+            h0.new_ones(b, s, 1),
+            positions,
+            cache.get_seq_length() - s,
+        )
+        tokens = new
+        if KEEPS_HIDDEN[cache.kv_policy]:
+            tokens = new if cache.tokens is None else cache.tokens.extend(new)
+            cache.tokens = tokens
+        rule = ExitRule(c.early_exit, c.exit_threshold, K)
+        running = torch.ones_like(input_ids, dtype=torch.bool)
+        open_ = running.clone()
+        logits = h0.new_zeros(b, s, c.vocab_size)
+        exit_loops, loops_run = torch.zeros_like(input_ids), torch.zeros_like(input_ids)
+        for k in range(1, K + 1):
+            self.run_loop(k, tokens, cache, running, key_mask)
+            loops_run[running] = k
+            rows, cols, stop = self.decide(rule, k, tokens.hidden[:, -s:], open_, logits)
+            exit_loops[rows[stop], cols[stop]] = k
+            open_[rows[stop], cols[stop]] = False
+            if s == 1 or prefill_exit:
+                running = open_.clone()
+                if cache.kv_policy == "copy" and k < K and bool(stop.any()):
+                    cache.copy_down(k, rows[stop], new.offset + cols[stop])
+            if not running.any():
+                break
+        cache.exit_loops.append(exit_loops)
+        cache.loops_run.append(loops_run)
+        return logits, exit_loops
+
+    def decide(
+        self,
+        rule: ExitRule,
+        k: int,
+        hidden: torch.Tensor,
+        open_: torch.Tensor,
+        logits: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rule at loop k for the new tokens without an exit yet (`open_` [b, s]): writes the
+        stopping ones' logits into `logits`; returns the open tokens' rows, columns and stops."""
+        rows, cols = open_.nonzero(as_tuple=True)
+        h = hidden[rows, cols]
+        lam = self.exit_probability(h)[..., 0] if rule.reads_gate else None
+        read = self.readout(h, k) if rule.reads_logits else None
+        stop = rule.stop(k, h, lam, read)
+        logits[rows[stop], cols[stop]] = self.readout(h[stop], k) if read is None else read[stop]
+        rule.keep(~stop)
+        return rows, cols, stop
+
+    def run_loop(
+        self,
+        k: int,
+        tokens: Tokens,
+        cache: LoopCache,
+        running: torch.Tensor,
+        key_mask: torch.Tensor | None,
+    ) -> None:
+        """Loop k on the gathered tokens that need it, scattered back into `tokens`: the running
+        new ones, and under `recompute` every earlier token of their rows still at loop k − 1."""
+        s = running.shape[1]
+        work = torch.zeros_like(tokens.depth, dtype=torch.bool)
+        work[:, -s:] = running
+        if cache.kv_policy == "recompute":
+            work |= (tokens.depth == k - 1) & running.any(1, keepdim=True)
+        rows, idx, valid = gather_index(work)
+        at, written = (rows[:, None], idx), (rows[:, None].expand_as(idx)[valid], idx[valid])
+        positions, P = idx + tokens.offset, tokens.hidden.shape[1]
+        new = P - s + torch.arange(s, device=idx.device)
+        new_only = idx.shape[1] == s and bool(valid.all()) and torch.equal(idx, new.expand_as(idx))
+        mask = None  # the new tokens only, no padding: the causal mask, as without early exit
+        if key_mask is not None or not new_only:
+            rows_mask = None if key_mask is None else key_mask[rows]
+            mask = attendable(rows_mask, positions, cache.get_seq_length())
+        slots = ActiveSlots(cache, rows, positions, valid, new_only)
+        h = self.loop(tokens.hidden[at], k, self.rotary(tokens.positions[at]), slots, mask)
+        if self.config.clamp:
+            held = Clamp()
+            held.reference = tokens.reference[at] if k > 1 else None
+            h = held(h)
+            tokens.reference[written] = held.reference[valid]
+        tokens.hidden[written] = h[valid]
+        tokens.depth[written] = k
+        cache.loop_applications += int(valid.sum())

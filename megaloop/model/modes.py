@@ -18,7 +18,8 @@ DampingShape = Literal["channel", "scalar"]
 GateInput = Literal["normed", "raw"]
 LayerNorms = Literal["pre", "sandwich"]
 LoopNorm = Literal["separate", "shared"]
-EarlyExit = Literal["none", "gate"]
+EarlyExit = Literal["none", "gate", "margin"]
+KVPolicy = Literal["copy", "share", "recompute"]
 
 READOUT_NORMALIZES: dict[ReadoutMode, Callable[[int, int], bool]] = {
     "norm": lambda loop, trained: True,
@@ -41,6 +42,18 @@ RECURRENCE_PARAMS: dict[RecurrenceMode, Callable[[int, DampingShape], dict[str, 
     "damping": lambda d, shape: {"damping_logit": DAMPING_SIZE[shape](d)},
 }
 """(hidden size, damping shape) → the recurrence's parameters, name → length."""
+
+KV_LOOP_SLOTS: dict[KVPolicy, Callable[[int], int]] = {
+    "copy": lambda loops: loops,
+    "share": lambda loops: 1,
+    "recompute": lambda loops: loops,
+}
+"""(K) → the (loop, layer) cache slots per layer under each KV policy of early exit: `copy`
+fills a skipped loop's slot with the exit loop's keys and values, `share` keeps one slot per
+layer (the last loop computed), `recompute` computes a skipped slot when a later token needs it."""
+
+KEEPS_HIDDEN: dict[KVPolicy, bool] = {"copy": False, "share": False, "recompute": True}
+"""Whether the cache also keeps each token's latest hidden state (to resume its loops later)."""
 
 SHARES_LOOP_NORM: dict[LoopNorm, bool] = {"separate": False, "shared": True}
 """Whether one RMSNorm after every loop serves the next loop, the gate and the readout (Ouro)."""

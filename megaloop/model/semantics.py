@@ -220,7 +220,62 @@ def exit_probabilities(gates: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([survival.step(lam, k == len(gates)) for k, lam in enumerate(gates, 1)])
 
 
-def exits(cumulative: torch.Tensor, threshold: float) -> torch.Tensor:
-    """The early-exit decision: a token exits at the first loop whose cumulative exit
-    probability reaches the threshold."""
-    return cumulative >= threshold
+def exits(score: torch.Tensor, threshold: float) -> torch.Tensor:
+    """The early-exit decision: a token exits at the first loop whose score (the cumulative exit
+    probability, or the top-1 margin) reaches the threshold."""
+    return score >= threshold
+
+
+def top1_margin(logits: torch.Tensor) -> torch.Tensor:
+    """Top-1 minus top-2 logit per token, [..., V] → [...] (fp32): the study's halting score.
+    On one token it is what `megaloop halt` calibrates (its per-sequence mean over one token)."""
+    top = logits.float().topk(2, dim=-1).values
+    return top[..., 0] - top[..., 1]
+
+
+# ---- early exit: which of the running tokens stop at loop k ---------------------------------
+
+ExitScore = Callable[[Survival, torch.Tensor | None, torch.Tensor | None], torch.Tensor | None]
+
+EXIT_SCORES: dict[str, ExitScore] = {
+    # fixed K: no score, every token runs to the last loop
+    "none": lambda survival, lam, logits: None,
+    # Ouro's gate: the cumulative exit probability 1 − S_k
+    "gate": lambda survival, lam, logits: (survival.step(lam), survival.cumulative())[1],
+    # the study's margin: top-1 minus top-2 logit of this loop's readout
+    "margin": lambda survival, lam, logits: top1_margin(logits),
+}
+"""Per modes.EarlyExit: (the survival so far, λ_k, logits_k of the running tokens) → their
+score at loop k, which exits compares with the threshold."""
+
+READS_GATE = {"none": False, "gate": True, "margin": False}
+READS_LOGITS = {"none": False, "gate": False, "margin": True}
+
+
+class ExitRule:
+    """Loop by loop, which of the running tokens stop: those whose score (EXIT_SCORES) reaches
+    the threshold, and all of them at loop K. Call `stop` at k = 1..K in order, with λ_k when
+    the rule reads the gate and logits_k when it reads them; `keep` the tokens that go on when
+    the stopped ones leave the batch."""
+
+    def __init__(self, rule: str, threshold: float, num_loops: int):
+        self.rule, self.threshold, self.num_loops = rule, threshold, num_loops
+        self.reads_gate, self.reads_logits = READS_GATE[rule], READS_LOGITS[rule]
+        self.survival = Survival()
+
+    def stop(
+        self,
+        k: int,
+        h: torch.Tensor,
+        lam: torch.Tensor | None = None,
+        logits: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Booleans of H_k's shape less the hidden dimension: which running tokens exit at k."""
+        score = EXIT_SCORES[self.rule](self.survival, lam, logits)
+        if k >= self.num_loops or score is None:
+            return torch.full(h.shape[:-1], k >= self.num_loops, dtype=torch.bool, device=h.device)
+        return exits(score, self.threshold)
+
+    def keep(self, tokens: torch.Tensor) -> None:
+        if self.survival.survive is not None:
+            self.survival.keep(tokens)

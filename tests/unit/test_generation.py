@@ -1,0 +1,283 @@
+"""Early exit in the exported model's cached forward: a token that exits at loop k runs no loop
+after k, under each exit rule and KV policy, at batch 1 and 8, on megaloop's own readouts and on
+an Ouro-architecture model (sandwich norms, shared loop norm, exit gate)."""
+
+from contextlib import contextmanager
+from typing import get_args
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megaloop.model.modeling_megaloop import LoopCache
+from megaloop.model.modes import KEEPS_HIDDEN, KV_LOOP_SLOTS, EarlyExit, KVPolicy
+from megaloop.model.semantics import (
+    EXIT_SCORES,
+    READS_GATE,
+    READS_LOGITS,
+    Survival,
+    top1_margin,
+)
+from support import tiny_export
+
+MODELS = {
+    # megaloop's own wiring: final_norm readout, damped recurrence, the clamp on
+    "own": dict(readout="final_norm", recurrence="damping", exit_gate=True, tie_embeddings=False),
+    # Ouro's: sandwich norms, one shared loop norm (next loop, gate, readout), the exit gate
+    "ouro": dict(
+        readout="norm",
+        exit_gate=True,
+        tie_embeddings=False,
+        layer_norms="sandwich",
+        loop_norm="shared",
+    ),
+}
+NEVER = {"gate": 1.01, "margin": float("inf")}
+AT_ONE = {"gate": 0.0, "margin": 0.0}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model(request):
+    hf = tiny_export(seed=3, **MODELS[request.param])
+    hf.config.clamp = request.param == "own"
+    hf.middle = middle_thresholds(hf)
+    return hf
+
+
+def middle_thresholds(hf) -> dict[str, float]:
+    """Per rule, the median of its scores at loops 1..K-1 on some text: a threshold at which
+    tokens exit at different loops (asserted where used)."""
+    scores = {"gate": [], "margin": []}
+    survival = Survival()
+    with torch.no_grad():
+        h0, rope = hf.embed(prompts(8, 12, seed=9))
+        for k, h in hf.loops(h0, rope, hf.config.num_loops - 1, hf.config.clamp):
+            survival.step(hf.exit_probability(h)[..., 0])
+            scores["gate"].append(survival.cumulative())
+            scores["margin"].append(top1_margin(hf.readout(h, k)))
+    return {rule: torch.cat(s).median().item() for rule, s in scores.items()}
+
+
+@contextmanager
+def configured(hf, **fields):
+    """The model with config `fields` set, restored afterwards."""
+    saved = {key: getattr(hf.config, key) for key in fields}
+    for key, value in fields.items():
+        setattr(hf.config, key, value)
+    try:
+        yield hf
+    finally:
+        for key, value in saved.items():
+            setattr(hf.config, key, value)
+
+
+def greedy(hf, prompt, new_tokens=6, cache=None, **fields):
+    """(tokens, per-step logits [steps, b, V]) of greedy cached generation under config `fields`."""
+    with configured(hf, **fields), torch.no_grad():
+        out = hf.generate(
+            prompt,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+            past_key_values=cache,
+        )
+    return out.sequences, torch.stack(out.logits)
+
+
+def prompts(batch: int, length: int = 6, seed: int = 0) -> torch.Tensor:
+    return torch.randint(1, 64, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def teacher_forced(hf, tokens, cache, **fields) -> torch.Tensor:
+    """Logits [b, s, V] of `tokens` fed one position at a time through `cache`."""
+    with configured(hf, **fields), torch.no_grad():
+        steps = [
+            hf(tokens[:, i : i + 1], past_key_values=cache).logits for i in range(tokens.shape[1])
+        ]
+    return torch.cat(steps, 1)
+
+
+def ce(logits, tokens) -> float:
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).item()
+
+
+@pytest.mark.parametrize("policy", ["copy", "recompute"])
+@pytest.mark.parametrize("rule", ["gate", "margin"])
+def test_never_exiting_is_fixed_k_max_and_exiting_at_once_is_k_1(model, rule, policy):
+    """Bitwise on CPU fp32: the exiting path computes what the full-depth cached path does."""
+    prompt = prompts(1)
+    K = model.config.num_loops
+    tokens, logits = greedy(model, prompt, early_exit="none")
+    cache = LoopCache(policy)
+    got = greedy(model, prompt, cache=cache, early_exit=rule, exit_threshold=NEVER[rule])
+    assert torch.equal(got[0], tokens) and torch.equal(got[1], logits)
+    assert all(bool((e == K).all()) for e in cache.exit_loops)
+
+    tokens, logits = greedy(model, prompt, early_exit="none", num_loops=1)
+    cache = LoopCache(policy)
+    got = greedy(model, prompt, cache=cache, early_exit=rule, exit_threshold=AT_ONE[rule])
+    assert torch.equal(got[0], tokens) and torch.equal(got[1], logits)
+    decoded = torch.cat(cache.loops_run[1:], 1)
+    assert bool((decoded == 1).all())  # the prompt ran at full depth, each new token once
+
+
+@pytest.mark.parametrize("policy", ["copy", "share", "recompute"])
+@pytest.mark.parametrize("rule", ["gate", "margin"])
+def test_counted_loop_applications_are_the_sum_of_exits(model, rule, policy):
+    """What a benchmark divides by: every application of the stack to a token is counted, and
+    (copy, share) they are the prompt's full depth plus each new token's exit loop; recompute's
+    catch-up of earlier tokens comes on top. The cache's measured bytes per token are the model's
+    stated figure for the policy."""
+    prompt, K = prompts(8), model.config.num_loops
+    cache = LoopCache(policy)
+    greedy(model, prompt, 8, cache, early_exit=rule, exit_threshold=model.middle[rule])
+    prefill, decoded = cache.exit_loops[0], torch.cat(cache.exit_loops[1:], 1)
+    assert len(decoded.unique()) >= 3, decoded  # rows and steps exit at different loops
+    assert torch.equal(torch.cat(cache.loops_run[1:], 1), decoded)
+    exits = prompt.numel() * K + int(decoded.sum())
+    if policy == "recompute":
+        assert cache.loop_applications >= exits
+    else:
+        assert cache.loop_applications == exits
+    assert 1 <= int(prefill.min()) and int(prefill.max()) <= K
+    assert cache.bytes_per_token() == model.cache_bytes_per_token(policy)
+
+
+@pytest.mark.parametrize("rule", ["gate", "margin"])
+def test_recompute_teacher_forced_ce_equals_the_no_cache_forward(model, rule):
+    """Recompute fills the slots a token skipped when a later token needs them, so its
+    teacher-forced logits are the no-cache forward's with the same exits; copy and share pay a
+    CE cost, printed (`-s`), not assumed."""
+    tokens = prompts(2, length=24, seed=1)
+    fields = dict(early_exit=rule, exit_threshold=model.middle[rule])
+    with configured(model, **fields), torch.no_grad():
+        reference = model(tokens, use_cache=False)
+    assert len(reference.exit_loops.unique()) >= 3
+    cache = LoopCache("recompute")
+    logits = teacher_forced(model, tokens, cache, **fields)
+    assert torch.equal(torch.cat(cache.exit_loops, 1), reference.exit_loops)
+    assert cache.loop_applications > int(reference.exit_loops.sum())  # catch-up happened
+    assert ((logits - reference.logits).abs().max() / reference.logits.abs().max()).item() <= 1e-5
+    assert abs(ce(logits, tokens) - ce(reference.logits, tokens)) <= 1e-5
+    for policy in ("copy", "share"):
+        cache = LoopCache(policy)
+        cost = ce(teacher_forced(model, tokens, cache, **fields), tokens) - ce(
+            reference.logits, tokens
+        )
+        mean = torch.cat(cache.exit_loops, 1).float().mean().item()
+        print(f"{rule} {policy}: CE - recompute's CE = {cost:+.5f}, mean exit loop {mean:.2f}")
+
+
+@pytest.mark.parametrize("policy", ["copy", "share", "recompute"])
+@pytest.mark.parametrize("rule", ["gate", "margin"])
+def test_a_batch_decodes_each_row_as_it_would_alone(model, rule, policy):
+    """Rows of a batch exit at different loops, and each loop runs the rows still active only:
+    every row's tokens, logits and exit loops are what it gets alone at batch 1."""
+    prompt, fields = prompts(8, seed=2), dict(early_exit=rule, exit_threshold=model.middle[rule])
+    cache = LoopCache(policy)
+    tokens, logits = greedy(model, prompt, 6, cache, **fields)
+    exit_loops = torch.cat(cache.exit_loops[1:], 1)
+    assert any(len(step.unique()) > 1 for step in cache.exit_loops[1:])
+    for row in range(len(prompt)):
+        alone_cache = LoopCache(policy)
+        alone, alone_logits = greedy(model, prompt[row : row + 1], 6, alone_cache, **fields)
+        assert torch.equal(tokens[row], alone[0])
+        assert torch.equal(exit_loops[row], torch.cat(alone_cache.exit_loops[1:], 1)[0])
+        ref = alone_logits[:, 0]
+        assert ((logits[:, row] - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+
+
+def test_bad_cache_input_names_the_fix(model):
+    with pytest.raises(ValueError, match="kv_policy='keep': use one of copy, share, recompute"):
+        LoopCache("keep")
+    prompt = prompts(1)
+    with configured(model, early_exit="gate"), torch.no_grad():
+        filled = model(prompt, use_cache=True, kv_policy="share").past_key_values
+        assert filled.kv_policy == "share"
+        with pytest.raises(ValueError, match="filled under 'share'"):
+            model(prompt[:, :1], past_key_values=filled, kv_policy="copy")
+        with pytest.raises(ValueError, match="start a new cache"):
+            model(prompt[:, :1], past_key_values=filled, num_loops=2)
+    with torch.no_grad():
+        dynamic = model(prompt, use_cache=True).past_key_values
+    with configured(model, early_exit="gate"), torch.no_grad():
+        with pytest.raises(ValueError, match="pass past_key_values=LoopCache"):
+            model(prompt[:, :1], past_key_values=dynamic)
+
+
+def test_every_exit_rule_and_kv_policy_is_defined_once():
+    assert set(get_args(EarlyExit)) == set(EXIT_SCORES) == set(READS_GATE) == set(READS_LOGITS)
+    assert set(get_args(KVPolicy)) == set(KV_LOOP_SLOTS) == set(KEEPS_HIDDEN)
+
+
+@pytest.mark.parametrize("policy", ["copy", "recompute"])
+def test_a_prompt_may_exit_early_too(model, policy):
+    """`prefill_exit`: the prompt's tokens exit as decoded ones do, in one forward. Recompute
+    still gives the no-cache forward; copy runs each token to its exit loop only."""
+    tokens, fields = prompts(2, length=12, seed=4), dict(early_exit="gate")
+    with configured(model, exit_threshold=model.middle["gate"], **fields), torch.no_grad():
+        reference = model(tokens, use_cache=False)
+        cache = LoopCache(policy)
+        out = model(tokens, past_key_values=cache, prefill_exit=True)
+    assert torch.equal(out.exit_loops, reference.exit_loops)
+    assert len(out.exit_loops.unique()) >= 3
+    if policy == "recompute":
+        assert ((out.logits - reference.logits).abs().max() / reference.logits.abs().max()) <= 1e-5
+    else:
+        assert cache.loop_applications == int(out.exit_loops.sum())
+
+
+def test_left_padded_rows_exit_as_each_row_alone(model):
+    """Padding is masked in the gathered attention as in the full-depth path."""
+    g = torch.Generator().manual_seed(5)
+    long, short = (
+        torch.randint(1, 64, (1, 9), generator=g),
+        torch.randint(1, 64, (1, 5), generator=g),
+    )
+    batch = torch.cat([long, torch.cat([torch.zeros(1, 4, dtype=torch.long), short], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :4] = 0
+    fields = dict(early_exit="gate", exit_threshold=model.middle["gate"])
+    with configured(model, **fields), torch.no_grad():
+        cache = LoopCache("copy")
+        out = model.generate(
+            batch,
+            attention_mask=mask,
+            max_new_tokens=6,
+            do_sample=False,
+            pad_token_id=0,
+            past_key_values=cache,
+        )
+    for row, prompt, pad in ((0, long, 0), (1, short, 4)):
+        alone_cache = LoopCache("copy")
+        alone = greedy(model, prompt, 6, alone_cache, **fields)[0]
+        assert out[row, pad:].tolist() == alone[0].tolist()
+        exits = torch.cat(cache.exit_loops[1:], 1)[row]
+        assert torch.equal(exits, torch.cat(alone_cache.exit_loops[1:], 1)[0])
+
+
+def test_the_kv_policy_is_chosen_at_load_or_per_call(model):
+    with configured(model, early_exit="margin", kv_policy="share"), torch.no_grad():
+        out = model.generate(
+            prompts(1),
+            max_new_tokens=2,
+            do_sample=False,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+        )
+        assert isinstance(out.past_key_values, LoopCache)
+        assert out.past_key_values.kv_policy == "share"
+        assert model(prompts(1), kv_policy="recompute").past_key_values.kv_policy == "recompute"
+
+
+@pytest.mark.parametrize("policy", ["copy", "recompute"])
+def test_beam_search_reorders_the_rows(model, policy):
+    """Beam search moves the cache's rows with their beams: never exiting, it is fixed K's."""
+    fields = dict(do_sample=False, num_beams=3, max_new_tokens=5, pad_token_id=0)
+    with torch.no_grad():
+        ref = model.generate(prompts(2), **fields)
+        with configured(model, early_exit="gate", exit_threshold=NEVER["gate"]):
+            got = model.generate(prompts(2), past_key_values=LoopCache(policy), **fields)
+    assert torch.equal(got, ref)
