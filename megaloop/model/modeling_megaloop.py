@@ -93,14 +93,14 @@ class Attention(nn.Module):
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         if cache is not None:
             k, v = cache.update(k, v, cache_index)
-        if mask is None and k.shape[2] != s:  # new tokens after cached ones
+        if mask is None and k.shape[2] != s and s > 1:  # new tokens after cached ones
             mask = allowed_keys(None, s, k.shape[2], x.device)
         out = F.scaled_dot_product_attention(
             q,
             k,
             v,
             attn_mask=mask,
-            is_causal=mask is None,
+            is_causal=mask is None and s > 1,  # one new token sees every cached key
             scale=self.head_dim**-0.5,
             enable_gqa=self.kv_heads != self.heads,
         )
@@ -287,7 +287,8 @@ class ActiveSlots:
     def __init__(self, cache: LoopCache, rows, positions, valid: torch.Tensor, new_only: bool):
         self.cache, self.rows, self.valid, self.new_only = cache, rows, valid, new_only
         self.all_rows = len(rows) == cache.keys[0].shape[0]
-        self.at = (rows[:, None].expand_as(positions)[valid], positions[valid])
+        if not new_only:
+            self.at = (rows[:, None].expand_as(positions)[valid], positions[valid])
 
     def update(self, k: torch.Tensor, v: torch.Tensor, index: int):
         slot = self.cache.slot(index)
@@ -552,13 +553,14 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
         if KEEPS_HIDDEN[cache.kv_policy]:
             tokens = new if cache.tokens is None else cache.tokens.extend(new)
             cache.tokens = tokens
+        rope = self.rotary(tokens.positions)
         rule = ExitRule(c.early_exit, c.exit_threshold, K)
         running = torch.ones_like(input_ids, dtype=torch.bool)
         open_ = running.clone()
         logits = h0.new_zeros(b, s, c.vocab_size)
         exit_loops, loops_run = torch.zeros_like(input_ids), torch.zeros_like(input_ids)
         for k in range(1, K + 1):
-            self.run_loop(k, tokens, cache, running, key_mask)
+            self.run_loop(k, tokens, rope, cache, running, key_mask)
             loops_run[running] = k
             rows, cols, stop = self.decide(rule, k, tokens.hidden[:, -s:], open_, logits)
             exit_loops[rows[stop], cols[stop]] = k
@@ -596,20 +598,28 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
         self,
         k: int,
         tokens: Tokens,
+        rope: tuple[torch.Tensor, torch.Tensor],
         cache: LoopCache,
         running: torch.Tensor,
         key_mask: torch.Tensor | None,
     ) -> None:
-        """Loop k on the gathered tokens that need it, scattered back into `tokens`: the running
-        new ones, and under `recompute` every earlier token of their rows still at loop k − 1."""
+        """Loop k on the gathered tokens that need it, scattered back into `tokens` (`rope`: their
+        rotary tables): the running new ones, and under `recompute` every earlier token of their
+        rows still at loop k − 1."""
         s = running.shape[1]
-        work = torch.zeros_like(tokens.depth, dtype=torch.bool)
-        work[:, -s:] = running
-        if cache.kv_policy == "recompute":
-            work |= (tokens.depth == k - 1) & running.any(1, keepdim=True)
-        rows, idx, valid = gather_index(work)
-        at, written = (rows[:, None], idx), (rows[:, None].expand_as(idx)[valid], idx[valid])
-        positions, P = idx + tokens.offset, tokens.hidden.shape[1]
+        if tokens.hidden.shape[1] == 1:  # one token a row, none to catch up: the running rows
+            rows = running[:, 0].nonzero().squeeze(1)
+            idx = rows.new_zeros(len(rows), 1)
+            valid = torch.ones_like(idx, dtype=torch.bool)
+            written = (rows, idx[:, 0])
+        else:
+            work = torch.zeros_like(tokens.depth, dtype=torch.bool)
+            work[:, -s:] = running
+            if cache.kv_policy == "recompute":
+                work |= (tokens.depth == k - 1) & running.any(1, keepdim=True)
+            rows, idx, valid = gather_index(work)
+            written = (rows[:, None].expand_as(idx)[valid], idx[valid])
+        at, positions, P = (rows[:, None], idx), idx + tokens.offset, tokens.hidden.shape[1]
         new = P - s + torch.arange(s, device=idx.device)
         new_only = idx.shape[1] == s and bool(valid.all()) and torch.equal(idx, new.expand_as(idx))
         mask = None  # the new tokens only, no padding: the causal mask, as without early exit
@@ -617,7 +627,8 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
             rows_mask = None if key_mask is None else key_mask[rows]
             mask = attendable(rows_mask, positions, cache.get_seq_length())
         slots = ActiveSlots(cache, rows, positions, valid, new_only)
-        h = self.loop(tokens.hidden[at], k, self.rotary(tokens.positions[at]), slots, mask)
+        rope_at = tuple(t[:, 0][at][:, None] for t in rope)
+        h = self.loop(tokens.hidden[at], k, rope_at, slots, mask)
         if self.config.clamp:
             held = Clamp()
             held.reference = tokens.reference[at] if k > 1 else None
