@@ -204,6 +204,46 @@ def test_import_then_export_computes_ouros_per_loop_logits(imported, tmp_path):
     assert (tmp_path / "hf/tokenizer.json").is_file()
 
 
+def test_an_imported_checkpoint_decodes_with_early_exit(imported, tmp_path):
+    """Decoding an imported Ouro checkpoint through the cache with Ouro's gate (loaded by
+    transformers with trust_remote_code): each token exits where the reference forward's
+    cumulative exit probability first reaches q, runs no loop after it, and under `recompute`
+    its logits are the reference's at that loop."""
+    from transformers import AutoModelForCausalLM
+
+    _, ckpt = imported
+    assert megaloop("export", ckpt, tmp_path / "hf").returncode == 0
+    tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(4))
+    logits, gates = reference({k: v.double() for k, v in ouro_weights().items()}, tokens, 4)
+    survive, cumulative = torch.ones_like(gates[0]), []
+    for lam in gates:
+        survive = survive * (1 - lam)
+        cumulative.append(1 - survive)
+    scores = torch.stack(cumulative[:-1]).flatten().sort().values
+    q = scores[len(scores) // 2 - 1 : len(scores) // 2 + 1].mean().item()  # between two scores
+    reached = torch.stack([c >= q for c in cumulative[:-1]] + [torch.ones_like(gates[0]) > 0])
+    want_exit = reached.int().argmax(0) + 1
+    assert 1 < want_exit.float().mean() < 4  # tokens exit at different loops
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf",
+        trust_remote_code=True,
+        early_exit="gate",
+        exit_threshold=q,
+        kv_policy="recompute",
+    ).eval()
+    cache = None
+    with torch.no_grad():
+        for t in range(tokens.shape[1]):
+            out = model(tokens[:, t : t + 1], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            assert torch.equal(out.exit_loops[:, 0], want_exit[:, t]), t
+            for row, k in enumerate(want_exit[:, t].tolist()):
+                want = logits[k - 1][row, t]
+                got = out.logits[row, 0].double()
+                assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5, (t, row)
+    assert torch.equal(torch.cat(cache.loops_run, 1), want_exit)  # no loop after the exit
+
+
 def test_table6_diagnostics_of_an_imported_model(imported, tmp_path):
     """`diagnose` on the 1.4B architecture at a reduced width: label-path CE and logit statistics
     of Σ_k p_k·logits_k equal the reference forward's; final r_K and the scale sweep are there."""
