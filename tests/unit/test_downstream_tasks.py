@@ -594,6 +594,10 @@ def test_gate_never_exiting_is_fixed_k_and_at_zero_exits_at_loop_one(
     runs = {r["folder"]: r for r in json.loads((out / "adaptive.json").read_text())["runs"]}
     assert lls_of(out / "gate-1.01", "boolq") == lls_of(out / "fixed-k2", "boolq")
     assert runs["gate-1.01"]["mean_loops"] == 2.0 and runs["gate-0.0"]["mean_loops"] == 1.0
+    k1 = tmp_path / "k1"
+    settings = dict(model=gated_export, tasks=("boolq",), data_dir=task_data, batch_size=4)
+    downstream.run(DownstreamSettings(loops=1, out=k1, **settings))
+    assert lls_of(out / "gate-0.0", "boolq") == lls_of(k1, "boolq")
 
 
 @pytest.mark.parametrize(
