@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from megaloop.commands.options import batch_size
-from megaloop.evaluation.settings import SPLITS
+from megaloop.evaluation.settings import RULES, SPLITS
 from megaloop.extras import require
 
 BUILDS_MODEL = False
@@ -33,6 +33,17 @@ def add_parser(sub) -> None:
         help="validation (the study: every task's validation split) or default "
         "(the split lm-eval evaluates each task on)",
     )
+    down.add_argument(
+        "--exit",
+        choices=list(RULES),
+        help="also score with adaptive depth under this exit rule (K_max = --loops), "
+        "once per --threshold, beside fixed K",
+    )
+    down.add_argument(
+        "--threshold",
+        help="comma-separated thresholds of the --exit rule: gate, a cumulative exit "
+        "probability; margin, a top-1 minus top-2 logit",
+    )
     down.add_argument("--out", required=True, help="results folder (results, samples, summary)")
     down.set_defaults(fn=downstream)
     cmp = actions.add_parser("compare", help="paired bootstrap CIs between two results folders")
@@ -46,8 +57,8 @@ def add_parser(sub) -> None:
 
 def downstream(args) -> int:
     require("eval", "megaloop eval downstream")
-    from megaloop.evaluation import downstream
-    from megaloop.evaluation.settings import DownstreamSettings
+    from megaloop.evaluation import adaptive_downstream, downstream
+    from megaloop.evaluation.settings import DownstreamSettings, parse_thresholds
 
     settings = DownstreamSettings(
         model=args.model,
@@ -58,7 +69,13 @@ def downstream(args) -> int:
         data_dir=args.data_dir,
         batch_size=args.batch_size,
         split=args.split,
+        exit=args.exit,
+        thresholds=parse_thresholds(args.threshold) if args.threshold is not None else (),
     )
+    if settings.exit is not None:
+        print(adaptive_downstream.table(adaptive_downstream.run(settings)))
+        print(f"runs in {args.out}/<run>/, adaptive.json|md and accuracy_vs_depth.png beside")
+        return 0
     print(downstream.table(downstream.run(settings)))
     print(f"results and samples in {args.out}")
     return 0

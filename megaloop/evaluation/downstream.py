@@ -17,9 +17,11 @@ max_seq_len 256): evaluate it with a model of a longer context, or leave it out 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -175,7 +177,8 @@ def accuracies(samples: list[dict]) -> dict:
     return {"acc": float(np.mean(acc)), "acc_norm": float(np.mean(acc_norm)), "n": len(samples)}
 
 
-def checked_lm(**kwargs):
+@functools.cache
+def checked_lm_class():
     """HFLM that refuses, before scoring anything, requests whose continuation alone exceeds the
     model's max length (HFLM would die on an AssertionError midway), naming each such task."""
     from lm_eval.models.huggingface import HFLM
@@ -205,11 +208,17 @@ def checked_lm(**kwargs):
                 )
             return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
 
-    return CheckedHFLM(**kwargs)
+    return CheckedHFLM
 
 
-def run(settings: DownstreamSettings) -> dict:
-    from lm_eval import simple_evaluate
+def checked_lm(**kwargs):
+    return checked_lm_class()(**kwargs)
+
+
+@contextlib.contextmanager
+def task_setup(settings: DownstreamSettings) -> Iterator[tuple[tuple[str, ...], object]]:
+    """The tasks to run and the lm-eval TaskManager that holds them (their generated YAMLs live
+    in a temporary folder for the duration); unknown or unrunnable tasks are refused here."""
     from lm_eval.tasks import TaskManager
 
     tasks = settings.tasks or STUDY_TASKS
@@ -220,40 +229,54 @@ def run(settings: DownstreamSettings) -> dict:
         task_manager = builtin_tasks()
         if task_configs(tasks, settings.split, settings.data_dir, Path(tmp)):
             task_manager = TaskManager(include_path=tmp, include_defaults=False)
+        yield tasks, task_manager
+
+
+def scored(lm, tasks: tuple[str, ...], task_manager, limit: int | None) -> dict:
+    """lm-eval's zero-shot results of `lm` on `tasks`, every sample logged."""
+    from lm_eval import simple_evaluate
+
+    return simple_evaluate(
+        model=lm,
+        tasks=list(tasks),
+        num_fewshot=0,
+        limit=limit,
+        log_samples=True,
+        task_manager=task_manager,
+        bootstrap_iters=0,
+    )
+
+
+def run_info(settings: DownstreamSettings, results: dict) -> dict:
+    """What results.json and summary.json record of the run."""
+    return {
+        "model": str(settings.model),
+        "loops": settings.loops,
+        "limit": settings.limit,
+        "data_dir": str(settings.data_dir) if settings.data_dir else None,
+        "split": settings.split,
+        "splits": {t: evaluated_split(cfg) for t, cfg in results["configs"].items()},
+    }
+
+
+def run(settings: DownstreamSettings) -> dict:
+    with task_setup(settings) as (tasks, task_manager):
         tokenizer = load_tokenizer(settings.model)
         device, dtype = placement(settings.device)
         model = load_model(settings.model, device, dtype, num_loops=settings.loops)
         lm = checked_lm(
             pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size, device=device
         )
-        results = simple_evaluate(
-            model=lm,
-            tasks=list(tasks),
-            num_fewshot=0,
-            limit=settings.limit,
-            log_samples=True,
-            task_manager=task_manager,
-            bootstrap_iters=0,
-        )
-    return write(
-        results,
-        settings.out,
-        {
-            "model": str(settings.model),
-            "loops": settings.loops,
-            "limit": settings.limit,
-            "data_dir": str(settings.data_dir) if settings.data_dir else None,
-            "split": settings.split,
-            "splits": {t: evaluated_split(cfg) for t, cfg in results["configs"].items()},
-        },
-    )
+        results = scored(lm, tasks, task_manager, settings.limit)
+    return write(results, settings.out, run_info(settings, results))
 
 
-def write(results: dict, out: Path, run_info: dict) -> dict:
+def write(results: dict, out: Path, run_info: dict, depth: dict[str, dict] | None = None) -> dict:
     """lm-eval's results.json (with `megaloop`: run_info) and samples_<task>.jsonl, plus
     summary.json: per task acc and acc_norm recomputed from the samples and the split
-    evaluated, their macro averages, and `n`, the examples scored in all (the study's nine full
-    validation splits hold 20,007; it reports 19,169)."""
+    evaluated (and `depth`'s entries of the task: its loops per token under early exit), their
+    macro averages, and `n`, the examples scored in all (the study's nine full validation
+    splits hold 20,007; it reports 19,169)."""
     out.mkdir(parents=True, exist_ok=True)
     samples = results.pop("samples")
     (out / "results.json").write_text(
@@ -264,7 +287,11 @@ def write(results: dict, out: Path, run_info: dict) -> dict:
         with open(out / f"samples_{task}.jsonl", "w") as f:
             for row in rows:
                 f.write(json.dumps(row, default=str) + "\n")
-        per_task[task] = {**accuracies(rows), "split": run_info["splits"].get(task)}
+        per_task[task] = {
+            **accuracies(rows),
+            "split": run_info["splits"].get(task),
+            **(depth or {}).get(task, {}),
+        }
     summary = {
         **run_info,
         "tasks": per_task,

@@ -9,6 +9,7 @@ it is open (`fitted`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal, Self
@@ -61,6 +62,20 @@ def parse_loops(text: str) -> tuple[int, ...]:
         return loop_counts(int(k) for k in text.split(",") if k.strip())
     except ValueError:
         raise EvalError(f"--loops {text!r}: give loop counts >= 1, e.g. 1,2,3,4,8") from None
+
+
+def parse_thresholds(text: str) -> tuple[float, ...]:
+    """`--threshold 0.5,0.9` as sorted, distinct, finite numbers."""
+    try:
+        values = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(math.isfinite(t) for t in values):
+        raise EvalError(
+            f"--threshold {text!r}: give finite numbers, comma-separated, e.g. 0.5,0.9 "
+            f"(gate: a cumulative exit probability; margin: a top-1 minus top-2 logit)"
+        )
+    return tuple(sorted(set(values)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -216,6 +231,9 @@ class DownstreamSettings:
     batch_size: int = 8
     device: str | None = None
     split: str = "validation"
+    exit: Rule | None = None
+    """Also score with adaptive depth under this exit rule, K_max = `loops`, once per threshold."""
+    thresholds: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -229,3 +247,13 @@ class DownstreamSettings:
         positive("an empty evaluation measures nothing", limit=self.limit)
         if self.split not in SPLITS:
             raise EvalError(f"--split {self.split}: give one of {', '.join(SPLITS)}")
+        if self.exit is not None and self.exit not in RULES:
+            raise EvalError(f"--exit {self.exit}: give one of {', '.join(RULES)}")
+        if (self.exit is None) != (not self.thresholds):
+            given, missing = ("--exit", "--threshold") if self.exit else ("--threshold", "--exit")
+            raise EvalError(
+                f"{given} needs {missing}: adaptive depth is a rule (--exit gate|margin) "
+                f"and its thresholds (--threshold T[,T2,...]) together"
+            )
+        if self.thresholds:
+            set_(self, "thresholds", parse_thresholds(",".join(map(str, self.thresholds))))

@@ -54,7 +54,7 @@ OPTIONS = {
     "export": ["source", "out", "--format"],
     "import ouro": ["source", "out"],
     "eval downstream": ["model", "--loops", "--tasks", "--limit", "--data-dir", "--batch-size"]
-    + ["--batch", "--split", "--out"],
+    + ["--batch", "--split", "--exit", "--threshold", "--out"],
     "eval compare": ["a", "b", "--resamples", "--seed", "--out"],
     "bench fixed-k": [*MEASURE, "--loops", "--batches", "--warmup", "--out"],
     "depth": [*MEASURE, "--loops", "--clamp", "--sequences", "--out"],

@@ -448,3 +448,172 @@ def test_compare_metrics_are_length_normalised():
     assert got["p(gold)"] == pytest.approx(np.exp(-1.5) / np.exp(s).sum())
     raw_winner = logged([["Q:", " ab"], ["Q:", " c"]], [-3.0, -2.0], 0)
     assert compare.per_example(raw_winner)["margin / char"] == pytest.approx(-1.5 + 2.0)
+
+
+# -- adaptive depth (`eval downstream --exit`) ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gated_export(export_dir, tmp_path_factory) -> Path:
+    """The tiny export with an exit gate drawn so that its tokens exit at different loops."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path_factory.mktemp("gated") / "hf"
+    shutil.copytree(export_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "exit_gate": True}, indent=1))
+    weights = load_file(folder / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    weights["exit_gate.weight"] = 0.3 * torch.randn(1, config["hidden_size"], generator=g)
+    weights["exit_gate.bias"] = torch.zeros(1)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def lls_of(folder: Path, task: str) -> list[list[float]]:
+    return [
+        [float(r[0]) for r in json.loads(line)["filtered_resps"]]
+        for line in open(folder / f"samples_{task}.jsonl")
+    ]
+
+
+def adaptive(model, data, out, *extra, loops="2", tasks="arc_easy,boolq") -> int:
+    from megaloop.cli import main
+
+    return main(
+        ["eval", "downstream", str(model), "--loops", loops, "--tasks", tasks]
+        + ["--data-dir", str(data), "--batch-size", "4", "--out", str(out), *extra]
+    )
+
+
+def test_adaptive_depth_at_the_extremes_is_fixed_k(export_dir, task_data, tmp_path, capsys):
+    """margin 1e30 never exits early: fixed K's log-likelihoods and K loops per token; margin 0
+    exits every token at loop 1: K = 1's and 1 loop per token."""
+    out = tmp_path / "adaptive"
+    assert adaptive(export_dir, task_data, out, "--exit", "margin", "--threshold", "1e30,0") == 0
+    assert "| **macro** | margin 1e+30 | 2.00 |" in capsys.readouterr().out
+    k1 = downstream.run(
+        DownstreamSettings(
+            model=export_dir,
+            loops=1,
+            tasks=("arc_easy", "boolq"),
+            out=tmp_path / "k1",
+            data_dir=task_data,
+            batch_size=4,
+        )
+    )
+    summary = json.loads((out / "adaptive.json").read_text())
+    runs = {r["folder"]: r for r in summary["runs"]}
+    assert list(runs) == ["fixed-k2", "margin-0.0", "margin-1e+30"]
+    assert [r["threshold"] for r in summary["runs"]] == [None, 0.0, 1e30]
+    for folder, reference, loops in (
+        ("margin-1e+30", out / "fixed-k2", 2.0),
+        ("margin-0.0", tmp_path / "k1", 1.0),
+    ):
+        run = runs[folder]
+        assert run["mean_loops"] == loops
+        for task in ("arc_easy", "boolq"):
+            assert lls_of(out / folder, task) == lls_of(reference, task), (folder, task)
+            assert run["tasks"][task]["mean_loops"] == loops
+            assert run["tasks"][task]["scored_tokens"] > 0
+        per_run = json.loads((out / folder / "summary.json").read_text())
+        assert per_run["exit"] == "margin" and per_run["mean_loops"] == loops
+    assert runs["margin-0.0"]["macro_acc"] == k1["macro_acc"]
+    assert runs["margin-1e+30"]["macro_acc"] == runs["fixed-k2"]["macro_acc"]
+    assert runs["fixed-k2"]["mean_loops"] == 2.0 and runs["fixed-k2"]["exit"] == "fixed"
+    table = (out / "adaptive.md").read_text()
+    assert "| boolq | margin 0 | 1.00 |" in table and "| arc_easy | fixed K=2 | 2.00 |" in table
+    assert (out / "accuracy_vs_depth.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    paired = compare.compare(out / "fixed-k2", out / "margin-1e+30", 100, 0)
+    assert paired  # the threshold folders are single runs `eval compare` reads
+
+
+def test_adaptive_depth_counts_each_requests_scored_tokens(gated_export):
+    """Through lm-eval's batching (right padding, sorted by length), each request's
+    log-likelihood and the exit loops of its continuation tokens are those of a forward of
+    the request alone."""
+    import torch
+    from lm_eval.api.instance import Instance
+
+    from megaloop.evaluation import adaptive_downstream
+    from megaloop.evaluation.exported import load_model, load_tokenizer
+
+    model = load_model(gated_export, "cpu", "float32", num_loops=4)
+    model.config.early_exit, model.config.exit_threshold = "gate", 0.7
+    lm = adaptive_downstream.depth_counting_class()(
+        pretrained=model, tokenizer=load_tokenizer(gated_export), batch_size=3, device="cpu"
+    )
+    pairs = [
+        ("Question: which object is the best conductor?\nAnswer:", " a copper wire"),
+        ("Question: which object is the best conductor?\nAnswer:", " a wooden spoon"),
+        ("A man is sitting on a roof. he", " starts pulling up roofing on a roof."),
+        ("is a wolverine the same as a badger?", " no"),
+        ("Sarah was a much better surgeon than", " Maria so she always got the easier cases."),
+    ]
+    requests = [
+        Instance("loglikelihood", {}, pair, i, ("task" + str(i % 2), i, 1))
+        for i, pair in enumerate(pairs)
+    ]
+    scores = lm.loglikelihood(requests, disable_tqdm=True)
+    loops, tokens = {}, {}
+    for i, (context, continuation) in enumerate(pairs):
+        ctx, cont = lm._encode_pair(context, continuation)
+        ids = torch.tensor((ctx + cont)[:-1])[None]
+        with torch.no_grad():
+            out = model(input_ids=ids, use_cache=False)
+        logp = out.logits[0, -len(cont) :].log_softmax(-1)
+        expected = logp.gather(-1, torch.tensor(cont)[:, None]).sum().item()
+        assert scores[i][0] == pytest.approx(expected, abs=1e-5)
+        exits = out.exit_loops[0, -len(cont) :].numpy()
+        assert (lm.by_request[(context, continuation)] == exits).all()
+        task = "task" + str(i % 2)
+        loops[task] = loops.get(task, 0) + int(exits.sum())
+        tokens[task] = tokens.get(task, 0) + len(cont)
+    per_task, mean = lm.depth()
+    assert {t: r["scored_tokens"] for t, r in per_task.items()} == tokens
+    assert {t: r["mean_loops"] for t, r in per_task.items()} == {
+        t: loops[t] / tokens[t] for t in loops
+    }
+    assert mean == sum(loops.values()) / sum(tokens.values())
+    assert 1 < mean < 4  # the gate's exits differ between tokens
+
+
+def test_gate_never_exiting_is_fixed_k_and_at_zero_exits_at_loop_one(
+    gated_export, task_data, tmp_path
+):
+    out = tmp_path / "gate"
+    assert (
+        adaptive(
+            gated_export, task_data, out, "--exit", "gate", "--threshold", "1.01,0", tasks="boolq"
+        )
+        == 0
+    )
+    runs = {r["folder"]: r for r in json.loads((out / "adaptive.json").read_text())["runs"]}
+    assert lls_of(out / "gate-1.01", "boolq") == lls_of(out / "fixed-k2", "boolq")
+    assert runs["gate-1.01"]["mean_loops"] == 2.0 and runs["gate-0.0"]["mean_loops"] == 1.0
+    k1 = tmp_path / "k1"
+    settings = dict(model=gated_export, tasks=("boolq",), data_dir=task_data, batch_size=4)
+    downstream.run(DownstreamSettings(loops=1, out=k1, **settings))
+    assert lls_of(out / "gate-0.0", "boolq") == lls_of(k1, "boolq")
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--exit", "margin"], "--exit needs --threshold"),
+        (["--threshold", "0.5"], "--threshold needs --exit"),
+        (["--exit", "margin", "--threshold", "0.5,nan"], "give finite numbers"),
+        (["--exit", "margin", "--threshold", "a"], "give finite numbers"),
+        (["--exit", "gate", "--threshold", "0.9"], "has no exit gate"),
+    ],
+)
+def test_adaptive_depth_input_errors_before_scoring(
+    export_dir, task_data, tmp_path, capsys, extra, message
+):
+    assert adaptive(export_dir, task_data, tmp_path / "r", *extra) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("megaloop: error: ") and message in err[0]
+    assert not (tmp_path / "r").exists()
