@@ -1,4 +1,6 @@
-"""`megaloop bench fixed-k MODEL --data D`: tokens/s and CE per token at each fixed K."""
+"""`megaloop bench fixed-k MODEL --data D`: tokens/s and CE per token at each fixed K;
+`megaloop bench generate MODEL --data D --out DIR`: cached decoding with early exit against
+fixed K (tokens/s, mean loops, CE) under each exit rule, threshold and KV policy."""
 
 from __future__ import annotations
 
@@ -23,6 +25,30 @@ def add_parser(sub) -> None:
     )
     p.set_defaults(fn=fixed_k)
 
+    p = actions.add_parser(
+        "generate",
+        help="teacher-forced cached decoding with early exit: tokens/s, mean loops and CE "
+        "against fixed K, per exit rule, threshold, KV policy and batch size",
+    )
+    measurement(p, longest=128, batch=None)
+    p.add_argument(
+        "--exit",
+        help="exit rules, comma-separated (default: margin, and gate if the model has one)",
+    )
+    p.add_argument(
+        "--thresholds",
+        help="every rule's thresholds, comma-separated (default per rule: gate 0.5,0.7,0.9; "
+        "margin 1,2,4)",
+    )
+    p.add_argument("--kv", default="copy,share,recompute", help="KV policies, comma-separated")
+    p.add_argument("--batch-sizes", default="1,8", help="rows decoded together, comma-separated")
+    p.add_argument(
+        "--prompt-tokens", type=int, default=4, help="tokens prefilled at full depth (untimed)"
+    )
+    p.add_argument("--repeats", type=int, default=3, help="timed decodes per run (median)")
+    p.add_argument("--out", required=True, help="folder for generate.json, .md and .png")
+    p.set_defaults(fn=generate)
+
 
 def fixed_k(args) -> int:
     require("eval", "megaloop bench fixed-k", ("transformers",))
@@ -37,4 +63,26 @@ def fixed_k(args) -> int:
         warmup=args.warmup,
     )
     print(fixed_k.table(fixed_k.run(settings)))
+    return 0
+
+
+def generate(args) -> int:
+    require("eval", "megaloop bench generate", ("transformers",))
+    from megaloop.evaluation import generate_bench
+    from megaloop.evaluation.settings import GenerateBenchSettings, numbers
+
+    settings = measurement_settings(
+        GenerateBenchSettings,
+        args,
+        rules=None if args.exit is None else tuple(args.exit.split(",")),
+        thresholds=None
+        if args.thresholds is None
+        else numbers("--thresholds", args.thresholds, float, "0.5,0.9"),
+        policies=tuple(args.kv.split(",")),
+        batch_sizes=numbers("--batch-sizes", args.batch_sizes, int, "1,8"),
+        prompt=args.prompt_tokens,
+        repeats=args.repeats,
+    )
+    result = generate_bench.run(settings)
+    print(generate_bench.table(result))
     return 0

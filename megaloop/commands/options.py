@@ -47,10 +47,11 @@ def batch_size(p: argparse.ArgumentParser, default: int, help: str | None = None
 
 
 def measurement(
-    p: argparse.ArgumentParser, longest: int = 256, batch: int = 8, study: str = ""
+    p: argparse.ArgumentParser, longest: int = 256, batch: int | None = 8, study: str = ""
 ) -> argparse.ArgumentParser:
     """MODEL, --data, --seq-len, --batch-size and --dtype: what every measurement of a model
-    over held-out tokens takes (megaloop.evaluation.settings.Measurement)."""
+    over held-out tokens takes (megaloop.evaluation.settings.Measurement). `batch` None: no
+    --batch-size (the command takes its batch sizes another way)."""
     p.add_argument("model", help=MODEL_HELP)
     p.add_argument(
         "--data",
@@ -63,7 +64,8 @@ def measurement(
         type=int,
         help=f"tokens per window (default: the model's positions, at most {longest}{study})",
     )
-    batch_size(p, batch)
+    if batch is not None:
+        batch_size(p, batch)
     p.add_argument(
         "--dtype",
         default="auto",
@@ -75,15 +77,10 @@ def measurement(
 
 def measurement_settings(cls, args, **settings):
     """`cls` (a Measurement) from the shared options and this command's own `settings`."""
-    return cls(
-        model=args.model,
-        data=args.data,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        dtype=args.dtype,
-        out=args.out,
-        **settings,
-    )
+    shared = dict(model=args.model, data=args.data, seq_len=args.seq_len, dtype=args.dtype)
+    if "batch_size" in args:
+        shared["batch_size"] = args.batch_size
+    return cls(**shared, out=args.out, **settings)
 
 
 def slurm_job(p: argparse.ArgumentParser, required: bool) -> None:

@@ -42,19 +42,15 @@ def run(settings: FixedKSettings) -> list[dict]:
         .to(device)
     )
 
-    def sync():
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-
     rows = []
     for k in tqdm(settings.loops, desc="fixed-K", unit="K"):
         times, ce = [], []
         for i, window in enumerate(windows):
-            sync()
+            harness.synchronize(device)
             start = time.perf_counter()
             with torch.no_grad():
                 logits = model(window[:, :-1], num_loops=k, use_cache=False).logits
-            sync()
+            harness.synchronize(device)
             if i >= warmup:
                 times.append(time.perf_counter() - start)
                 ce.append(

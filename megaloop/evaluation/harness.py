@@ -155,6 +155,12 @@ def windows(
     return torch.from_numpy(tokens[index])
 
 
+def synchronize(device: str) -> None:
+    """Wait for the device's queued work, so that a wall-clock timing holds it (CUDA)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def progress(iterable, desc: str, unit: str = "batch"):
     from tqdm import tqdm
 

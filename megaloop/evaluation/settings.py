@@ -12,7 +12,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal, Self
+from typing import ClassVar, Literal, Self, get_args
+
+from megaloop.model.modes import EarlyExit, KVPolicy
 
 
 class EvalError(ValueError):
@@ -212,6 +214,112 @@ class FixedKSettings(Measurement):
         if self.warmup < 0:
             raise EvalError(f"--warmup {self.warmup}: must be >= 0")
         object.__setattr__(self, "loops", loop_counts(self.loops))
+
+
+EXIT_RULES: tuple[str, ...] = tuple(r for r in get_args(EarlyExit) if r != "none")
+KV_POLICIES: tuple[str, ...] = get_args(KVPolicy)
+DEFAULT_THRESHOLDS: dict[str, tuple[float, ...]] = {
+    "gate": (0.5, 0.7, 0.9),
+    "margin": (1.0, 2.0, 4.0),
+}
+"""`bench generate`'s thresholds per rule when --thresholds is not given: from early exits to late
+ones on a trained model (gate: cumulative exit probability, Ouro's range; margin: top-1 minus
+top-2 logit, around the study's calibrated τ). `megaloop halt`'s calibrated value is the point
+to add with --thresholds."""
+
+
+def names(option_: str, text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """A comma list of names, each one of `allowed`, in the order given, without repeats."""
+    given = tuple(dict.fromkeys(w.strip() for w in text.split(",") if w.strip()))
+    bad = [w for w in given if w not in allowed]
+    if not given or bad:
+        raise EvalError(
+            f"{option_} {text!r}: give one or more of {', '.join(allowed)}, comma-separated"
+        )
+    return given
+
+
+def numbers(option_: str, text: str, kind: type, example: str) -> tuple:
+    """A comma list of numbers of `kind`, sorted and distinct."""
+    try:
+        values = tuple(sorted({kind(w) for w in text.split(",") if w.strip()}))
+    except ValueError:
+        values = ()
+    if not values:
+        raise EvalError(f"{option_} {text!r}: give comma-separated numbers, e.g. {example}")
+    return values
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateBenchSettings(Measurement):
+    """`megaloop bench generate`: teacher-forced cached decoding under each exit rule, threshold
+    and KV policy, and at each fixed K, at each batch size. `out` is a folder."""
+
+    rules: tuple[str, ...] | None = None
+    """Exit rules (EXIT_RULES). None: every rule the model has (gate needs an exit gate)."""
+    thresholds: tuple[float, ...] | None = None
+    """Every rule's thresholds. None: DEFAULT_THRESHOLDS per rule."""
+    policies: tuple[str, ...] = KV_POLICIES
+    batch_sizes: tuple[int, ...] = (1, 8)
+    prompt: int = 4
+    """Tokens run at full depth before the decoded ones (prefill, untimed); at least 2, since
+    a forward of one token is a decoded one (it exits by the rule)."""
+    repeats: int = 3
+    """Timed decodes of each run; tokens/s is their median's."""
+
+    longest_default: ClassVar[int] = 128
+
+    def validate(self) -> None:
+        set_ = object.__setattr__
+        if self.rules is not None:
+            set_(self, "rules", names("--exit", ",".join(self.rules), EXIT_RULES))
+        set_(self, "policies", names("--kv", ",".join(self.policies), KV_POLICIES))
+        if self.thresholds is not None:
+            thresholds = tuple(sorted(set(map(float, self.thresholds))))
+            if not thresholds or any(not 0 <= t < float("inf") for t in thresholds):
+                raise EvalError(
+                    f"--thresholds {','.join(map(str, self.thresholds))!r}: give finite numbers "
+                    ">= 0, e.g. 0.5,0.9 (a gate's cumulative probability, a margin in logits)"
+                )
+            set_(self, "thresholds", thresholds)
+        batch_sizes = tuple(sorted(set(self.batch_sizes)))
+        if not batch_sizes or batch_sizes[0] < 1:
+            raise EvalError(
+                f"--batch-sizes {','.join(map(str, self.batch_sizes))!r}: give batch sizes >= 1, "
+                "e.g. 1,8"
+            )
+        set_(self, "batch_sizes", batch_sizes)
+        set_(self, "batch_size", batch_sizes[-1])
+        super().validate()
+        positive("a run decodes and times something", repeats=self.repeats)
+        if self.prompt < 2:
+            raise EvalError(
+                f"--prompt-tokens {self.prompt}: give 2 or more (a forward of one token is "
+                "decoded, exiting by the rule, not prefilled at full depth)"
+            )
+        self.check_prompt()
+
+    def check_prompt(self) -> None:
+        """The window (once known) holds the prompt and at least one decoded token."""
+        if self.seq_len is not None and self.seq_len <= self.prompt:
+            raise EvalError(
+                f"--seq-len {self.seq_len}: must exceed --prompt-tokens {self.prompt} "
+                "(the tokens after the prompt are the decoded ones)"
+            )
+
+    def exit_rules(self, has_gate: bool) -> tuple[str, ...]:
+        """The rules to run on a model with or without an exit gate."""
+        if self.rules is None:
+            return tuple(r for r in EXIT_RULES if r != "gate" or has_gate)
+        if "gate" in self.rules and not has_gate:
+            raise EvalError(
+                f"--exit gate: {self.model} has no exit gate; give --exit margin (or train "
+                "with model.exit_gate=true)"
+            )
+        return self.rules
+
+    def thresholds_of(self, rule: str) -> tuple[float, ...]:
+        return DEFAULT_THRESHOLDS[rule] if self.thresholds is None else self.thresholds
 
 
 @dataclass(frozen=True, kw_only=True)

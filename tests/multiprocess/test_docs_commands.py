@@ -42,6 +42,8 @@ RUN = {
         "--seq-len",
         "64",
     ],
+    "megaloop bench generate runs/tiny/hf --data held_out.txt --batch-sizes 1,8 --out "
+    "runs/tiny/bench-generate": ["--seq-len", "16", "--repeats", "1", "--thresholds", "0.5"],
     "megaloop depth runs/tiny --data held_out.txt --loops 1,2,3,4,8 --out runs/tiny/measure": [
         "--sequences",
         "8",
@@ -93,7 +95,9 @@ def documented() -> list[str]:
     `.venv/bin/` prefix dropped; synopses (CAPITALS or [options] as placeholders) left out."""
     commands = []
     for path in DOCS:
-        for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", path.read_text(), re.S):
+        for language, block in re.findall(r"```(\w*)\n(.*?)```", path.read_text(), re.S):
+            if language not in ("", "bash", "sh"):
+                continue
             for line in re.sub(r"\\\n\s*", "", block).splitlines():
                 line = re.sub(r"\s+#.*$", "", line.strip()).removeprefix(".venv/bin/")
                 words = line.split()

@@ -57,6 +57,8 @@ OPTIONS = {
     + ["--batch", "--split", "--exit", "--threshold", "--out"],
     "eval compare": ["a", "b", "--resamples", "--seed", "--out"],
     "bench fixed-k": [*MEASURE, "--loops", "--batches", "--warmup", "--out"],
+    "bench generate": ["model", "--data", "--seq-len", "--dtype", "--exit", "--thresholds"]
+    + ["--kv", "--batch-sizes", "--prompt-tokens", "--repeats", "--out"],
     "depth": [*MEASURE, "--loops", "--clamp", "--sequences", "--out"],
     "halt": [*MEASURE, "--k-max", "--rho", "--calib", "--bench", "--rule", "--tau", "--q", "--out"],
     "diagnose": [*MEASURE, "--tokens", "--rollout", "--out"],

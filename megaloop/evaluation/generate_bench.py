@@ -1,0 +1,299 @@
+"""`megaloop bench generate`: what early exit saves in cached decoding, and what it costs in CE.
+
+Teacher-forced decoding of held-out windows through the cache (so a KV policy's effect on
+quality is measured): each row's first `prompt` tokens are prefilled at full depth (untimed),
+then every following true token is fed alone (one forward of one token per row, the cache
+passed on), and its logits scored against the next token. B rows are B different windows.
+Each run is one exit rule, threshold and KV policy (a new LoopCache each time), or a fixed K
+(early_exit "none": the plain cached path a user gets without early exit). tokens/s is
+B x decoded tokens over the decode loop's wall time, the median of `repeats` timed decodes,
+after an untimed warm-up per batch size; CE is over the same positions in every run.
+
+The per-token fixed cost (embedding, readout, cache bookkeeping, Python) is stated by a least-
+squares fit over the fixed-K runs of each batch size: seconds per token t(K) = f + c·K. An
+exiting run's predicted speed-up over fixed K_max is then (f + c·K_max) / (f + c·mean loops);
+the gate's per-loop λ and the margin's per-loop readout are not in the prediction, so they show
+in the ratio measured / predicted.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megaloop.evaluation import harness
+from megaloop.evaluation.settings import EvalError, GenerateBenchSettings
+
+TOLERANCE = 0.15
+"""The acceptance: measured speed-up within 15% of the predicted one."""
+
+
+@contextmanager
+def configured(model, **fields):
+    """The model with config `fields` set (the rule and threshold an exiting forward reads),
+    restored afterwards."""
+    saved = {key: getattr(model.config, key) for key in fields}
+    for key, value in fields.items():
+        setattr(model.config, key, value)
+    try:
+        yield model
+    finally:
+        for key, value in saved.items():
+            setattr(model.config, key, value)
+
+
+def decode(model, rows: torch.Tensor, prompt: int, cache, loops: int, sync: Callable):
+    """Logits [B, steps, V] of rows[:, prompt:-1] fed one token at a time after a full-depth
+    prefill of rows[:, :prompt], and the wall seconds of those steps."""
+    with torch.no_grad():
+        model(rows[:, :prompt], past_key_values=cache, use_cache=True, num_loops=loops)
+        sync()
+        start = time.perf_counter()
+        logits = [
+            model(rows[:, i : i + 1], past_key_values=cache, use_cache=True, num_loops=loops).logits
+            for i in range(prompt, rows.shape[1] - 1)
+        ]
+        sync()
+        seconds = time.perf_counter() - start
+    return torch.cat(logits, 1), seconds
+
+
+def measure(model, rows, settings, spec: dict, sync: Callable) -> dict:
+    """One run's record: `spec` is its exit, threshold, kv and loops (K, or K_max at most)."""
+    from transformers import DynamicCache
+
+    from megaloop.model.modeling_megaloop import LoopCache
+
+    fixed, loops = spec["exit"] == "fixed", spec["loops"]
+    fields = {"early_exit": "none"} if fixed else {"early_exit": spec["exit"]}
+    if not fixed:
+        fields["exit_threshold"] = spec["threshold"]
+    times = []
+    with configured(model, **fields):
+        for repeat in range(settings.repeats):
+            cache = DynamicCache() if fixed else LoopCache(spec["kv"])
+            logits, seconds = decode(model, rows, settings.prompt, cache, loops, sync)
+            times.append(seconds)
+            if repeat == 0:
+                ce = harness.token_ce(logits, rows[:, settings.prompt + 1 :]).mean().item()
+                first = cache
+            del logits
+    b, steps = rows.shape[0], rows.shape[1] - 1 - settings.prompt
+    record = {**spec, "batch_size": b, "tokens_per_s": b * steps / statistics.median(times)}
+    if fixed:
+        return {
+            **record,
+            "mean_loops": float(loops),
+            "ce": ce,
+            "loop_applications": loops * b * (settings.prompt + steps),
+            "cache_bytes_per_token": model.cache_bytes_per_token("copy", loops),
+        }
+    decoded = torch.cat(first.exit_loops[1:], 1)
+    return {
+        **record,
+        "mean_loops": decoded.float().mean().item(),
+        "ce": ce,
+        "loop_applications": first.loop_applications,
+        "cache_bytes_per_token": first.bytes_per_token(),
+    }
+
+
+def warm_up(model, rows, settings, rules, k_max: int, sync: Callable) -> None:
+    """Untimed short decodes at fixed K_max and under each rule and policy (first calls, the
+    allocator, kernel choices), before a batch size's timed runs."""
+    specs = [{"exit": "fixed", "threshold": None, "kv": None, "loops": k_max}]
+    specs += [
+        {"exit": rule, "threshold": settings.thresholds_of(rule)[0], "kv": kv, "loops": k_max}
+        for rule in rules
+        for kv in settings.policies
+    ]
+    for spec in specs:
+        measure(model, rows, settings, spec, sync)
+
+
+def plan(settings: GenerateBenchSettings, rules, k_max: int) -> list[dict]:
+    """Every run, batch size by batch size: fixed K = 1..K_max, then rule x threshold x policy."""
+    runs = []
+    for b in settings.batch_sizes:
+        runs += [
+            {"exit": "fixed", "threshold": None, "kv": None, "loops": k, "b": b}
+            for k in range(1, k_max + 1)
+        ]
+        runs += [
+            {"exit": rule, "threshold": t, "kv": kv, "loops": k_max, "b": b}
+            for rule in rules
+            for t in settings.thresholds_of(rule)
+            for kv in settings.policies
+        ]
+    return runs
+
+
+def fixed_cost(records: list[dict], k_max: int) -> dict:
+    """The least-squares t(K) = f + c·K over one batch size's fixed-K runs (seconds per token)."""
+    fixed = [r for r in records if r["exit"] == "fixed"]
+    k = np.array([r["loops"] for r in fixed], dtype=float)
+    t = np.array([1 / r["tokens_per_s"] for r in fixed])
+    c, f = np.polyfit(k, t, 1)
+    return {
+        "batch_size": fixed[0]["batch_size"],
+        "fixed_s_per_token": float(f),
+        "loop_s_per_token": float(c),
+        "fixed_share_at_k_max": float(f / (f + c * k_max)),
+    }
+
+
+def compare(records: list[dict], fit: dict, k_max: int) -> None:
+    """Each run of one batch size against that batch's fixed K_max: measured and predicted
+    speed-up, their ratio, and the CE difference."""
+    base = next(r for r in records if r["exit"] == "fixed" and r["loops"] == k_max)
+    f, c = fit["fixed_s_per_token"], fit["loop_s_per_token"]
+    for r in records:
+        predicted = (f + c * k_max) / (f + c * r["mean_loops"])
+        measured = r["tokens_per_s"] / base["tokens_per_s"]
+        r.update(
+            speedup=measured,
+            loops_speedup=k_max / r["mean_loops"],
+            predicted_speedup=predicted,
+            ratio=measured / predicted,
+            within_15pct=abs(measured / predicted - 1) <= TOLERANCE,
+            ce_vs_fixed_kmax=r["ce"] - base["ce"],
+        )
+
+
+def run(settings: GenerateBenchSettings) -> dict:
+    """Every run of `settings` on its model, compared with fixed K_max per batch size, written
+    to OUT/generate.json, .md and .png; returns what generate.json holds."""
+    harness.check_data(settings.data)
+    device, dtype = harness.device_and_dtype(settings.dtype, settings.device)
+    opened = harness.open_model(settings.model, device, dtype)
+    model = opened.model
+    settings = settings.fitted(model.config.max_position_embeddings)
+    settings.check_prompt()
+    k_max = model.config.num_loops
+    if k_max < 2:
+        raise EvalError(f"MODEL {settings.model}: it runs K = {k_max} loop; nothing can exit early")
+    rules = settings.exit_rules(model.exit_gate is not None)
+    windows = harness.windows(
+        harness.read_tokens(settings.data, opened.encode), settings.seq_len, settings.batch_size
+    ).to(device)
+
+    sync = functools.partial(harness.synchronize, device)
+    records, warmed = [], set()
+    for spec in harness.progress(plan(settings, rules, k_max), "bench generate", "run"):
+        rows = windows[: spec.pop("b")]
+        if rows.shape[0] not in warmed:
+            warm_up(model, rows[:, : settings.prompt + 4], settings, rules, k_max, sync)
+            warmed.add(rows.shape[0])
+        records.append(measure(model, rows, settings, spec, sync))
+    fits = []
+    for b in settings.batch_sizes:
+        batch = [r for r in records if r["batch_size"] == b]
+        fits.append(fixed_cost(batch, k_max))
+        compare(batch, fits[-1], k_max)
+    model_info = {k: v for k, v in opened.info.items() if k != "run_config"}
+    result = {
+        "model": model_info,
+        "data": str(settings.data),
+        "device": device,
+        "dtype": dtype,
+        "seq_len": settings.seq_len,
+        "prompt_tokens": settings.prompt,
+        "decoded_tokens_per_row": settings.seq_len - settings.prompt,
+        "k_max": k_max,
+        "fixed_cost": fits,
+        "settings": settings.record(device=device, dtype=dtype, rules=list(rules)),
+        "runs": records,
+    }
+    harness.write(settings.out, "generate", result, table(result))
+    plot(result, settings.out / "generate.png")
+    return result
+
+
+MARKERS = {"gate": "^", "margin": "s"}
+COLOURS = {"copy": "tab:blue", "share": "tab:orange", "recompute": "tab:green"}
+
+
+def plot(result: dict, path: Path) -> None:
+    """tokens/s against CE, one panel per batch size: the fixed-K runs as a line, each rule x
+    policy as its own marker and colour over its thresholds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [fit["batch_size"] for fit in result["fixed_cost"]]
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 3.8), squeeze=False)
+    for ax, b in zip(axes[0], sizes):
+        runs = [r for r in result["runs"] if r["batch_size"] == b]
+        fixed = [r for r in runs if r["exit"] == "fixed"]
+        ax.plot(
+            [r["tokens_per_s"] for r in fixed], [r["ce"] for r in fixed], "k.-", label="fixed K"
+        )
+        for r in fixed:
+            ax.annotate(f"K={r['loops']}", (r["tokens_per_s"], r["ce"]), fontsize=7)
+        groups = {(r["exit"], r["kv"]) for r in runs if r["exit"] != "fixed"}
+        for rule, kv in sorted(groups):
+            group = [r for r in runs if (r["exit"], r["kv"]) == (rule, kv)]
+            ax.plot(
+                [r["tokens_per_s"] for r in group],
+                [r["ce"] for r in group],
+                marker=MARKERS.get(rule, "o"),
+                color=COLOURS.get(kv),
+                linewidth=0.6,
+                label=f"{rule} {kv}",
+            )
+        ax.set_xlabel("tokens/s")
+        ax.set_ylabel("CE / token")
+        ax.set_title(f"batch {b}", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(
+        f"{Path(result['model']['path']).name}: {result['device']} {result['dtype']}, "
+        f"K_max = {result['k_max']}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def table(result: dict) -> str:
+    """The runs as Markdown, after the fixed per-token cost each batch size's prediction uses."""
+    k_max = result["k_max"]
+    lines = [
+        f"# bench generate: {result['model']['path']}",
+        "",
+        f"{result['device']} {result['dtype']}; {result['decoded_tokens_per_row']} decoded "
+        f"tokens per row after a {result['prompt_tokens']}-token prompt; K_max = {k_max}.",
+        "",
+    ]
+    for fit in result["fixed_cost"]:
+        f, c = fit["fixed_s_per_token"], fit["loop_s_per_token"]
+        lines.append(
+            f"- batch {fit['batch_size']}: fixed cost per token f = {f * 1e3:.4f} ms, one loop "
+            f"c = {c * 1e3:.4f} ms (t(K) = f + c·K over the fixed-K runs): "
+            f"{fit['fixed_share_at_k_max']:.0%} of a token at K_max"
+        )
+    lines += [
+        "",
+        "| batch | exit | threshold | kv | tokens/s | mean loops | CE | ΔCE vs K_max "
+        "| loop applications | speed-up | predicted | ratio | within 15% | cache B/token |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["runs"]:
+        threshold = "" if r["threshold"] is None else f"{r['threshold']:g}"
+        exit_ = f"fixed K={r['loops']}" if r["exit"] == "fixed" else r["exit"]
+        lines.append(
+            f"| {r['batch_size']} | {exit_} | {threshold} | {r['kv'] or ''} "
+            f"| {r['tokens_per_s']:,.1f} | {r['mean_loops']:.2f} | {r['ce']:.4f} "
+            f"| {r['ce_vs_fixed_kmax']:+.4f} | {r['loop_applications']:,} "
+            f"| {r['speedup']:.2f}x | {r['predicted_speedup']:.2f}x | {r['ratio']:.2f} "
+            f"| {'yes' if r['within_15pct'] else 'no'} | {r['cache_bytes_per_token']:,.0f} |"
+        )
+    return "\n".join(lines)

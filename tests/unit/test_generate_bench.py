@@ -1,0 +1,164 @@
+"""`megaloop bench generate` on a tiny export: one record per run with the issue's keys, the
+counts the speed-up is judged by, recompute's CE equal to the no-cache forward with the same
+exits, a never-exiting threshold equal to fixed K_max, and bad input refused before compute."""
+
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from megaloop.cli import main
+from megaloop.evaluation import harness
+from megaloop.evaluation.generate_bench import configured
+from megaloop.evaluation.settings import EvalError, GenerateBenchSettings
+from megaloop.export import AUTO_MAP, CODE_DIR, CODE_FILES, own_code, save_tokenizer
+from support import tiny_export
+
+SEQ, PROMPT, BATCHES = 12, 2, (1, 3)
+NEVER = 1000.0
+THRESHOLDS = (0.0005, 0.5, NEVER)
+"""Per rule on the tiny model: margin exits at different loops at 0.0005 (its margins are tiny)
+and never at 0.5; gate exits at loop 1 at 0.0005 and at different loops at 0.5; neither at 1000."""
+KEYS = ("exit", "threshold", "kv", "batch_size", "tokens_per_s", "mean_loops", "ce")
+KEYS += ("loop_applications",)
+
+
+def saved_export(folder, **model):
+    """A tiny export on disk, as `megaloop export` lays it out (byte tokenizer, vocab 128)."""
+    hf = tiny_export(seed=3, vocab_size=128, tie_embeddings=False, **model)
+    hf.save_pretrained(folder)
+    for name in CODE_FILES:
+        shutil.copyfile(CODE_DIR / name, folder / name)
+    save_tokenizer("bytes", folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(auto_map=AUTO_MAP, megaloop_code=own_code())
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench_generate")
+    export = saved_export(root / "hf", readout="final_norm", recurrence="damping", exit_gate=True)
+    rng = np.random.default_rng(7)
+    text = "".join(f"{a:04d}+{b:04d}={a + b:05d}\n" for a, b in rng.integers(0, 10**4, (60, 2)))
+    (root / "held_out.txt").write_text(text)
+    args = ["--data", root / "held_out.txt", "--seq-len", SEQ, "--repeats", "1"]
+    args += ["--batch-sizes", ",".join(map(str, BATCHES)), "--out", root / "out"]
+    args += ["--thresholds", ",".join(map(str, THRESHOLDS)), "--prompt-tokens", PROMPT]
+    assert main(["bench", "generate", str(export), *map(str, args)]) == 0
+    result = json.loads((root / "out/generate.json").read_text())
+    return root, export, result
+
+
+def runs_of(result, **fields):
+    return [r for r in result["runs"] if all(r[k] == v for k, v in fields.items())]
+
+
+def test_every_run_is_recorded_with_the_issues_keys_and_the_figure(bench):
+    root, _, result = bench
+    k_max = result["k_max"]
+    assert len(result["runs"]) == 2 * len(THRESHOLDS) * 3 * len(BATCHES) + k_max * len(BATCHES)
+    for r in result["runs"]:
+        assert all(key in r for key in KEYS), r
+        assert isinstance(r["within_15pct"], bool) and np.isfinite(r["ratio"])
+    for b in BATCHES:
+        fixed = runs_of(result, exit="fixed", batch_size=b)
+        assert [r["loops"] for r in fixed] == list(range(1, k_max + 1))
+        assert all(r["threshold"] is None and r["kv"] is None for r in fixed)
+    assert [f["batch_size"] for f in result["fixed_cost"]] == list(BATCHES)
+    for fit in result["fixed_cost"]:  # its values are timings: only their presence is tested
+        assert all(np.isfinite(fit[key]) for key in ("fixed_s_per_token", "loop_s_per_token"))
+    mixed = runs_of(result, exit="gate", threshold=0.5) + runs_of(result, exit="margin")
+    assert any(1 < r["mean_loops"] < k_max for r in mixed)  # the thresholds do exit early
+    md = (root / "out/generate.md").read_text()
+    assert md.count("\n| ") == 1 + len(result["runs"]) and "fixed cost per token" in md
+    assert (root / "out/generate.png").stat().st_size > 10_000
+
+
+def test_copy_and_share_apply_the_stack_k_per_prompt_token_plus_each_exit(bench):
+    _, _, result = bench
+    k_max, steps = result["k_max"], SEQ - PROMPT
+    for r in result["runs"]:
+        b = r["batch_size"]
+        if r["kv"] in ("copy", "share"):
+            exits = r["mean_loops"] * b * steps
+            assert r["loop_applications"] == k_max * PROMPT * b + round(exits), r
+        elif r["kv"] == "recompute":
+            assert r["loop_applications"] >= k_max * PROMPT * b + round(r["mean_loops"] * b * steps)
+
+
+def test_recompute_ce_is_the_no_cache_forward_with_the_same_exits(bench):
+    root, export, result = bench
+    opened = harness.open_model(export)
+    model = opened.model
+    tokens = harness.read_tokens(root / "held_out.txt", opened.encode)
+    for r in runs_of(result, kv="recompute"):
+        rows = harness.windows(tokens, SEQ, r["batch_size"])
+        fields = dict(early_exit=r["exit"], exit_threshold=r["threshold"])
+        with configured(model, **fields), torch.no_grad():
+            reference = model(rows[:, :-1], use_cache=False)
+        ce = harness.token_ce(reference.logits[:, PROMPT:], rows[:, PROMPT + 1 :]).mean().item()
+        assert abs(r["ce"] - ce) <= 1e-5, r
+        exits = reference.exit_loops[:, PROMPT:].float().mean().item()
+        assert r["mean_loops"] == pytest.approx(exits, abs=1e-6), r
+
+
+def test_a_threshold_that_never_exits_is_fixed_k_max(bench):
+    _, _, result = bench
+    k_max = result["k_max"]
+    for b in BATCHES:
+        (fixed,) = runs_of(result, exit="fixed", loops=k_max, batch_size=b)
+        for r in runs_of(result, threshold=NEVER, batch_size=b):
+            assert r["mean_loops"] == k_max
+            if r["kv"] in ("copy", "recompute"):
+                assert abs(r["ce"] - fixed["ce"]) <= 1e-5, r
+                assert r["ce_vs_fixed_kmax"] == pytest.approx(0, abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def gateless(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gateless")
+    (root / "held_out.txt").write_text("1234+5678=06912\n" * 20)
+    return saved_export(root / "hf", exit_gate=False), root / "held_out.txt"
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--thresholds", ""], "--thresholds '': give comma-separated numbers"),
+        (["--thresholds", "0.5,high"], "--thresholds '0.5,high': give comma-separated numbers"),
+        (["--thresholds", "nan"], "--thresholds 'nan': give finite numbers >= 0"),
+        (["--kv", "foo"], "--kv 'foo': give one or more of copy, share, recompute"),
+        (["--exit", "fixed"], "--exit 'fixed': give one or more of gate, margin"),
+        (["--exit", "gate"], "--exit gate: .* has no exit gate; give --exit margin"),
+        (["--batch-sizes", "1,0"], "--batch-sizes '0,1': give batch sizes >= 1"),
+        (["--seq-len", "4"], "--seq-len 4: must exceed --prompt-tokens 4"),
+        (["--prompt-tokens", "1"], "--prompt-tokens 1: give 2 or more"),
+    ],
+)
+def test_bad_input_is_one_error_before_any_compute(gateless, tmp_path, capsys, extra, message):
+    export, data = gateless
+    out = tmp_path / "out"
+    argv = ["bench", "generate", str(export), "--data", str(data), "--out", str(out), *extra]
+    assert main(argv) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith("megaloop: error: ")
+    assert re.search(message, errors[0]), errors[0]
+    assert not out.exists()
+
+
+def test_the_rules_default_to_those_the_model_has():
+    settings = GenerateBenchSettings(model="m", data="d")
+    assert settings.exit_rules(has_gate=True) == ("gate", "margin")
+    assert settings.exit_rules(has_gate=False) == ("margin",)
+    assert settings.thresholds_of("gate") == (0.5, 0.7, 0.9)
+    assert GenerateBenchSettings(model="m", data="d", thresholds=(2, 1)).thresholds_of("gate") == (
+        1.0,
+        2.0,
+    )
+    with pytest.raises(EvalError, match="--repeats 0: must be >= 1"):
+        GenerateBenchSettings(model="m", data="d", repeats=0)
