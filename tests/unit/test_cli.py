@@ -57,6 +57,9 @@ OPTIONS = {
     + ["--batch", "--split", "--out"],
     "eval compare": ["a", "b", "--resamples", "--seed", "--out"],
     "bench fixed-k": [*MEASURE, "--loops", "--batches", "--warmup", "--out"],
+    "generate": ["model", "--prompt", "--prompts", "--exit", "--threshold", "--loops", "--kv"]
+    + ["--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed", "--batch-size"]
+    + ["--show-depth", "--dtype", "--device", "--json"],
     "depth": [*MEASURE, "--loops", "--clamp", "--sequences", "--out"],
     "halt": [*MEASURE, "--k-max", "--rho", "--calib", "--bench", "--rule", "--tau", "--q", "--out"],
     "diagnose": [*MEASURE, "--tokens", "--rollout", "--out"],
