@@ -20,6 +20,7 @@ import time
 from typing import TextIO
 
 import torch
+from tqdm import tqdm
 from transformers.generation.streamers import BaseStreamer
 
 from megaloop.evaluation import harness
@@ -181,15 +182,12 @@ def run(settings: GenerateSettings, out: TextIO | None = None, err: TextIO | Non
             out.write(chunk[0])
         start = time.perf_counter()
         done = complete(model, tokenizer, chunk, settings, cache, streamer)
-        if model.device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds += time.perf_counter() - start
+        seconds += time.perf_counter() - start  # complete() waited for the device: .cpu()
         results += done
         caches.append(cache)
         if streamer is None:
-            for r in done:
-                out.write(f"{r['prompt']}{marked(tokenizer, r, settings.show_depth)}\n\n")
-            out.flush()
+            for r in done:  # above the progress bar
+                tqdm.write(f"{r['prompt']}{marked(tokenizer, r, settings.show_depth)}\n", file=out)
     summary = summarize(results, caches, seconds, model.config.num_loops, settings.kv)
     print(summary_line(summary), file=err)
     record = {"settings": settings_record(settings), "results": results, "summary": summary}
@@ -226,7 +224,10 @@ def summary_line(s: dict) -> str:
 
 
 def settings_record(settings: GenerateSettings) -> dict:
-    fields = {k: v for k, v in vars(settings).items() if k not in ("json",)}
+    """The settings as the JSON records them (GenerateSettings(**record) rebuilds them)."""
+    record = {k: v for k, v in vars(settings).items() if k != "json"}
     return {
-        k: str(v) if k in ("model", "prompts") and v is not None else v for k, v in fields.items()
+        **record,
+        "model": str(settings.model),
+        "prompts": settings.prompts and str(settings.prompts),
     }
