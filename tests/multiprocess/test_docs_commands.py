@@ -42,6 +42,10 @@ RUN = {
         "--seq-len",
         "64",
     ],
+    'megaloop generate runs/tiny/hf --prompt "12+34=" --exit margin --threshold 2 --show-depth': [
+        "--max-new-tokens",
+        "8",
+    ],
     "megaloop depth runs/tiny --data held_out.txt --loops 1,2,3,4,8 --out runs/tiny/measure": [
         "--sequences",
         "8",
