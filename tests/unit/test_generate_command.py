@@ -39,6 +39,15 @@ def gated(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def ouro_wired(tmp_path_factory):
+    """Ouro's architecture, as `megaloop import ouro` gives it: sandwich norms, one shared loop
+    norm, the exit gate."""
+    ouro = dict(readout="norm", layer_norms="sandwich", loop_norm="shared", tie_embeddings=False)
+    hf = tiny_export(seed=5, vocab_size=256, num_loops=K, exit_gate=True, **ouro)
+    return write_export(hf, tmp_path_factory.mktemp("ouro"))
+
+
+@pytest.fixture(scope="module")
 def gateless(tmp_path_factory):
     return write_export(tiny_export(seed=4, vocab_size=256), tmp_path_factory.mktemp("gateless"))
 
@@ -70,8 +79,17 @@ def depths_printed(stdout: str) -> list[int]:
     return [int(k) for k in MARK.findall(stdout)]
 
 
-def test_a_never_exiting_gate_prints_what_fixed_k_prints(gated, megaloop_here):
-    common = [gated, "--prompt", "the river", "--max-new-tokens", "12", "--device", "cpu"]
+@pytest.mark.parametrize("wiring", ["gated", "ouro_wired"])
+def test_a_never_exiting_gate_prints_what_fixed_k_prints(wiring, megaloop_here, request):
+    common = [
+        request.getfixturevalue(wiring),
+        "--prompt",
+        "the river",
+        "--max-new-tokens",
+        "12",
+        "--device",
+        "cpu",
+    ]
     fixed = megaloop_here("generate", *common, "--exit", "fixed")
     never = megaloop_here("generate", *common, "--exit", "gate", "--threshold", "1.01")
     assert fixed[0] == never[0] == 0
@@ -81,14 +99,15 @@ def test_a_never_exiting_gate_prints_what_fixed_k_prints(gated, megaloop_here):
     assert re.match(r"megaloop generate: \d+ new tokens, mean exit loop 4\.00 of K=4", summary)
 
 
+@pytest.mark.parametrize("wiring", ["gated", "ouro_wired"])
 @pytest.mark.parametrize("threshold, depth", [("0", 1), ("1.01", K)])
 def test_show_depth_marks_every_new_token_with_its_exit_loop(
-    gated, megaloop_here, tmp_path, threshold, depth
+    wiring, request, megaloop_here, tmp_path, threshold, depth
 ):
     out = tmp_path / "g.json"
     code, stdout, stderr = megaloop_here(
         "generate",
-        gated,
+        request.getfixturevalue(wiring),
         "--prompt",
         "the river",
         "--exit",
