@@ -281,3 +281,11 @@ def test_a_threshold_out_of_the_rules_range_says_what_it_means():
     assert GenerateSettings(model="m", prompt="a", exit="none").rule == "none"
     with pytest.raises(EvalError, match="--threshold nan"):
         GenerateSettings(model="m", prompt="a", exit="gate", threshold=float("nan"))
+
+
+@pytest.mark.parametrize("kv", ["copy", "share", "recompute"])
+def test_the_summary_reports_the_kv_policys_cache_bytes_per_token(gated, tmp_path, kv):
+    record = generated(gated, tmp_path, "exit", "gate", "threshold", 0.5, "kv", kv)
+    model, _ = generation.open_export(GenerateSettings(**record["settings"]))
+    assert record["summary"]["kv_bytes_per_token"] == model.cache_bytes_per_token(kv)
+    assert record["summary"]["kv"] == kv
