@@ -365,3 +365,122 @@ class DownstreamSettings:
             )
         if self.thresholds:
             set_(self, "thresholds", parse_thresholds(",".join(map(str, self.thresholds))))
+
+
+EXITS = {"gate": "gate", "margin": "margin", "fixed": "none", "none": "none"}
+"""`--exit`'s values → the exported config's early_exit (fixed, alias none: every token runs K)."""
+KV_POLICIES = ("copy", "share", "recompute")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateSettings:
+    """`megaloop generate`: text from an export, each new token stopping at its exit loop."""
+
+    model: Path
+    """A `megaloop export` folder (or `megaloop import ouro` then `export`)."""
+    prompt: str | None = None
+    prompts: Path | None = None
+    """A text file, one prompt per line (blank lines skipped); give it or `prompt`."""
+    exit: str = "fixed"
+    """A key of EXITS."""
+    threshold: float | None = None
+    """The rule's threshold (gate: cumulative exit probability; margin: top-1 − top-2 logit)."""
+    loops: int | None = None
+    """K, the most loops a token runs. None: the model's num_loops."""
+    kv: str = "copy"
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    """0: greedy; above 0: sampling at this temperature."""
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    batch_size: int = 8
+    """Prompts of --prompts generated together (left-padded)."""
+    show_depth: bool = False
+    dtype: str = "auto"
+    device: str | None = None
+    json: Path | None = None
+    """Where to write prompts, completions, each token's exit loop and the summary."""
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "model", Path(self.model))
+        for name in ("prompts", "json"):
+            if getattr(self, name) is not None:
+                set_(self, name, Path(getattr(self, name)))
+        if (self.prompt is None) == (self.prompts is None):
+            raise EvalError("give one of --prompt TEXT and --prompts FILE")
+        if self.exit not in EXITS:
+            raise EvalError(f"--exit {self.exit}: give one of gate, margin, fixed")
+        if self.kv not in KV_POLICIES:
+            raise EvalError(f"--kv {self.kv}: give one of {', '.join(KV_POLICIES)}")
+        if self.dtype not in DTYPES:
+            raise EvalError(f"--dtype {self.dtype}: give one of {', '.join(DTYPES)}")
+        set_(self, "dtype", DTYPES[self.dtype])
+        self.check_threshold()
+        self.check_sampling()
+        positive(
+            "counts of loops, tokens and prompts",
+            loops=self.loops,
+            max_new_tokens=self.max_new_tokens,
+            batch_size=self.batch_size,
+        )
+        self.texts()
+
+    @property
+    def rule(self) -> str:
+        """The exported config's early_exit: none, gate or margin."""
+        return EXITS[self.exit]
+
+    def check_threshold(self) -> None:
+        if self.rule == "none":
+            if self.threshold is not None:
+                raise EvalError(
+                    f"--threshold is for --exit gate or margin; --exit {self.exit} runs every "
+                    "token --loops loops (drop --threshold or give --exit gate|margin)"
+                )
+        elif self.threshold is None:
+            raise EvalError(
+                f"--exit {self.exit} needs --threshold T (e.g. a threshold `megaloop halt` "
+                "calibrated; --exit fixed runs every token K loops)"
+            )
+        elif self.threshold != self.threshold:
+            raise EvalError("--threshold nan: give a number")
+
+    def threshold_note(self) -> str | None:
+        """What a threshold out of the rule's useful range does (legitimate, e.g. for testing)."""
+        t = self.threshold
+        if self.rule == "gate" and t > 1 or self.rule == "margin" and t == float("inf"):
+            return f"--threshold {t} never exits early: every token runs all K loops"
+        if t is not None and t <= 0:
+            return f"--threshold {t} exits every token at loop 1 (its score is never below 0)"
+        return None
+
+    def check_sampling(self) -> None:
+        if not 0 <= self.temperature < float("inf"):
+            raise EvalError(f"--temperature {self.temperature}: give 0 (greedy) or more")
+        if self.temperature == 0 and (self.top_k is not None or self.top_p is not None):
+            raise EvalError(
+                "--top-k and --top-p shape sampling, and --temperature 0 is greedy: give "
+                "--temperature T > 0 too"
+            )
+        positive("the most likely tokens sampled from", top_k=self.top_k)
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise EvalError(f"--top-p {self.top_p}: give a probability in (0, 1]")
+
+    def texts(self) -> list[str]:
+        """The prompts: --prompt, or the non-blank lines of --prompts."""
+        if self.prompts is None:
+            if not self.prompt:
+                raise EvalError("--prompt is empty: give some text to continue")
+            return [self.prompt]
+        if not self.prompts.is_file():
+            raise EvalError(f"--prompts {self.prompts}: no such file (one prompt per line)")
+        try:
+            lines = self.prompts.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            raise EvalError(f"--prompts {self.prompts}: not UTF-8 text ({e.reason})") from None
+        texts = [line for line in lines if line.strip()]
+        if not texts:
+            raise EvalError(f"--prompts {self.prompts}: no prompts (one per line, blank skipped)")
+        return texts

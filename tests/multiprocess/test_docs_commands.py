@@ -44,6 +44,10 @@ RUN = {
     ],
     "megaloop bench generate runs/tiny/hf --data held_out.txt --batch-sizes 1,8 --out "
     "runs/tiny/bench-generate": ["--seq-len", "16", "--repeats", "1", "--thresholds", "0.5"],
+    'megaloop generate runs/tiny/hf --prompt "12+34=" --exit margin --threshold 2 --show-depth': [
+        "--max-new-tokens",
+        "8",
+    ],
     "megaloop depth runs/tiny --data held_out.txt --loops 1,2,3,4,8 --out runs/tiny/measure": [
         "--sequences",
         "8",

@@ -1,0 +1,88 @@
+"""`megaloop generate EXPORT (--prompt TEXT | --prompts FILE)`: text with per-token early exit."""
+
+from __future__ import annotations
+
+from megaloop.evaluation.settings import DTYPES, EXITS, KV_POLICIES
+from megaloop.extras import require
+
+BUILDS_MODEL = True
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "generate", help="text from an export, each new token stopping at its exit loop"
+    )
+    p.add_argument("model", help="a `megaloop export` folder")
+    given = p.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", help="the text to continue (printed as it is generated)")
+    given.add_argument(
+        "--prompts", help="a text file, one prompt per line (blank lines skipped), in batches"
+    )
+    p.add_argument(
+        "--exit",
+        choices=list(EXITS),
+        default="fixed",
+        help="gate: Ouro's cumulative exit probability >= T; margin: top-1 minus top-2 logit "
+        ">= T; fixed (or none): every token runs K loops",
+    )
+    p.add_argument("--threshold", type=float, help="the rule's T (e.g. `megaloop halt`'s)")
+    p.add_argument(
+        "--loops", type=int, help="K, the most loops a token runs (default: the model's)"
+    )
+    p.add_argument(
+        "--kv",
+        choices=list(KV_POLICIES),
+        default="copy",
+        help="what a token's skipped (loop, layer) cache slots hold (docs/generation.md)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampling")
+    p.add_argument("--top-k", type=int, help="sample from the k most likely tokens")
+    p.add_argument("--top-p", type=float, help="sample from the smallest set of mass >= p")
+    p.add_argument("--seed", type=int, help="torch.manual_seed before sampling (reproducible)")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts of --prompts at a time")
+    p.add_argument(
+        "--show-depth",
+        action="store_true",
+        help="follow each new token's text with ⟨its exit loop⟩",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=list(DTYPES),
+        help="auto: bfloat16 on a GPU, float32 on a CPU",
+    )
+    p.add_argument("--device", help="e.g. cpu, cuda:0 (default: a GPU when there is one)")
+    p.add_argument(
+        "--json", help="write prompts, completions, each token's exit loop and the summary here"
+    )
+    p.set_defaults(fn=run)
+
+
+def run(args) -> int:
+    from megaloop.evaluation.settings import GenerateSettings
+
+    settings = GenerateSettings(
+        model=args.model,
+        prompt=args.prompt,
+        prompts=args.prompts,
+        exit=args.exit,
+        threshold=args.threshold,
+        loops=args.loops,
+        kv=args.kv,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        show_depth=args.show_depth,
+        dtype=args.dtype,
+        device=args.device,
+        json=args.json,
+    )
+    require("eval", "megaloop generate", ("transformers",))
+    from megaloop.evaluation import generation
+
+    generation.run(settings)
+    return 0

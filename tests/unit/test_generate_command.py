@@ -1,0 +1,291 @@
+"""`megaloop generate`: the text and exit loops it prints, batched prompts, sampling, and its
+errors before any model is loaded. On tiny random exports written to disk here."""
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+from megaloop.evaluation import generation
+from megaloop.evaluation.settings import EvalError, GenerateSettings
+from support import tiny_export
+
+K = 4
+MARK = re.compile(r"⟨(\d+)⟩")
+PROMPTS = ["the river", "a small harbour town", "music"]
+
+
+def write_export(hf, folder):
+    """`hf` as `megaloop export` writes a folder: safetensors, its code recorded, the byte
+    tokenizer (end of text: id 0)."""
+    from megaloop.export import AUTO_MAP, CODE_DIR, CODE_FILES, own_code, save_tokenizer
+
+    hf.save_pretrained(folder)
+    for name in CODE_FILES:
+        shutil.copyfile(CODE_DIR / name, folder / name)
+    save_tokenizer("bytes", folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(auto_map=AUTO_MAP, megaloop_code=own_code())
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def gated(tmp_path_factory):
+    hf = tiny_export(seed=3, vocab_size=256, num_loops=K, exit_gate=True, gate_scale=1.0)
+    return write_export(hf, tmp_path_factory.mktemp("gated"))
+
+
+@pytest.fixture(scope="module")
+def ouro_wired(tmp_path_factory):
+    """Ouro's architecture, as `megaloop import ouro` gives it: sandwich norms, one shared loop
+    norm, the exit gate."""
+    ouro = dict(readout="norm", layer_norms="sandwich", loop_norm="shared", tie_embeddings=False)
+    hf = tiny_export(seed=5, vocab_size=256, num_loops=K, exit_gate=True, **ouro)
+    return write_export(hf, tmp_path_factory.mktemp("ouro"))
+
+
+@pytest.fixture(scope="module")
+def gateless(tmp_path_factory):
+    return write_export(tiny_export(seed=4, vocab_size=256), tmp_path_factory.mktemp("gateless"))
+
+
+@pytest.fixture
+def megaloop_here(capsys):
+    """`megaloop ARGS` in this process: (return code, stdout, stderr)."""
+    from megaloop.cli import main
+
+    def run(*args):
+        capsys.readouterr()
+        code = main([str(a) for a in args])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
+
+
+def generated(export, tmp_path, *args, prompt="the river", name="out.json"):
+    """Settings from `args` run through the library, its JSON record."""
+    path = tmp_path / name
+    settings = dict(model=export, prompt=prompt, max_new_tokens=10, json=path, device="cpu")
+    flags = dict(zip(args[::2], args[1::2]))
+    generation.run(GenerateSettings(**settings, **flags))
+    return json.loads(path.read_text())
+
+
+def depths_printed(stdout: str) -> list[int]:
+    return [int(k) for k in MARK.findall(stdout)]
+
+
+@pytest.mark.parametrize("wiring", ["gated", "ouro_wired"])
+def test_a_never_exiting_gate_prints_what_fixed_k_prints(wiring, megaloop_here, request):
+    common = [
+        request.getfixturevalue(wiring),
+        "--prompt",
+        "the river",
+        "--max-new-tokens",
+        "12",
+        "--device",
+        "cpu",
+    ]
+    fixed = megaloop_here("generate", *common, "--exit", "fixed")
+    never = megaloop_here("generate", *common, "--exit", "gate", "--threshold", "1.01")
+    assert fixed[0] == never[0] == 0
+    assert fixed[1] == never[1] and fixed[1].startswith("the river")
+    assert "never exits early" in never[2]
+    summary = fixed[2].strip().splitlines()[-1]
+    assert re.match(r"megaloop generate: \d+ new tokens, mean exit loop 4\.00 of K=4", summary)
+
+
+@pytest.mark.parametrize("wiring", ["gated", "ouro_wired"])
+@pytest.mark.parametrize("threshold, depth", [("0", 1), ("1.01", K)])
+def test_show_depth_marks_every_new_token_with_its_exit_loop(
+    wiring, request, megaloop_here, tmp_path, threshold, depth
+):
+    out = tmp_path / "g.json"
+    code, stdout, stderr = megaloop_here(
+        "generate",
+        request.getfixturevalue(wiring),
+        "--prompt",
+        "the river",
+        "--exit",
+        "gate",
+        "--threshold",
+        threshold,
+        "--show-depth",
+        "--max-new-tokens",
+        "10",
+        "--device",
+        "cpu",
+        "--json",
+        out,
+    )
+    assert code == 0, stderr
+    (result,) = json.loads(out.read_text())["results"]
+    visible = [t for t in result["tokens"] if t != 0]  # end of text (id 0) is not marked
+    assert result["exit_loops"] == [depth] * len(result["tokens"])
+    assert depths_printed(stdout) == [depth] * len(visible) and visible
+    assert MARK.sub("", stdout) == f"the river{result['completion']}\n"
+
+
+def test_each_tokens_depth_is_the_exit_of_the_forward_that_chose_it(gated, tmp_path, capsys):
+    """Streamed marks, the JSON's exit loops and the no-cache forward agree: a new token's depth
+    is the exit loop of the position whose logits produced it (recompute: exact exits).
+    Sampled, so that the tokens, and so their exits, differ."""
+    sampled = ("exit", "gate", "kv", "recompute", "show_depth", True, "temperature", 1.0)
+    for threshold in (0.5, 0.3, 0.7):
+        capsys.readouterr()
+        record = generated(gated, tmp_path, *sampled, "seed", 0, "threshold", threshold)
+        (result,) = record["results"]
+        if len(set(result["exit_loops"])) > 2:
+            break
+    else:
+        pytest.fail("no threshold made new tokens exit at three different loops")
+    stdout = capsys.readouterr().out
+    visible = [d for t, d in zip(result["tokens"], result["exit_loops"]) if t != 0]
+    assert depths_printed(stdout) == visible
+    model, tokenizer = generation.open_export(GenerateSettings(**record["settings"]))
+    prompt = tokenizer("the river")["input_ids"]
+    ids = torch.tensor([prompt + result["tokens"][:-1]])
+    with torch.no_grad():
+        reference = model(ids, use_cache=False).exit_loops[0, len(prompt) - 1 :]
+    assert reference.tolist() == result["exit_loops"]
+    marked = generation.marked(tokenizer, result, show_depth=True)
+    assert stdout == f"the river{marked}\n"
+
+
+@pytest.mark.parametrize("rule", [("fixed",), ("gate", "--threshold", "0.7")])
+def test_a_batch_of_prompts_completes_each_as_alone(gated, megaloop_here, tmp_path, rule):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"{PROMPTS[0]}\n\n{PROMPTS[1]}\n{PROMPTS[2]}\n")
+    out = tmp_path / "batch.json"
+    code, stdout, stderr = megaloop_here(
+        "generate",
+        gated,
+        "--prompts",
+        prompts,
+        "--exit",
+        *rule,
+        "--max-new-tokens",
+        "10",
+        "--device",
+        "cpu",
+        "--json",
+        out,
+    )
+    assert code == 0, stderr
+    batch = json.loads(out.read_text())["results"]
+    assert [r["prompt"] for r in batch] == PROMPTS
+    flags = ["exit", rule[0]] + (["threshold", float(rule[2])] if len(rule) > 1 else [])
+    for i, (prompt, row) in enumerate(zip(PROMPTS, batch)):
+        alone = generated(gated, tmp_path, *flags, prompt=prompt, name=f"{i}.json")["results"][0]
+        assert row == alone
+        assert f"{prompt}{row['completion']}\n" in stdout
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["new_tokens"] == sum(len(r["tokens"]) for r in batch)
+
+
+def test_sampling_with_a_seed_is_reproducible(gated, tmp_path):
+    flags = ("temperature", 1.0, "top_k", 20, "seed", 7)
+    runs = [generated(gated, tmp_path, *flags, name=f"{i}.json") for i in range(2)]
+    assert runs[0]["results"] == runs[1]["results"]
+    greedy = generated(gated, tmp_path, name="greedy.json")["results"][0]["tokens"]
+    assert runs[0]["results"][0]["tokens"] != greedy
+
+
+def test_loop_applications_count_the_prompt_at_k_and_each_new_tokens_exit(gated, tmp_path):
+    record = generated(gated, tmp_path, "exit", "gate", "threshold", 0.0, "kv", "copy")
+    (result,) = record["results"]
+    prompt = len("the river")  # bytes
+    summary = record["summary"]
+    # the prompt at K; then each new token but the last is decoded, choosing the next one at
+    # its exit loop
+    assert summary["loop_applications"] == prompt * K + sum(result["exit_loops"][1:])
+    assert summary["mean_exit_loop"] == 1.0 and summary["num_loops"] == K
+
+
+def never_loads(monkeypatch):
+    calls = []
+    real = generation.load_model
+    monkeypatch.setattr(generation, "load_model", lambda *a, **k: calls.append(a) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompts", "{tmp}/missing.txt"], "--prompts .*missing.txt: no such file"),
+        (["--prompts", "{tmp}/empty.txt"], "--prompts .*empty.txt: no prompts"),
+        (["--prompt", "a", "--exit", "gate"], "--exit gate needs --threshold T"),
+        (["--prompt", "a", "--exit", "margin"], "--exit margin needs --threshold T"),
+        (["--prompt", "a", "--threshold", "0.5"], "--threshold is for --exit gate or margin"),
+        (["--prompt", "a", "--loops", "0"], "--loops 0: must be >= 1"),
+        (["--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
+        (
+            ["--prompt", "a", "--top-k", "5"],
+            "--top-k and --top-p shape sampling.* give --temperature T > 0",
+        ),
+        (["--prompt", ""], "--prompt is empty"),
+    ],
+)
+def test_bad_input_is_one_line_before_any_model_is_loaded(
+    gated, megaloop_here, monkeypatch, tmp_path, args, message
+):
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    calls = never_loads(monkeypatch)
+    code, stdout, stderr = megaloop_here(
+        "generate", gated, *[a.format(tmp=tmp_path) for a in args], "--device", "cpu"
+    )
+    assert code == 2 and stdout == "" and not calls
+    (line,) = stderr.strip().splitlines()
+    assert re.match(f"megaloop: error: {message}", line), line
+
+
+def test_the_gate_on_a_model_without_one_names_the_margin_rule(
+    gateless, megaloop_here, monkeypatch
+):
+    calls = never_loads(monkeypatch)
+    args = ["--prompt", "a", "--exit", "gate", "--threshold", "0.5", "--device", "cpu"]
+    code, stdout, stderr = megaloop_here("generate", gateless, *args)
+    assert code == 2 and stdout == "" and not calls
+    (line,) = stderr.strip().splitlines()
+    assert "has no exit gate" in line and "use --exit margin" in line
+    code, stdout, _ = megaloop_here(
+        "generate",
+        gateless,
+        *args[:2],
+        "--exit",
+        "margin",
+        "--threshold",
+        "2",
+        "--max-new-tokens",
+        "3",
+        "--device",
+        "cpu",
+    )
+    assert code == 0 and stdout.startswith("a")
+
+
+def test_a_threshold_out_of_the_rules_range_says_what_it_means():
+    def note(exit, threshold):
+        return GenerateSettings(
+            model="m", prompt="a", exit=exit, threshold=threshold
+        ).threshold_note()
+
+    assert "never exits early" in note("gate", 1.5)
+    assert "never exits early" in note("margin", float("inf"))
+    assert "at loop 1" in note("margin", 0.0) and "at loop 1" in note("gate", -1)
+    assert note("gate", 0.9) is None and note("margin", 3.0) is None
+    assert GenerateSettings(model="m", prompt="a", exit="none").rule == "none"
+    with pytest.raises(EvalError, match="--threshold nan"):
+        GenerateSettings(model="m", prompt="a", exit="gate", threshold=float("nan"))
+
+
+@pytest.mark.parametrize("kv", ["copy", "share", "recompute"])
+def test_the_summary_reports_the_kv_policys_cache_bytes_per_token(gated, tmp_path, kv):
+    record = generated(gated, tmp_path, "exit", "gate", "threshold", 0.5, "kv", kv)
+    model, _ = generation.open_export(GenerateSettings(**record["settings"]))
+    assert record["summary"]["kv_bytes_per_token"] == model.cache_bytes_per_token(kv)
+    assert record["summary"]["kv"] == kv
