@@ -179,6 +179,7 @@ class LoopCache(Cache):
         self.kv_policy = kv_policy
         self.num_loops: int | None = None
         self.num_layers = 0
+        self.length = 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.tokens: Tokens | None = None
@@ -187,15 +188,16 @@ class LoopCache(Cache):
         self.loop_applications = 0
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.keys[0].shape[2] if self.keys else 0
+        return self.length
 
     def slot(self, index: int) -> int:
         """The slot of cache entry (k - 1)·L + l: its own, or layer l's under `share`."""
         return index % self.num_layers if self.kv_policy == "share" else index
 
     def grow(self, s: int, num_loops: int, like: torch.Tensor, layers: int) -> None:
-        """Room for s new positions in every slot; the first call fixes K and the slots' shape
-        from `like` [b, kv_heads, 0, head_dim]."""
+        """Room for s new positions in every slot (capacity doubled when full, so a decoded token
+        copies no slot); the first call fixes K and the slots' shape from `like`
+        [b, kv_heads, 0, head_dim]."""
         if self.num_loops is None:
             self.num_loops, self.num_layers = num_loops, layers
             slots = KV_LOOP_SLOTS[self.kv_policy](num_loops) * layers
@@ -206,10 +208,12 @@ class LoopCache(Cache):
                 f"num_loops={num_loops}: this cache holds K={self.num_loops}; start a new cache "
                 "to change K"
             )
-        b, heads, _, head_dim = self.keys[0].shape
-        room = self.keys[0].new_zeros(b, heads, s, head_dim)
-        self.keys = [torch.cat([t, room], 2) for t in self.keys]
-        self.values = [torch.cat([t, room], 2) for t in self.values]
+        self.length += s
+        b, heads, capacity, head_dim = self.keys[0].shape
+        if self.length > capacity:
+            room = self.keys[0].new_zeros(b, heads, max(capacity, self.length - capacity), head_dim)
+            self.keys = [torch.cat([t, room], 2) for t in self.keys]
+            self.values = [torch.cat([t, room], 2) for t in self.values]
 
     def copy_down(self, k: int, rows: torch.Tensor, positions: torch.Tensor) -> None:
         """`copy`: loop k's keys and values of the tokens at (rows, positions) into every deeper
@@ -250,10 +254,9 @@ class LoopCache(Cache):
 
     def bytes_per_token(self) -> float:
         """What the cache holds per cached position, measured from its tensors."""
-        held = [*self.keys, *self.values]
-        if self.tokens is not None:
-            held += self.tokens.tensors()
-        return sum(t.nbytes for t in held) / (self.keys[0].shape[0] * self.get_seq_length())
+        slots = sum(t.nbytes / t.shape[2] for t in [*self.keys, *self.values])
+        hidden = sum(t.nbytes for t in self.tokens.tensors()) / self.length if self.tokens else 0
+        return (slots + hidden) / self.keys[0].shape[0]
 
 
 @dataclass
@@ -284,20 +287,21 @@ class ActiveSlots:
     keys and values at their positions and returns those rows' slots, as Cache.update does
     (without a copy when every row runs, with a slice when only the newest positions do)."""
 
-    def __init__(self, cache: LoopCache, rows, positions, valid: torch.Tensor, new_only: bool):
+    def __init__(self, cache: LoopCache, rows, positions, valid, new_only: bool):
         self.cache, self.rows, self.valid, self.new_only = cache, rows, valid, new_only
-        self.all_rows = len(rows) == cache.keys[0].shape[0]
+        self.all_rows = rows is None or len(rows) == cache.keys[0].shape[0]
         if not new_only:
             self.at = (rows[:, None].expand_as(positions)[valid], positions[valid])
 
     def update(self, k: torch.Tensor, v: torch.Tensor, index: int):
-        slot = self.cache.slot(index)
-        keys, values = self.cache.keys[slot], self.cache.values[slot]
+        slot, end = self.cache.slot(index), self.cache.length
+        keys = self.cache.keys[slot][:, :, :end]
+        values = self.cache.values[slot][:, :, :end]
         for store, new in ((keys, k), (values, v)):
             if self.new_only and self.all_rows:
-                store[:, :, -new.shape[2] :] = new
+                store[:, :, end - new.shape[2] :] = new
             elif self.new_only:
-                store[self.rows, :, -new.shape[2] :] = new
+                store[self.rows, :, end - new.shape[2] :] = new
             else:
                 store[self.at[0], :, self.at[1]] = new.transpose(1, 2)[self.valid]
         if self.all_rows:
@@ -607,6 +611,9 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
         rotary tables): the running new ones, and under `recompute` every earlier token of their
         rows still at loop k − 1."""
         s = running.shape[1]
+        if tokens.hidden.shape[1] == s and bool(running.all()):
+            self.run_every_row(k, tokens, rope, cache, key_mask)
+            return
         if tokens.hidden.shape[1] == 1:  # one token a row, none to catch up: the running rows
             rows = running[:, 0].nonzero().squeeze(1)
             idx = rows.new_zeros(len(rows), 1)
@@ -637,3 +644,27 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
         tokens.hidden[written] = h[valid]
         tokens.depth[written] = k
         cache.loop_applications += int(valid.sum())
+
+    def run_every_row(
+        self,
+        k: int,
+        tokens: Tokens,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: LoopCache,
+        key_mask: torch.Tensor | None,
+    ) -> None:
+        """Loop k when every new token runs and no earlier one needs it (a prompt at full depth,
+        a decoding step before any row exits): the loop as without early exit, no gather."""
+        b, s = tokens.depth.shape
+        mask = None
+        if key_mask is not None:
+            mask = allowed_keys(key_mask, s, cache.length, key_mask.device)
+        h = self.loop(tokens.hidden, k, rope, ActiveSlots(cache, None, None, None, True), mask)
+        if self.config.clamp:
+            held = Clamp()
+            held.reference = tokens.reference if k > 1 else None
+            h = held(h)
+            tokens.reference = held.reference
+        tokens.hidden = h
+        tokens.depth.fill_(k)
+        cache.loop_applications += b * s
