@@ -37,8 +37,8 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--thresholds",
-        help="every rule's thresholds, comma-separated (default per rule: gate 0.5,0.7,0.9; "
-        "margin 1,2,4)",
+        help="every rule's thresholds, comma-separated (default per rule: gate 0.3,0.5,0.7,0.9; "
+        "margin 0.5,1,2,4)",
     )
     p.add_argument("--kv", default="copy,share,recompute", help="KV policies, comma-separated")
     p.add_argument("--batch-sizes", default="1,8", help="rows decoded together, comma-separated")

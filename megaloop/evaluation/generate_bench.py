@@ -91,6 +91,7 @@ def measure(model, rows, settings, spec: dict, sync: Callable) -> dict:
         return {
             **record,
             "mean_loops": float(loops),
+            "step_max_loops": float(loops),
             "ce": ce,
             "loop_applications": loops * b * (settings.prompt + steps),
             "cache_bytes_per_token": model.cache_bytes_per_token("copy", loops),
@@ -99,6 +100,7 @@ def measure(model, rows, settings, spec: dict, sync: Callable) -> dict:
     return {
         **record,
         "mean_loops": decoded.float().mean().item(),
+        "step_max_loops": decoded.max(0).values.float().mean().item(),
         "ce": ce,
         "loop_applications": first.loop_applications,
         "cache_bytes_per_token": first.bytes_per_token(),

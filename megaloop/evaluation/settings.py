@@ -219,8 +219,8 @@ class FixedKSettings(Measurement):
 EXIT_RULES: tuple[str, ...] = tuple(r for r in get_args(EarlyExit) if r != "none")
 KV_POLICIES: tuple[str, ...] = get_args(KVPolicy)
 DEFAULT_THRESHOLDS: dict[str, tuple[float, ...]] = {
-    "gate": (0.5, 0.7, 0.9),
-    "margin": (1.0, 2.0, 4.0),
+    "gate": (0.3, 0.5, 0.7, 0.9),
+    "margin": (0.5, 1.0, 2.0, 4.0),
 }
 """`bench generate`'s thresholds per rule when --thresholds is not given: from early exits to late
 ones on a trained model (gate: cumulative exit probability, Ouro's range; margin: top-1 minus
@@ -369,7 +369,6 @@ class DownstreamSettings:
 
 EXITS = {"gate": "gate", "margin": "margin", "fixed": "none", "none": "none"}
 """`--exit`'s values → the exported config's early_exit (fixed, alias none: every token runs K)."""
-KV_POLICIES = ("copy", "share", "recompute")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -155,7 +155,7 @@ def test_the_rules_default_to_those_the_model_has():
     settings = GenerateBenchSettings(model="m", data="d")
     assert settings.exit_rules(has_gate=True) == ("gate", "margin")
     assert settings.exit_rules(has_gate=False) == ("margin",)
-    assert settings.thresholds_of("gate") == (0.5, 0.7, 0.9)
+    assert settings.thresholds_of("gate") == (0.3, 0.5, 0.7, 0.9)
     assert GenerateBenchSettings(model="m", data="d", thresholds=(2, 1)).thresholds_of("gate") == (
         1.0,
         2.0,
