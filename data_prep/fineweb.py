@@ -211,7 +211,7 @@ def prepare(cfg: FineWebConfig) -> dict:
         "vocab_size": vocab,
         "eos_token": cfg.eos_token,
         "eos_id": eos,
-        "tokenizer": str(tokenizer),
+        "tokenizer": str(Path(tokenizer).resolve()),
         "tokenizer_sha256": sha256_file(tokenizer),
         "seconds": round(time.perf_counter() - start, 2),
         "datatrove_stats": stats,

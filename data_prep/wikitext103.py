@@ -200,7 +200,7 @@ def prepare(cfg: WikiTextConfig) -> dict:
             "vocab_size": vocab,
             "eos_token": cfg.eos_token,
             "eos_id": eos_id(tokenizer, cfg.eos_token),
-            "tokenizer": str(tokenizer),
+            "tokenizer": str(Path(tokenizer).resolve()),
             "tokenizer_sha256": sha256_file(tokenizer),
             "source": str(path),
             "source_sha256": sha256_file(path),

@@ -219,7 +219,7 @@ class IndexedConfig(_OnDisk):
     def tokenizer_spec(self) -> str:
         from megaloop.data.indexed import manifest
 
-        return _recorded_tokenizer(manifest(self.path)) or self.tokenizer
+        return _recorded_tokenizer(manifest(self.path), Path(self.path).parent, self.tokenizer)
 
     def _build(self, seed: int, train_samples: int, tokenizer):
         from megaloop.data.indexed import IndexedData
@@ -310,7 +310,7 @@ class WebDatasetConfig(_OnDisk):
         return info
 
     def tokenizer_spec(self) -> str:
-        return _recorded_tokenizer(self.shard_manifest()) or self.tokenizer
+        return _recorded_tokenizer(self.shard_manifest(), Path(self.path), self.tokenizer)
 
     def _build(self, seed: int, train_samples: int, tokenizer):
         from megaloop.data.shards import ShardData
@@ -320,10 +320,25 @@ class WebDatasetConfig(_OnDisk):
         )
 
 
-def _recorded_tokenizer(manifest: dict) -> str | None:
-    """The tokenizer.json a preparation recorded, where that file still exists."""
-    path = manifest.get("tokenizer")
-    return path if isinstance(path, str) and Path(path).is_file() else None
+def _recorded_tokenizer(manifest: dict, folder: Path, given: str) -> str:
+    """The tokenizer.json a preparation recorded (with its sha256): at its recorded path, else
+    the file of that name in the prepared folder (moved, or recorded relative to another
+    directory). Found nowhere, `given` (data.tokenizer) if it names a file; never `bytes` in its
+    place, which would read the data with another vocabulary."""
+    import hashlib
+
+    recorded, digest = manifest.get("tokenizer"), manifest.get("tokenizer_sha256")
+    if not isinstance(recorded, str):
+        return given
+    for path in (Path(recorded), folder / Path(recorded).name):
+        if path.is_file() and digest in (None, hashlib.sha256(path.read_bytes()).hexdigest()):
+            return str(path)
+    if given != "bytes":
+        return given
+    raise DataError(
+        f"the data in {folder} was prepared with the tokenizer {recorded} (sha256 {digest}), "
+        f"which is neither there nor in {folder}; set data.tokenizer=PATH to that tokenizer.json"
+    )
 
 
 KINDS: dict[str, type[DataConfig]] = {

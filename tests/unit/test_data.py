@@ -465,3 +465,38 @@ def test_web_rerun_redoes_only_the_unfinished_task(web_prep, tmp_path):
     again = data_prep.run(web_config(source=str(source), tokenizer=str(tokenizer), out=str(out)))
     assert {p.name: p.stat().st_mtime_ns for p in (out / "shards").glob("0000[02]-*.tar")} == kept
     assert again["shards"] == manifest["shards"] and again["sequences"] == manifest["sequences"]
+
+
+def test_prepared_datas_tokenizer_is_found_from_any_directory_or_named_missing(
+    tmp_path, monkeypatch
+):
+    """A manifest whose tokenizer path was recorded relative to another directory (preparations
+    before this one) still finds the file beside the data by its sha256; gone, it is an error
+    naming the fix, not the byte tokenizer in its place (an export or a measurement would read
+    the text with another vocabulary)."""
+    import hashlib
+
+    from megaloop.config import DataError
+    from megaloop.data import IndexedConfig
+
+    data = tmp_path / "work/data"
+    data.mkdir(parents=True)
+    tokenizer = data / "tokenizer.json"
+    tokenizer.write_text('{"a": "tokenizer"}')
+    digest = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
+    recorded = {"tokenizer": "data/tokenizer.json", "tokenizer_sha256": digest}
+    (data / "train.manifest.json").write_text(json.dumps(recorded))
+    cfg = IndexedConfig(path=str(data / "train"), valid_path=str(data / "train"))
+    monkeypatch.chdir(tmp_path / "work")  # where it was prepared
+    assert Path(cfg.tokenizer_spec()).resolve() == tokenizer
+    monkeypatch.chdir(tmp_path)
+    assert cfg.tokenizer_spec() == str(tokenizer)
+    tokenizer.write_text('{"another": "tokenizer"}')
+    with pytest.raises(DataError, match=r"set data.tokenizer=PATH"):
+        cfg.tokenizer_spec()
+    given = tmp_path / "given.json"
+    given.write_text("{}")
+    cfg = IndexedConfig(
+        path=str(data / "train"), valid_path=str(data / "train"), tokenizer=str(given)
+    )
+    assert cfg.tokenizer_spec() == str(given)
