@@ -235,7 +235,7 @@ def names_a_written_key(message: str, data) -> bool:
     """The message names a key of the config tree, or one the file holds."""
     if not message.startswith("config key '"):
         return False
-    key = message[len("config key '") :].split("'", 1)[0]
+    key = message[len("config key '") :].split("': ", 1)[0]  # a key may hold a quote itself
     return (
         path_in(data, key.split("[")[0])
         or key in KEYS
