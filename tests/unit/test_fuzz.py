@@ -235,11 +235,13 @@ def names_a_written_key(message: str, data) -> bool:
     """The message names a key of the config tree, or one the file holds."""
     if not message.startswith("config key '"):
         return False
-    key = message[len("config key '") :].split("': ", 1)[0]  # a key may hold a quote itself
-    return (
+    named = message[len("config key '") :]
+    ends = [i for i in range(len(named)) if named.startswith("': ", i)]
+    return any(  # a written key may hold a quote, even "': ", itself: try every end
         path_in(data, key.split("[")[0])
         or key in KEYS
         or any(key.endswith(k) for k in written_keys(data))
+        for key in (named[:i] for i in ends)
     )
 
 
