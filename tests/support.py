@@ -149,3 +149,21 @@ def tiny_export(seed: int = 0, gate_scale: float = 0.3, **model):
             )
             hf.exit_gate.bias.zero_()
     return hf
+
+
+def write_export(hf, folder: Path) -> Path:
+    """`hf` as `megaloop export` writes a folder: safetensors, its code files and their hashes
+    recorded, the byte tokenizer (end of text: id 0)."""
+    import json
+    import shutil
+
+    from megaloop.export import AUTO_MAP, CODE_DIR, CODE_FILES, own_code, save_tokenizer
+
+    hf.save_pretrained(folder)
+    for name in CODE_FILES:
+        shutil.copyfile(CODE_DIR / name, folder / name)
+    save_tokenizer("bytes", folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(auto_map=AUTO_MAP, megaloop_code=own_code())
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder

@@ -4,7 +4,6 @@ exits, a never-exiting threshold equal to fixed K_max, and bad input refused bef
 
 import json
 import re
-import shutil
 
 import numpy as np
 import pytest
@@ -14,8 +13,7 @@ from megaloop.cli import main
 from megaloop.evaluation import harness
 from megaloop.evaluation.generate_bench import configured
 from megaloop.evaluation.settings import EvalError, GenerateBenchSettings
-from megaloop.export import AUTO_MAP, CODE_DIR, CODE_FILES, own_code, save_tokenizer
-from support import tiny_export
+from support import tiny_export, write_export
 
 SEQ, PROMPT, BATCHES = 12, 2, (1, 3)
 NEVER = 1000.0
@@ -28,15 +26,7 @@ KEYS += ("loop_applications",)
 
 def saved_export(folder, **model):
     """A tiny export on disk, as `megaloop export` lays it out (byte tokenizer, vocab 128)."""
-    hf = tiny_export(seed=3, vocab_size=128, tie_embeddings=False, **model)
-    hf.save_pretrained(folder)
-    for name in CODE_FILES:
-        shutil.copyfile(CODE_DIR / name, folder / name)
-    save_tokenizer("bytes", folder)
-    config = json.loads((folder / "config.json").read_text())
-    config.update(auto_map=AUTO_MAP, megaloop_code=own_code())
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
+    return write_export(tiny_export(seed=3, vocab_size=128, tie_embeddings=False, **model), folder)
 
 
 @pytest.fixture(scope="module")

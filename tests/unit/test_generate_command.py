@@ -3,33 +3,17 @@ errors before any model is loaded. On tiny random exports written to disk here."
 
 import json
 import re
-import shutil
 
 import pytest
 import torch
 
 from megaloop.evaluation import generation
 from megaloop.evaluation.settings import EvalError, GenerateSettings
-from support import tiny_export
+from support import tiny_export, write_export
 
 K = 4
 MARK = re.compile(r"⟨(\d+)⟩")
 PROMPTS = ["the river", "a small harbour town", "music"]
-
-
-def write_export(hf, folder):
-    """`hf` as `megaloop export` writes a folder: safetensors, its code recorded, the byte
-    tokenizer (end of text: id 0)."""
-    from megaloop.export import AUTO_MAP, CODE_DIR, CODE_FILES, own_code, save_tokenizer
-
-    hf.save_pretrained(folder)
-    for name in CODE_FILES:
-        shutil.copyfile(CODE_DIR / name, folder / name)
-    save_tokenizer("bytes", folder)
-    config = json.loads((folder / "config.json").read_text())
-    config.update(auto_map=AUTO_MAP, megaloop_code=own_code())
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
-    return folder
 
 
 @pytest.fixture(scope="module")

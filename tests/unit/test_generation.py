@@ -2,13 +2,13 @@
 after k, under each exit rule and KV policy, at batch 1 and 8, on megaloop's own readouts and on
 an Ouro-architecture model (sandwich norms, shared loop norm, exit gate)."""
 
-from contextlib import contextmanager
 from typing import get_args
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from megaloop.evaluation.generate_bench import configured
 from megaloop.model.modeling_megaloop import LoopCache
 from megaloop.model.modes import KEEPS_HIDDEN, KV_LOOP_SLOTS, EarlyExit, KVPolicy
 from megaloop.model.semantics import (
@@ -56,19 +56,6 @@ def middle_thresholds(hf) -> dict[str, float]:
             scores["gate"].append(survival.cumulative())
             scores["margin"].append(top1_margin(hf.readout(h, k)))
     return {rule: torch.cat(s).median().item() for rule, s in scores.items()}
-
-
-@contextmanager
-def configured(hf, **fields):
-    """The model with config `fields` set, restored afterwards."""
-    saved = {key: getattr(hf.config, key) for key in fields}
-    for key, value in fields.items():
-        setattr(hf.config, key, value)
-    try:
-        yield hf
-    finally:
-        for key, value in saved.items():
-            setattr(hf.config, key, value)
 
 
 def greedy(hf, prompt, new_tokens=6, cache=None, **fields):
