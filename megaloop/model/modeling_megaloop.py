@@ -537,19 +537,28 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
         prompt: torch.LongTensor,
         new_tokens: int | None = None,
         forced: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
         kv_policy: str | None = None,
         num_loops: int | None = None,
     ) -> AsyncDecoding:
         """Depth-asynchronous batched decoding (DepthAsyncDecoder) after a full-depth prefill of
-        `prompt` [b, P] (equal lengths, no padding) into a new LoopCache: greedy, `new_tokens` a
-        row (the first from the prompt's last logits), or teacher-forced, each token of `forced`
-        [b, m] fed in turn. The exit rule and threshold are config.early_exit's and
-        exit_threshold's, as in the synchronous exiting forward."""
+        `prompt` [b, P] (left-padded where `attention_mask` says so) into a new LoopCache:
+        greedy, `new_tokens` a row (the first from the prompt's last logits), or teacher-forced,
+        each token of `forced` [b, m] fed in turn. The exit rule and threshold are
+        config.early_exit's and exit_threshold's, as in the synchronous exiting forward."""
         if (new_tokens is None) == (forced is None):
             raise ValueError("decode_async: give new_tokens (greedy) or forced (teacher-forced)")
-        cache = LoopCache(kv_policy or self.config.kv_policy)
+        policy = kv_policy or self.config.kv_policy
+        DepthAsyncDecoder.check(policy, attention_mask)
+        cache = LoopCache(policy)
         with torch.no_grad():
-            out = self(prompt, past_key_values=cache, use_cache=True, num_loops=num_loops)
+            out = self(
+                prompt,
+                attention_mask=attention_mask,
+                past_key_values=cache,
+                use_cache=True,
+                num_loops=num_loops,
+            )
             if forced is None:
                 first, feeds = out.logits[:, -1].argmax(-1), new_tokens - 1
             else:
@@ -558,7 +567,7 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
             def next_input(rows: torch.Tensor, j: torch.Tensor, logits: torch.Tensor):
                 return logits[rows, j].argmax(-1) if forced is None else forced[rows, j + 1]
 
-            decoder = DepthAsyncDecoder(self, cache, first, feeds)
+            decoder = DepthAsyncDecoder(self, cache, first, feeds, attention_mask)
             decoder.run(next_input)
         tokens = forced
         if forced is None:
@@ -730,19 +739,17 @@ class DepthAsyncDecoder:
     row waits for the batch's deepest token and the steps follow the rows' summed exit loops.
 
     State per row: its hidden state, the loop it runs next, its current token's cache position
-    (which is its rope position: prompts of equal length, no padding), its gate survival and
-    clamp reference (both reset when it starts a token) and the tokens it has fed. The keys and
+    (less its left padding: its rope position), its gate survival and clamp reference (both
+    reset when it starts a token) and the tokens it has fed. The keys and
     values are the prefilled LoopCache's, restacked as [slots, b, kv_heads, T, head_dim] with
     room for every fed token; the cache's own slot list views the same memory, so its
     `copy_down` writes there. `copy` and `share` only: `recompute` would resume earlier tokens of
     a row at a loop that row's attention needs, which a row-synchronous step does."""
 
-    def __init__(self, model: MegaloopForCausalLM, cache: LoopCache, first: torch.Tensor, feeds):
-        if cache.kv_policy not in ("copy", "share"):
-            raise ValueError(
-                f"kv_policy={cache.kv_policy!r}: depth-asynchronous decoding runs `copy` or "
-                "`share`; decode `recompute` with generate() (a LoopCache, one token a forward)"
-            )
+    def __init__(
+        self, model, cache: LoopCache, first: torch.Tensor, feeds: int, attention_mask=None
+    ):
+        self.check(cache.kv_policy, attention_mask)
         self.model, self.cache, self.feeds = model, cache, feeds
         self.K, self.L = cache.num_loops, cache.num_layers
         room = cache.length + feeds
@@ -750,6 +757,9 @@ class DepthAsyncDecoder:
         cache.keys, cache.values = list(self.keys.unbind(0)), list(self.values.unbind(0))
         b, device = first.shape[0], first.device
         self.length = torch.full((b,), cache.length, dtype=torch.long, device=device)
+        self.pads = torch.zeros_like(self.length)
+        if attention_mask is not None:
+            self.pads = cache.length - attention_mask.long().sum(1)
         self.loop = torch.ones(b, dtype=torch.long, device=device)
         self.fed = torch.zeros(b, dtype=torch.long, device=device)
         self.hidden = model.embed_tokens(first)
@@ -758,6 +768,16 @@ class DepthAsyncDecoder:
         self.logits = self.hidden.new_zeros(b, feeds, model.config.vocab_size)
         self.exit_loops = torch.zeros(b, feeds, dtype=torch.long, device=device)
         self.steps = 0
+
+    @staticmethod
+    def check(kv_policy: str, attention_mask: torch.Tensor | None) -> None:
+        if kv_policy not in ("copy", "share"):
+            raise ValueError(
+                f"kv_policy={kv_policy!r}: depth-asynchronous decoding runs `copy` or `share`; "
+                "decode `recompute` with generate() (a LoopCache, one token a forward)"
+            )
+        if attention_mask is not None and bool((attention_mask.diff(dim=1) < 0).any()):
+            raise ValueError("attention_mask: pad prompts on the left (the pads first)")
 
     def run(self, next_input) -> None:
         """Steps until every row has fed its tokens; `next_input(rows, j, logits)` gives the
@@ -775,10 +795,11 @@ class DepthAsyncDecoder:
         loop, h = self.loop[rows], self.hidden[rows]
         deeper = loop > 1
         h[deeper] = model.feed_back(h[deeper])
-        rope = model.rotary(self.length[rows][:, None])
+        rope = model.rotary((self.length - self.pads)[rows][:, None])
         slots = RowSlots(self, rows, loop)
         keys = torch.arange(int(self.length[rows].max()) + 1, device=h.device)
-        mask = (keys[None] <= self.length[rows][:, None])[:, None, None]
+        seen = (keys[None] <= self.length[rows][:, None]) & (keys[None] >= self.pads[rows][:, None])
+        mask = seen[:, None, None]
         x = h[:, None]
         for layer_index, layer in enumerate(model.layers):
             x = layer(x, *rope, slots, layer_index, mask)

@@ -106,3 +106,22 @@ def test_recompute_and_bad_arguments_are_refused(model):
             model.decode_async(prompts(2), 4, kv_policy="recompute")
         with pytest.raises(ValueError, match="give new_tokens"):
             model.decode_async(prompts(2))
+
+
+def test_left_padded_rows_decode_as_each_row_alone(model):
+    """Left padding: a row's rope positions count its tokens only and its pads are masked."""
+    long, short = prompts(1, 9, seed=5), prompts(1, 5, seed=6)
+    batch = torch.cat([long, torch.cat([torch.zeros(1, 4, dtype=torch.long), short], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :4] = 0
+    fields = dict(early_exit="gate", exit_threshold=model.middle["gate"])
+    with configured(model, **fields):
+        got = model.decode_async(batch, 8, attention_mask=mask, kv_policy="copy")
+    for row, prompt in enumerate((long, short)):
+        cache = LoopCache("copy")
+        alone, alone_logits = greedy(model, prompt, 8, cache, **fields)
+        assert torch.equal(got.tokens[row], alone[0, prompt.shape[1] :])
+        assert torch.equal(got.exit_loops[row], torch.cat(cache.exit_loops[1:], 1)[0])
+        assert close(got.logits[row], alone_logits[1:, 0])
+    with pytest.raises(ValueError, match="pad prompts on the left"):
+        model.decode_async(batch, 4, attention_mask=mask.flip(1))
