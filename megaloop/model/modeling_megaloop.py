@@ -740,11 +740,11 @@ class DepthAsyncDecoder:
 
     State per row: its hidden state, the loop it runs next, its current token's cache position
     (less its left padding: its rope position), its gate survival and clamp reference (both
-    reset when it starts a token) and the tokens it has fed. The keys and
-    values are the prefilled LoopCache's, restacked as [slots, b, kv_heads, T, head_dim] with
-    room for every fed token; the cache's own slot list views the same memory, so its
-    `copy_down` writes there. `copy` and `share` only: `recompute` would resume earlier tokens of
-    a row at a loop that row's attention needs, which a row-synchronous step does."""
+    reset when it starts a token) and the tokens it has fed. The keys and values are the
+    prefilled LoopCache's, restacked as [slots, b, kv_heads, T, head_dim] with room for every fed
+    token; the cache's own slot list views the same memory, so its `copy_down` writes there.
+    `copy` and `share` only: `recompute` would resume earlier tokens of a row at a loop that
+    row's attention needs, which a row-synchronous step does."""
 
     def __init__(
         self, model, cache: LoopCache, first: torch.Tensor, feeds: int, attention_mask=None
@@ -797,12 +797,9 @@ class DepthAsyncDecoder:
         h[deeper] = model.feed_back(h[deeper])
         rope = model.rotary((self.length - self.pads)[rows][:, None])
         slots = RowSlots(self, rows, loop)
-        keys = torch.arange(int(self.length[rows].max()) + 1, device=h.device)
-        seen = (keys[None] <= self.length[rows][:, None]) & (keys[None] >= self.pads[rows][:, None])
-        mask = seen[:, None, None]
         x = h[:, None]
         for layer_index, layer in enumerate(model.layers):
-            x = layer(x, *rope, slots, layer_index, mask)
+            x = layer(x, *rope, slots, layer_index, slots.mask)
         h = self.clamp(x[:, 0], rows, loop)
         self.steps += 1
         self.cache.loop_applications += len(rows)
@@ -826,9 +823,11 @@ class DepthAsyncDecoder:
         logits and exit loops, copies their keys down under `copy`; returns which stop."""
         model, c = self.model, self.model.config
         rule = ExitRule(c.early_exit, c.exit_threshold, self.K)
-        rule.survival.survive = self.survive[rows] if rule.reads_gate else None
         lam = model.exit_probability(h)[..., 0] if rule.reads_gate else None
+        if rule.reads_gate:
+            rule.survival.survive = self.survive[rows]
         read = self.readout(h, loop) if rule.reads_logits else None
+        # the rule's scores for every row; its own "loop K stops all" only when every row is at K
         stop = rule.stop(int(loop.min()), h, lam, read) | (loop == self.K)
         if rule.reads_gate:
             self.survive[rows] = rule.survival.survive
@@ -864,22 +863,25 @@ class DepthAsyncDecoder:
 class RowSlots:
     """One step's view of a DepthAsyncDecoder's slots for its rows, each at its own loop: the
     `update` of Cache, with the layer's index for the cache index (the row's loop picks the
-    slot): writes each row's new keys and values at its position and returns its slot."""
+    slot): writes each row's new keys and values at its position and returns its slot; `mask`
+    [r, 1, 1, T] hides the keys past each row's position and its left padding."""
 
     def __init__(self, decoder: DepthAsyncDecoder, rows: torch.Tensor, loop: torch.Tensor):
         self.decoder, self.rows = decoder, rows
         self.loop_slot = torch.zeros_like(loop) if decoder.cache.kv_policy == "share" else loop - 1
         self.at = decoder.length[rows]
         self.end = int(self.at.max()) + 1
+        keys = torch.arange(self.end, device=rows.device)[None]
+        pads = decoder.pads[rows][:, None]
+        self.mask = ((keys <= self.at[:, None]) & (keys >= pads))[:, None, None]
 
     def update(self, k: torch.Tensor, v: torch.Tensor, layer: int):
         slot = self.loop_slot * self.decoder.L + layer
         for store, new in ((self.decoder.keys, k), (self.decoder.values, v)):
             store[slot, self.rows, :, self.at] = new[:, :, 0]
-        end = self.end
-        return (
-            self.decoder.keys[slot, self.rows, :, :end],
-            self.decoder.values[slot, self.rows, :, :end],
+        return tuple(
+            store[slot, self.rows, :, : self.end]
+            for store in (self.decoder.keys, self.decoder.values)
         )
 
 
