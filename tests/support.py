@@ -167,3 +167,85 @@ def write_export(hf, folder: Path) -> Path:
     config.update(auto_map=AUTO_MAP, megaloop_code=own_code())
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     return folder
+
+
+# -- early exit in the exported model: the two wirings the generation tests decode with ----------
+
+MODELS = {
+    # megaloop's own wiring: final_norm readout, damped recurrence, the clamp on
+    "own": dict(readout="final_norm", recurrence="damping", exit_gate=True, tie_embeddings=False),
+    # Ouro's: sandwich norms, one shared loop norm (next loop, gate, readout), the exit gate
+    "ouro": dict(
+        readout="norm",
+        exit_gate=True,
+        tie_embeddings=False,
+        layer_norms="sandwich",
+        loop_norm="shared",
+    ),
+}
+
+
+def exit_model(name: str):
+    """MODELS[name] as a tiny export (the clamp on for megaloop's own wiring), with `middle`:
+    per rule, a threshold at which tokens exit at different loops."""
+    hf = tiny_export(seed=3, **MODELS[name])
+    hf.config.clamp = name == "own"
+    hf.middle = middle_thresholds(hf)
+    return hf
+
+
+def middle_thresholds(hf) -> dict[str, float]:
+    """Per rule, the median of its scores at loops 1..K-1 on some text: a threshold at which
+    tokens exit at different loops (asserted where used)."""
+    import torch
+
+    from megaloop.model.semantics import Survival, top1_margin
+
+    scores = {"gate": [], "margin": []}
+    survival = Survival()
+    with torch.no_grad():
+        h0, rope = hf.embed(prompts(8, 12, seed=9))
+        for k, h in hf.loops(h0, rope, hf.config.num_loops - 1, hf.config.clamp):
+            survival.step(hf.exit_probability(h)[..., 0])
+            scores["gate"].append(survival.cumulative())
+            scores["margin"].append(top1_margin(hf.readout(h, k)))
+    return {rule: torch.cat(s).median().item() for rule, s in scores.items()}
+
+
+def greedy(hf, prompt, new_tokens=6, cache=None, **fields):
+    """(tokens, per-step logits [steps, b, V]) of greedy cached generation under config `fields`."""
+    import torch
+
+    from megaloop.evaluation.generate_bench import configured
+
+    with configured(hf, **fields), torch.no_grad():
+        out = hf.generate(
+            prompt,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+            past_key_values=cache,
+        )
+    return out.sequences, torch.stack(out.logits)
+
+
+def prompts(batch: int, length: int = 6, seed: int = 0):
+    """[batch, length] random token ids of the tiny vocabulary (no 0: the pad)."""
+    import torch
+
+    return torch.randint(1, 64, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def teacher_forced(hf, tokens, cache, **fields):
+    """Logits [b, s, V] of `tokens` fed one position at a time through `cache`."""
+    import torch
+
+    from megaloop.evaluation.generate_bench import configured
+
+    with configured(hf, **fields), torch.no_grad():
+        steps = [
+            hf(tokens[:, i : i + 1], past_key_values=cache).logits for i in range(tokens.shape[1])
+        ]
+    return torch.cat(steps, 1)

@@ -370,11 +370,15 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
         """H_k from H_{k-1} (H_0 for k = 1): the recurrence (or the shared loop norm), then the
         shared stack."""
         if k > 1:
-            h = self.recurrence(h) if self.norm is None else self.norm(h)
+            h = self.feed_back(h)
         L = len(self.layers)
         for i, layer in enumerate(self.layers):
             h = layer(h, *rope, cache, (k - 1) * L + i, mask)
         return h
+
+    def feed_back(self, h: torch.Tensor) -> torch.Tensor:
+        """R(H_{k-1}), what loop k > 1 receives: the recurrence, or the shared loop norm."""
+        return self.recurrence(h) if self.norm is None else self.norm(h)
 
     def loops(
         self,
@@ -528,6 +532,48 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
             total += (c.hidden_size + 1) * size + 2 * torch.long.itemsize
         return total
 
+    def decode_async(
+        self,
+        prompt: torch.LongTensor,
+        new_tokens: int | None = None,
+        forced: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        kv_policy: str | None = None,
+        num_loops: int | None = None,
+    ) -> AsyncDecoding:
+        """Depth-asynchronous batched decoding (DepthAsyncDecoder) after a full-depth prefill of
+        `prompt` [b, P] (left-padded where `attention_mask` says so) into a new LoopCache:
+        greedy, `new_tokens` a row (the first from the prompt's last logits), or teacher-forced,
+        each token of `forced` [b, m] fed in turn. The exit rule and threshold are
+        config.early_exit's and exit_threshold's, as in the synchronous exiting forward."""
+        if (new_tokens is None) == (forced is None):
+            raise ValueError("decode_async: give new_tokens (greedy) or forced (teacher-forced)")
+        policy = kv_policy or self.config.kv_policy
+        DepthAsyncDecoder.check(policy, attention_mask)
+        cache = LoopCache(policy)
+        with torch.no_grad():
+            out = self(
+                prompt,
+                attention_mask=attention_mask,
+                past_key_values=cache,
+                use_cache=True,
+                num_loops=num_loops,
+            )
+            if forced is None:
+                first, feeds = out.logits[:, -1].argmax(-1), new_tokens - 1
+            else:
+                first, feeds = forced[:, 0], forced.shape[1]
+
+            def next_input(rows: torch.Tensor, j: torch.Tensor, logits: torch.Tensor):
+                return logits[rows, j].argmax(-1) if forced is None else forced[rows, j + 1]
+
+            decoder = DepthAsyncDecoder(self, cache, first, feeds, attention_mask)
+            decoder.run(next_input)
+        tokens = forced
+        if forced is None:
+            tokens = torch.cat([first[:, None], decoder.logits.argmax(-1)], 1)
+        return AsyncDecoding(tokens, decoder.logits, decoder.exit_loops, decoder.steps, cache)
+
     def exiting(
         self,
         input_ids: torch.LongTensor,
@@ -668,3 +714,182 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
         tokens.hidden = h
         tokens.depth.fill_(k)
         cache.loop_applications += b * s
+
+
+# ---- depth-asynchronous batched decoding: rows at different loops share one stack application ---
+
+
+@dataclass
+class AsyncDecoding:
+    """What `decode_async` gives: the new tokens [b, n] (greedy; the fed ones when forced), the
+    logits [b, m, V] and exit loops [b, m] of the m tokens fed after the prompt, and the stack
+    applications it took (`steps`; each serves every row still decoding once)."""
+
+    tokens: torch.LongTensor
+    logits: torch.Tensor
+    exit_loops: torch.LongTensor
+    steps: int
+    cache: LoopCache
+
+
+class DepthAsyncDecoder:
+    """Decodes a batch with every row at its own loop: the stack's weights are the same at every
+    loop, so one application of it serves a row at loop 1 of its next token beside a row at loop
+    3 of its current one. A row whose token exits starts its next token at the next step, so no
+    row waits for the batch's deepest token and the steps follow the rows' summed exit loops.
+
+    State per row: its hidden state, the loop it runs next, its current token's cache position
+    (less its left padding: its rope position), its gate survival and clamp reference (both
+    reset when it starts a token) and the tokens it has fed. The keys and values are the
+    prefilled LoopCache's, restacked as [slots, b, kv_heads, T, head_dim] with room for every fed
+    token; the cache's own slot list views the same memory, so its `copy_down` writes there.
+    `copy` and `share` only: `recompute` would resume earlier tokens of a row at a loop that
+    row's attention needs, which a row-synchronous step does."""
+
+    def __init__(
+        self, model, cache: LoopCache, first: torch.Tensor, feeds: int, attention_mask=None
+    ):
+        self.check(cache.kv_policy, attention_mask)
+        self.model, self.cache, self.feeds = model, cache, feeds
+        self.K, self.L = cache.num_loops, cache.num_layers
+        room = cache.length + feeds
+        self.keys, self.values = (restack(store, room) for store in (cache.keys, cache.values))
+        cache.keys, cache.values = list(self.keys.unbind(0)), list(self.values.unbind(0))
+        b, device = first.shape[0], first.device
+        self.length = torch.full((b,), cache.length, dtype=torch.long, device=device)
+        self.pads = torch.zeros_like(self.length)
+        if attention_mask is not None:
+            self.pads = cache.length - attention_mask.long().sum(1)
+        self.loop = torch.ones(b, dtype=torch.long, device=device)
+        self.fed = torch.zeros(b, dtype=torch.long, device=device)
+        self.hidden = model.embed_tokens(first)
+        self.survive = self.hidden.new_ones(b)
+        self.reference = self.hidden.new_ones(b, 1)
+        self.logits = self.hidden.new_zeros(b, feeds, model.config.vocab_size)
+        self.exit_loops = torch.zeros(b, feeds, dtype=torch.long, device=device)
+        self.steps = 0
+
+    @staticmethod
+    def check(kv_policy: str, attention_mask: torch.Tensor | None) -> None:
+        if kv_policy not in ("copy", "share"):
+            raise ValueError(
+                f"kv_policy={kv_policy!r}: depth-asynchronous decoding runs `copy` or `share`; "
+                "decode `recompute` with generate() (a LoopCache, one token a forward)"
+            )
+        if attention_mask is not None and bool((attention_mask.diff(dim=1) < 0).any()):
+            raise ValueError("attention_mask: pad prompts on the left (the pads first)")
+
+    def run(self, next_input) -> None:
+        """Steps until every row has fed its tokens; `next_input(rows, j, logits)` gives the
+        token each exiting row feeds after its j-th (the argmax, or the true next token)."""
+        while bool((self.fed < self.feeds).any()):
+            self.step(next_input)
+        self.cache.length += self.feeds  # every row now fills the same positions again
+        self.cache.exit_loops.append(self.exit_loops)
+        self.cache.loops_run.append(self.exit_loops)
+
+    def step(self, next_input) -> None:
+        """One application of the stack to every row still decoding, each at its own loop."""
+        model = self.model
+        rows = (self.fed < self.feeds).nonzero().squeeze(1)
+        loop, h = self.loop[rows], self.hidden[rows]
+        deeper = loop > 1
+        h[deeper] = model.feed_back(h[deeper])
+        rope = model.rotary((self.length - self.pads)[rows][:, None])
+        slots = RowSlots(self, rows, loop)
+        x = h[:, None]
+        for layer_index, layer in enumerate(model.layers):
+            x = layer(x, *rope, slots, layer_index, slots.mask)
+        h = self.clamp(x[:, 0], rows, loop)
+        self.steps += 1
+        self.cache.loop_applications += len(rows)
+        stop = self.decide(rows, loop, h)
+        self.hidden[rows], self.loop[rows] = h, loop + 1
+        self.start_next(rows[stop], next_input)
+
+    def clamp(self, h: torch.Tensor, rows: torch.Tensor, loop: torch.Tensor) -> torch.Tensor:
+        """config.clamp: a row's H_1 sets its reference, deeper loops are held at it."""
+        if not self.model.config.clamp:
+            return h
+        first, deeper = Clamp(), Clamp()
+        first(h[loop == 1])
+        self.reference[rows[loop == 1]] = first.reference
+        deeper.reference = self.reference[rows[loop > 1]]
+        h[loop > 1] = deeper(h[loop > 1])
+        return h
+
+    def decide(self, rows: torch.Tensor, loop: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The rule at each row's own loop (every row at K exits): records the exiting rows'
+        logits and exit loops, copies their keys down under `copy`; returns which stop."""
+        model, c = self.model, self.model.config
+        rule = ExitRule(c.early_exit, c.exit_threshold, self.K)
+        lam = model.exit_probability(h)[..., 0] if rule.reads_gate else None
+        if rule.reads_gate:
+            rule.survival.survive = self.survive[rows]
+        read = self.readout(h, loop) if rule.reads_logits else None
+        # the rule's scores for every row; its own "loop K stops all" only when every row is at K
+        stop = rule.stop(int(loop.min()), h, lam, read) | (loop == self.K)
+        if rule.reads_gate:
+            self.survive[rows] = rule.survival.survive
+        done, at = rows[stop], loop[stop]
+        fed = self.fed[done]
+        self.logits[done, fed] = read[stop] if read is not None else self.readout(h[stop], at)
+        self.exit_loops[done, fed] = at
+        if self.cache.kv_policy == "copy":
+            for k in at[at < self.K].unique().tolist():
+                self.cache.copy_down(k, done[at == k], self.length[done[at == k]])
+        return stop
+
+    def readout(self, h: torch.Tensor, loop: torch.Tensor) -> torch.Tensor:
+        """Each row's logits at its own loop (the readout may depend on the loop)."""
+        logits = h.new_empty(len(h), self.model.config.vocab_size)
+        for k in loop.unique().tolist():
+            logits[loop == k] = self.model.readout(h[loop == k], k)
+        return logits
+
+    def start_next(self, done: torch.Tensor, next_input) -> None:
+        """The rows whose token exited: the next token enters loop 1 at the next step."""
+        fed = self.fed[done]
+        self.fed[done] += 1
+        more = fed + 1 < self.feeds
+        done, fed = done[more], fed[more]
+        if len(done):
+            self.hidden[done] = self.model.embed_tokens(next_input(done, fed, self.logits))
+        self.length[done] += 1
+        self.loop[done] = 1
+        self.survive[done] = 1
+
+
+class RowSlots:
+    """One step's view of a DepthAsyncDecoder's slots for its rows, each at its own loop: the
+    `update` of Cache, with the layer's index for the cache index (the row's loop picks the
+    slot): writes each row's new keys and values at its position and returns its slot; `mask`
+    [r, 1, 1, T] hides the keys past each row's position and its left padding."""
+
+    def __init__(self, decoder: DepthAsyncDecoder, rows: torch.Tensor, loop: torch.Tensor):
+        self.decoder, self.rows = decoder, rows
+        self.loop_slot = torch.zeros_like(loop) if decoder.cache.kv_policy == "share" else loop - 1
+        self.at = decoder.length[rows]
+        self.end = int(self.at.max()) + 1
+        keys = torch.arange(self.end, device=rows.device)[None]
+        pads = decoder.pads[rows][:, None]
+        self.mask = ((keys <= self.at[:, None]) & (keys >= pads))[:, None, None]
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, layer: int):
+        slot = self.loop_slot * self.decoder.L + layer
+        for store, new in ((self.decoder.keys, k), (self.decoder.values, v)):
+            store[slot, self.rows, :, self.at] = new[:, :, 0]
+        return tuple(
+            store[slot, self.rows, :, : self.end]
+            for store in (self.decoder.keys, self.decoder.values)
+        )
+
+
+def restack(slots: list[torch.Tensor], room: int) -> torch.Tensor:
+    """A LoopCache's per-slot tensors [b, kv_heads, ≥T, head_dim] as one [slots, b, kv_heads,
+    room, head_dim] tensor, the first T positions theirs."""
+    b, heads, _, head_dim = slots[0].shape
+    stacked = slots[0].new_zeros(len(slots), b, heads, room, head_dim)
+    for i, slot in enumerate(slots):
+        stacked[i, :, :, : min(room, slot.shape[2])] = slot[:, :, :room]
+    return stacked

@@ -11,79 +11,16 @@ import torch.nn.functional as F
 from megaloop.evaluation.generate_bench import configured
 from megaloop.model.modeling_megaloop import LoopCache
 from megaloop.model.modes import KEEPS_HIDDEN, KV_LOOP_SLOTS, EarlyExit, KVPolicy
-from megaloop.model.semantics import (
-    EXIT_SCORES,
-    READS_GATE,
-    READS_LOGITS,
-    Survival,
-    top1_margin,
-)
-from support import tiny_export
+from megaloop.model.semantics import EXIT_SCORES, READS_GATE, READS_LOGITS
+from support import MODELS, exit_model, greedy, prompts, teacher_forced
 
-MODELS = {
-    # megaloop's own wiring: final_norm readout, damped recurrence, the clamp on
-    "own": dict(readout="final_norm", recurrence="damping", exit_gate=True, tie_embeddings=False),
-    # Ouro's: sandwich norms, one shared loop norm (next loop, gate, readout), the exit gate
-    "ouro": dict(
-        readout="norm",
-        exit_gate=True,
-        tie_embeddings=False,
-        layer_norms="sandwich",
-        loop_norm="shared",
-    ),
-}
 NEVER = {"gate": 1.01, "margin": float("inf")}
 AT_ONE = {"gate": 0.0, "margin": 0.0}
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
 def model(request):
-    hf = tiny_export(seed=3, **MODELS[request.param])
-    hf.config.clamp = request.param == "own"
-    hf.middle = middle_thresholds(hf)
-    return hf
-
-
-def middle_thresholds(hf) -> dict[str, float]:
-    """Per rule, the median of its scores at loops 1..K-1 on some text: a threshold at which
-    tokens exit at different loops (asserted where used)."""
-    scores = {"gate": [], "margin": []}
-    survival = Survival()
-    with torch.no_grad():
-        h0, rope = hf.embed(prompts(8, 12, seed=9))
-        for k, h in hf.loops(h0, rope, hf.config.num_loops - 1, hf.config.clamp):
-            survival.step(hf.exit_probability(h)[..., 0])
-            scores["gate"].append(survival.cumulative())
-            scores["margin"].append(top1_margin(hf.readout(h, k)))
-    return {rule: torch.cat(s).median().item() for rule, s in scores.items()}
-
-
-def greedy(hf, prompt, new_tokens=6, cache=None, **fields):
-    """(tokens, per-step logits [steps, b, V]) of greedy cached generation under config `fields`."""
-    with configured(hf, **fields), torch.no_grad():
-        out = hf.generate(
-            prompt,
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-            output_logits=True,
-            return_dict_in_generate=True,
-            past_key_values=cache,
-        )
-    return out.sequences, torch.stack(out.logits)
-
-
-def prompts(batch: int, length: int = 6, seed: int = 0) -> torch.Tensor:
-    return torch.randint(1, 64, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def teacher_forced(hf, tokens, cache, **fields) -> torch.Tensor:
-    """Logits [b, s, V] of `tokens` fed one position at a time through `cache`."""
-    with configured(hf, **fields), torch.no_grad():
-        steps = [
-            hf(tokens[:, i : i + 1], past_key_values=cache).logits for i in range(tokens.shape[1])
-        ]
-    return torch.cat(steps, 1)
+    return exit_model(request.param)
 
 
 def ce(logits, tokens) -> float:
