@@ -41,6 +41,12 @@ def add_parser(sub) -> None:
         "margin 0.5,1,2,4)",
     )
     p.add_argument("--kv", default="copy,share,recompute", help="KV policies, comma-separated")
+    p.add_argument(
+        "--engine",
+        default="sync,async",
+        help="sync (every row at the same token) and/or async (every row at its own loop: "
+        "copy and share, batch > 1), comma-separated",
+    )
     p.add_argument("--batch-sizes", default="1,8", help="rows decoded together, comma-separated")
     p.add_argument(
         "--prompt-tokens", type=int, default=4, help="tokens prefilled at full depth (untimed)"
@@ -79,6 +85,7 @@ def generate(args) -> int:
         if args.thresholds is None
         else numbers("--thresholds", args.thresholds, float, "0.5,0.9"),
         policies=tuple(args.kv.split(",")),
+        engines=tuple(args.engine.split(",")),
         batch_sizes=numbers("--batch-sizes", args.batch_sizes, int, "1,8"),
         prompt=args.prompt_tokens,
         repeats=args.repeats,

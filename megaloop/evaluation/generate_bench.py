@@ -4,8 +4,11 @@ Teacher-forced decoding of held-out windows through the cache (so a KV policy's 
 quality is measured): each row's first `prompt` tokens are prefilled at full depth (untimed),
 then every following true token is fed alone (one forward of one token per row, the cache
 passed on), and its logits scored against the next token. B rows are B different windows.
-Each run is one exit rule, threshold and KV policy (a new LoopCache each time), or a fixed K
-(early_exit "none": the plain cached path a user gets without early exit). tokens/s is
+Each run is one exit rule, threshold, KV policy and engine (a new LoopCache each time), or a
+fixed K (early_exit "none": the plain cached path a user gets without early exit). The `sync`
+engine feeds every row's next token together, each loop run by the rows still active, so a step
+costs its deepest row's loops; `async` (DepthAsyncDecoder, copy and share at batch > 1) runs
+every row at its own loop, so the stack runs about as often as a row's summed exits. tokens/s is
 B x decoded tokens over the decode loop's wall time, the median of `repeats` timed decodes,
 after an untimed warm-up per batch size; CE is over the same positions in every run.
 
@@ -33,6 +36,8 @@ from megaloop.evaluation.settings import EvalError, GenerateBenchSettings
 
 TOLERANCE = 0.15
 """The acceptance: measured speed-up within 15% of the predicted one."""
+ASYNC_POLICIES = ("copy", "share")
+"""What DepthAsyncDecoder decodes (`recompute` resumes earlier tokens: a row-synchronous step)."""
 
 
 @contextmanager
@@ -65,8 +70,25 @@ def decode(model, rows: torch.Tensor, prompt: int, cache, loops: int, sync: Call
     return torch.cat(logits, 1), seconds
 
 
+def decode_async(model, rows: torch.Tensor, prompt: int, cache, sync: Callable):
+    """The DepthAsyncDecoder after the same untimed prefill: logits [B, steps, V], the wall
+    seconds of the decode, and the decoder (its exit loops and stack applications)."""
+    from megaloop.model.modeling_megaloop import DepthAsyncDecoder
+
+    with torch.no_grad():
+        model(rows[:, :prompt], past_key_values=cache, use_cache=True)
+        sync()
+        start = time.perf_counter()
+        decoder = DepthAsyncDecoder(model, cache, rows[:, prompt], rows.shape[1] - 1 - prompt)
+        decoder.run(lambda done, j, _: rows[done, prompt + j + 1])
+        sync()
+        seconds = time.perf_counter() - start
+    return decoder.logits, seconds, decoder
+
+
 def measure(model, rows, settings, spec: dict, sync: Callable) -> dict:
-    """One run's record: `spec` is its exit, threshold, kv and loops (K, or K_max at most)."""
+    """One run's record: `spec` is its exit, threshold, kv, engine and loops (K, or K_max at
+    most)."""
     from transformers import DynamicCache
 
     from megaloop.model.modeling_megaloop import LoopCache
@@ -79,7 +101,10 @@ def measure(model, rows, settings, spec: dict, sync: Callable) -> dict:
     with configured(model, **fields):
         for repeat in range(settings.repeats):
             cache = DynamicCache() if fixed else LoopCache(spec["kv"])
-            logits, seconds = decode(model, rows, settings.prompt, cache, loops, sync)
+            if spec["engine"] == "async":
+                logits, seconds, decoder = decode_async(model, rows, settings.prompt, cache, sync)
+            else:
+                logits, seconds = decode(model, rows, settings.prompt, cache, loops, sync)
             times.append(seconds)
             if repeat == 0:
                 ce = harness.token_ce(logits, rows[:, settings.prompt + 1 :]).mean().item()
@@ -92,15 +117,20 @@ def measure(model, rows, settings, spec: dict, sync: Callable) -> dict:
             **record,
             "mean_loops": float(loops),
             "step_max_loops": float(loops),
+            "stack_applications": loops * steps,
             "ce": ce,
             "loop_applications": loops * b * (settings.prompt + steps),
             "cache_bytes_per_token": model.cache_bytes_per_token("copy", loops),
         }
     decoded = torch.cat(first.exit_loops[1:], 1)
+    applications = decoded.max(0).values.sum().item()
+    if spec["engine"] == "async":
+        applications = decoder.steps
     return {
         **record,
         "mean_loops": decoded.float().mean().item(),
-        "step_max_loops": decoded.max(0).values.float().mean().item(),
+        "step_max_loops": applications / steps,
+        "stack_applications": applications,
         "ce": ce,
         "loop_applications": first.loop_applications,
         "cache_bytes_per_token": first.bytes_per_token(),
@@ -108,32 +138,35 @@ def measure(model, rows, settings, spec: dict, sync: Callable) -> dict:
 
 
 def warm_up(model, rows, settings, rules, k_max: int, sync: Callable) -> None:
-    """Untimed short decodes at fixed K_max and under each rule and policy (first calls, the
-    allocator, kernel choices), before a batch size's timed runs."""
-    specs = [{"exit": "fixed", "threshold": None, "kv": None, "loops": k_max}]
-    specs += [
-        {"exit": rule, "threshold": settings.thresholds_of(rule)[0], "kv": kv, "loops": k_max}
-        for rule in rules
-        for kv in settings.policies
-    ]
-    for spec in specs:
+    """Untimed short decodes at fixed K_max and under each rule, policy and engine (first
+    calls, the allocator, kernel choices), before a batch size's timed runs."""
+    fixed = {"exit": "fixed", "threshold": None, "kv": None, "engine": "sync", "loops": k_max}
+    for spec in [fixed, *exiting(settings, rules, k_max, rows.shape[0], warm=True)]:
         measure(model, rows, settings, spec, sync)
 
 
+def exiting(settings: GenerateBenchSettings, rules, k_max: int, b: int, warm=False) -> list:
+    """The exiting runs of batch size b: rule x threshold x policy x engine (the first threshold
+    only when `warm`); `async` where it applies (copy and share, b > 1)."""
+    return [
+        {"exit": rule, "threshold": t, "kv": kv, "engine": engine, "loops": k_max}
+        for rule in rules
+        for t in settings.thresholds_of(rule)[: 1 if warm else None]
+        for kv in settings.policies
+        for engine in settings.engines
+        if engine == "sync" or (b > 1 and kv in ASYNC_POLICIES)
+    ]
+
+
 def plan(settings: GenerateBenchSettings, rules, k_max: int) -> list[dict]:
-    """Every run, batch size by batch size: fixed K = 1..K_max, then rule x threshold x policy."""
+    """Every run, batch size by batch size: fixed K = 1..K_max, then the exiting ones."""
     runs = []
     for b in settings.batch_sizes:
         runs += [
-            {"exit": "fixed", "threshold": None, "kv": None, "loops": k, "b": b}
+            {"exit": "fixed", "threshold": None, "kv": None, "engine": "sync", "loops": k, "b": b}
             for k in range(1, k_max + 1)
         ]
-        runs += [
-            {"exit": rule, "threshold": t, "kv": kv, "loops": k_max, "b": b}
-            for rule in rules
-            for t in settings.thresholds_of(rule)
-            for kv in settings.policies
-        ]
+        runs += [{**spec, "b": b} for spec in exiting(settings, rules, k_max, b)]
     return runs
 
 
@@ -240,16 +273,18 @@ def plot(result: dict, path: Path) -> None:
         )
         for r in fixed:
             ax.annotate(f"K={r['loops']}", (r["tokens_per_s"], r["ce"]), fontsize=7)
-        groups = {(r["exit"], r["kv"]) for r in runs if r["exit"] != "fixed"}
-        for rule, kv in sorted(groups):
-            group = [r for r in runs if (r["exit"], r["kv"]) == (rule, kv)]
+        groups = {(r["exit"], r["kv"], r["engine"]) for r in runs if r["exit"] != "fixed"}
+        for rule, kv, engine in sorted(groups):
+            group = [r for r in runs if (r["exit"], r["kv"], r["engine"]) == (rule, kv, engine)]
             ax.plot(
                 [r["tokens_per_s"] for r in group],
                 [r["ce"] for r in group],
                 marker=MARKERS.get(rule, "o"),
                 color=COLOURS.get(kv),
+                linestyle="--" if engine == "async" else "-",
+                markerfacecolor="none" if engine == "async" else None,
                 linewidth=0.6,
-                label=f"{rule} {kv}",
+                label=f"{rule} {kv}" + (" async" if engine == "async" else ""),
             )
         ax.set_xlabel("tokens/s")
         ax.set_ylabel("CE / token")
@@ -284,16 +319,18 @@ def table(result: dict) -> str:
         )
     lines += [
         "",
-        "| batch | exit | threshold | kv | tokens/s | mean loops | CE | ΔCE vs K_max "
-        "| loop applications | speed-up | predicted | ratio | within 15% | cache B/token |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| batch | exit | threshold | kv | engine | tokens/s | mean loops | stack applications "
+        "per token | CE | ΔCE vs K_max | loop applications | speed-up | predicted | ratio "
+        "| within 15% | cache B/token |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["runs"]:
         threshold = "" if r["threshold"] is None else f"{r['threshold']:g}"
         exit_ = f"fixed K={r['loops']}" if r["exit"] == "fixed" else r["exit"]
         lines.append(
-            f"| {r['batch_size']} | {exit_} | {threshold} | {r['kv'] or ''} "
-            f"| {r['tokens_per_s']:,.1f} | {r['mean_loops']:.2f} | {r['ce']:.4f} "
+            f"| {r['batch_size']} | {exit_} | {threshold} | {r['kv'] or ''} | {r['engine']} "
+            f"| {r['tokens_per_s']:,.1f} | {r['mean_loops']:.2f} | {r['step_max_loops']:.2f} "
+            f"| {r['ce']:.4f} "
             f"| {r['ce_vs_fixed_kmax']:+.4f} | {r['loop_applications']:,} "
             f"| {r['speedup']:.2f}x | {r['predicted_speedup']:.2f}x | {r['ratio']:.2f} "
             f"| {'yes' if r['within_15pct'] else 'no'} | {r['cache_bytes_per_token']:,.0f} |"

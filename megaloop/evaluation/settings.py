@@ -218,6 +218,10 @@ class FixedKSettings(Measurement):
 
 EXIT_RULES: tuple[str, ...] = tuple(r for r in get_args(EarlyExit) if r != "none")
 KV_POLICIES: tuple[str, ...] = get_args(KVPolicy)
+ENGINES: tuple[str, ...] = ("sync", "async")
+"""How a batch decodes under early exit: `sync`, every row at the same token, each loop run by
+the rows still active; `async`, every row at its own loop (DepthAsyncDecoder; `copy` and
+`share`, batch > 1)."""
 DEFAULT_THRESHOLDS: dict[str, tuple[float, ...]] = {
     "gate": (0.3, 0.5, 0.7, 0.9),
     "margin": (0.5, 1.0, 2.0, 4.0),
@@ -260,6 +264,8 @@ class GenerateBenchSettings(Measurement):
     thresholds: tuple[float, ...] | None = None
     """Every rule's thresholds. None: DEFAULT_THRESHOLDS per rule."""
     policies: tuple[str, ...] = KV_POLICIES
+    engines: tuple[str, ...] = ENGINES
+    """ENGINES to run each exiting run with; `async` runs only where it applies."""
     batch_sizes: tuple[int, ...] = (1, 8)
     prompt: int = 4
     """Tokens run at full depth before the decoded ones (prefill, untimed); at least 2, since
@@ -274,6 +280,7 @@ class GenerateBenchSettings(Measurement):
         if self.rules is not None:
             set_(self, "rules", names("--exit", ",".join(self.rules), EXIT_RULES))
         set_(self, "policies", names("--kv", ",".join(self.policies), KV_POLICIES))
+        set_(self, "engines", names("--engine", ",".join(self.engines), ENGINES))
         if self.thresholds is not None:
             thresholds = tuple(sorted(set(map(float, self.thresholds))))
             if not thresholds or any(not 0 <= t < float("inf") for t in thresholds):

@@ -33,7 +33,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_megaloop import MegaloopConfig
-from .modes import KEEPS_HIDDEN, KV_LOOP_SLOTS, KVPolicy
+from .modes import KEEPS_HIDDEN, KV_LOOP_SLOTS, READOUT_NORMALIZES, KVPolicy
 from .semantics import (
     Clamp,
     ExitRule,
@@ -741,8 +741,10 @@ class DepthAsyncDecoder:
     State per row: its hidden state, the loop it runs next, its current token's cache position
     (less its left padding: its rope position), its gate survival and clamp reference (both
     reset when it starts a token) and the tokens it has fed. The keys and values are the
-    prefilled LoopCache's, restacked as [slots, b, kv_heads, T, head_dim] with room for every fed
-    token; the cache's own slot list views the same memory, so its `copy_down` writes there.
+    prefilled LoopCache's, restacked token-major as one [slots, b, T, 2, kv_heads, head_dim]
+    (a row's keys and values of one slot are one block, a token's one row: both are read and
+    written whole) with room for every fed token; the cache's own slot lists view the same
+    memory, so the cache is whole afterwards.
     `copy` and `share` only: `recompute` would resume earlier tokens of a row at a loop that
     row's attention needs, which a row-synchronous step does."""
 
@@ -753,8 +755,10 @@ class DepthAsyncDecoder:
         self.model, self.cache, self.feeds = model, cache, feeds
         self.K, self.L = cache.num_loops, cache.num_layers
         room = cache.length + feeds
-        self.keys, self.values = (restack(store, room) for store in (cache.keys, cache.values))
-        cache.keys, cache.values = list(self.keys.unbind(0)), list(self.values.unbind(0))
+        self.kv = restack(cache.keys, cache.values, room)
+        cache.keys, cache.values = (
+            list(self.kv[:, :, :, i].transpose(2, 3).unbind(0)) for i in (0, 1)
+        )
         b, device = first.shape[0], first.device
         self.length = torch.full((b,), cache.length, dtype=torch.long, device=device)
         self.pads = torch.zeros_like(self.length)
@@ -768,6 +772,13 @@ class DepthAsyncDecoder:
         self.logits = self.hidden.new_zeros(b, feeds, model.config.vocab_size)
         self.exit_loops = torch.zeros(b, feeds, dtype=torch.long, device=device)
         self.steps = 0
+        positions = torch.arange(room, device=device)[None]
+        self.rope = tuple(table[0, 0] for table in model.rotary(positions))  # [room, head_dim]
+        c = model.config
+        self.normalizes = torch.tensor(
+            [READOUT_NORMALIZES[c.readout](k, c.num_loops_trained) for k in range(1, self.K + 1)],
+            device=device,
+        )
 
     @staticmethod
     def check(kv_policy: str, attention_mask: torch.Tensor | None) -> None:
@@ -792,60 +803,60 @@ class DepthAsyncDecoder:
         """One application of the stack to every row still decoding, each at its own loop."""
         model = self.model
         rows = (self.fed < self.feeds).nonzero().squeeze(1)
-        loop, h = self.loop[rows], self.hidden[rows]
-        deeper = loop > 1
-        h[deeper] = model.feed_back(h[deeper])
-        rope = model.rotary((self.length - self.pads)[rows][:, None])
+        sel = rows if len(rows) < len(self.fed) else slice(None)  # every row: views, no copies
+        loop, h = self.loop[sel], self.hidden[sel]
+        h = torch.where((loop > 1)[:, None], model.feed_back(h), h)
+        rope = tuple(table[(self.length - self.pads)[sel]][:, None, None] for table in self.rope)
         slots = RowSlots(self, rows, loop)
         x = h[:, None]
         for layer_index, layer in enumerate(model.layers):
             x = layer(x, *rope, slots, layer_index, slots.mask)
-        h = self.clamp(x[:, 0], rows, loop)
+        h = self.clamp(x[:, 0], sel, loop)
         self.steps += 1
         self.cache.loop_applications += len(rows)
-        stop = self.decide(rows, loop, h)
-        self.hidden[rows], self.loop[rows] = h, loop + 1
+        stop = self.decide(rows, sel, loop, h)
+        self.hidden[sel], self.loop[sel] = h, loop + 1
         self.start_next(rows[stop], next_input)
 
-    def clamp(self, h: torch.Tensor, rows: torch.Tensor, loop: torch.Tensor) -> torch.Tensor:
+    def clamp(self, h: torch.Tensor, rows, loop: torch.Tensor) -> torch.Tensor:
         """config.clamp: a row's H_1 sets its reference, deeper loops are held at it."""
         if not self.model.config.clamp:
             return h
         first, deeper = Clamp(), Clamp()
         first(h[loop == 1])
-        self.reference[rows[loop == 1]] = first.reference
-        deeper.reference = self.reference[rows[loop > 1]]
+        reference = self.reference[rows]
+        reference[loop == 1] = first.reference
+        self.reference[rows] = reference
+        deeper.reference = reference[loop > 1]
         h[loop > 1] = deeper(h[loop > 1])
         return h
 
-    def decide(self, rows: torch.Tensor, loop: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def decide(self, rows: torch.Tensor, sel, loop: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """The rule at each row's own loop (every row at K exits): records the exiting rows'
-        logits and exit loops, copies their keys down under `copy`; returns which stop."""
+        logits and exit loops; returns which stop. `sel` selects `rows` of the state."""
         model, c = self.model, self.model.config
         rule = ExitRule(c.early_exit, c.exit_threshold, self.K)
         lam = model.exit_probability(h)[..., 0] if rule.reads_gate else None
         if rule.reads_gate:
-            rule.survival.survive = self.survive[rows]
+            rule.survival.survive = self.survive[sel]
         read = self.readout(h, loop) if rule.reads_logits else None
-        # the rule's scores for every row; its own "loop K stops all" only when every row is at K
-        stop = rule.stop(int(loop.min()), h, lam, read) | (loop == self.K)
+        # the rule's scores for every row (k = 0: none is at its last loop); loop K's stop by row
+        stop = rule.stop(0, h, lam, read) | (loop == self.K)
         if rule.reads_gate:
-            self.survive[rows] = rule.survival.survive
+            self.survive[sel] = rule.survival.survive
         done, at = rows[stop], loop[stop]
         fed = self.fed[done]
         self.logits[done, fed] = read[stop] if read is not None else self.readout(h[stop], at)
         self.exit_loops[done, fed] = at
-        if self.cache.kv_policy == "copy":
-            for k in at[at < self.K].unique().tolist():
-                self.cache.copy_down(k, done[at == k], self.length[done[at == k]])
         return stop
 
     def readout(self, h: torch.Tensor, loop: torch.Tensor) -> torch.Tensor:
-        """Each row's logits at its own loop (the readout may depend on the loop)."""
-        logits = h.new_empty(len(h), self.model.config.vocab_size)
-        for k in loop.unique().tolist():
-            logits[loop == k] = self.model.readout(h[loop == k], k)
-        return logits
+        """Each row's logits at its own loop: through the exit norm where READOUT_NORMALIZES
+        says so at that loop, one W_out for every row."""
+        model = self.model
+        norm = model.readout_norm if model.norm is None else model.norm
+        x = h if norm is None else torch.where(self.normalizes[loop - 1, None], norm(h), h)
+        return model.lm_head(x)
 
     def start_next(self, done: torch.Tensor, next_input) -> None:
         """The rows whose token exited: the next token enters loop 1 at the next step."""
@@ -868,28 +879,51 @@ class RowSlots:
 
     def __init__(self, decoder: DepthAsyncDecoder, rows: torch.Tensor, loop: torch.Tensor):
         self.decoder, self.rows = decoder, rows
-        self.loop_slot = torch.zeros_like(loop) if decoder.cache.kv_policy == "share" else loop - 1
+        share = decoder.cache.kv_policy == "share"
+        self.loop_slot = torch.zeros_like(loop) if share else loop - 1
+        # `copy` writes ahead: into the deeper loops' slots too, as if the token exited here
+        # (a deeper loop overwrites them), so an exit leaves no copying to do
+        self.write_slots = self.loop_slot[:, None]
+        if not share:
+            self.write_slots = torch.arange(decoder.K, device=loop.device).clamp(
+                min=self.write_slots
+            )
         self.at = decoder.length[rows]
         self.end = int(self.at.max()) + 1
         keys = torch.arange(self.end, device=rows.device)[None]
         pads = decoder.pads[rows][:, None]
-        self.mask = ((keys <= self.at[:, None]) & (keys >= pads))[:, None, None]
+        allowed = ((keys <= self.at[:, None]) & (keys >= pads))[:, None, None]
+        # additive, once a step (attention would turn a boolean mask into this at every layer)
+        self.mask = torch.zeros(allowed.shape, dtype=decoder.hidden.dtype, device=rows.device)
+        self.mask.masked_fill_(~allowed, float("-inf"))
+        L, b, room = decoder.L, decoder.kv.shape[1], decoder.kv.shape[2]
+        layers = torch.arange(L, device=rows.device)[:, None] * b  # a layer's slot: b blocks on
+        self.read = (self.loop_slot * L * b + rows)[None] + layers
+        written = ((self.write_slots * L * b + rows[:, None]) * room + self.at[:, None]).flatten()
+        self.written = written[None] + layers * room
 
     def update(self, k: torch.Tensor, v: torch.Tensor, layer: int):
-        slot = self.loop_slot * self.decoder.L + layer
-        for store, new in ((self.decoder.keys, k), (self.decoder.values, v)):
-            store[slot, self.rows, :, self.at] = new[:, :, 0]
-        return tuple(
-            store[slot, self.rows, :, : self.end]
-            for store in (self.decoder.keys, self.decoder.values)
-        )
+        """Writes each row's new key and value [r, kv_heads, 1, head_dim] at its position (into
+        its loop's slot, and ahead into the deeper ones under `copy`; the duplicate indices that
+        makes write the same values) and returns each row's slot [r, kv_heads, end, head_dim],
+        the one copy the step makes."""
+        store = self.decoder.kv
+        heads, head_dim = store.shape[4:]
+        new = torch.stack((k[:, :, 0], v[:, :, 0]), 1).flatten(1)
+        copies = len(self.written[layer]) // len(new)
+        tokens = store.view(-1, new.shape[1])
+        tokens[self.written[layer]] = new.repeat_interleave(copies, 0) if copies > 1 else new
+        blocks = store.view(-1, store.shape[2], 2, heads, head_dim)[:, : self.end]
+        kv = blocks.index_select(0, self.read[layer])
+        return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
 
 
-def restack(slots: list[torch.Tensor], room: int) -> torch.Tensor:
-    """A LoopCache's per-slot tensors [b, kv_heads, ≥T, head_dim] as one [slots, b, kv_heads,
-    room, head_dim] tensor, the first T positions theirs."""
-    b, heads, _, head_dim = slots[0].shape
-    stacked = slots[0].new_zeros(len(slots), b, heads, room, head_dim)
-    for i, slot in enumerate(slots):
-        stacked[i, :, :, : min(room, slot.shape[2])] = slot[:, :, :room]
+def restack(keys: list[torch.Tensor], values: list[torch.Tensor], room: int) -> torch.Tensor:
+    """A LoopCache's per-slot keys and values [b, kv_heads, ≥T, head_dim] as one token-major
+    [slots, b, room, 2, kv_heads, head_dim] tensor, the first T positions theirs."""
+    b, heads, _, head_dim = keys[0].shape
+    stacked = keys[0].new_zeros(len(keys), b, room, 2, heads, head_dim)
+    for i, pair in enumerate(zip(keys, values)):
+        for j, slot in enumerate(pair):
+            stacked[i, :, : min(room, slot.shape[2]), j] = slot[:, :, :room].transpose(1, 2)
     return stacked
