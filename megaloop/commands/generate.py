@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megaloop.evaluation.settings import DTYPES, EXITS, KV_POLICIES
+from megaloop.evaluation.settings import DTYPES, ENGINES, EXITS, KV_POLICIES
 from megaloop.extras import require
 
 BUILDS_MODEL = True
@@ -34,6 +34,13 @@ def add_parser(sub) -> None:
         choices=list(KV_POLICIES),
         default="copy",
         help="what a token's skipped (loop, layer) cache slots hold (docs/generation.md)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=list(ENGINES),
+        default="sync",
+        help="sync: a batch's rows decode a token together (one prompt streams); async: every "
+        "row at its own loop, no row waiting for the deepest (copy, share; printed when done)",
     )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampling")
@@ -70,6 +77,7 @@ def run(args) -> int:
         threshold=args.threshold,
         loops=args.loops,
         kv=args.kv,
+        engine=args.engine,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,

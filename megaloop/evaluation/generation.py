@@ -121,22 +121,47 @@ def sampling(settings: GenerateSettings) -> dict:
     return {"do_sample": True, **{k: v for k, v in given.items() if v is not None}}
 
 
+def sampler(settings: GenerateSettings):
+    """For the depth-asynchronous engine: logits [r, V] → ids [r], greedy (None: the argmax) or
+    sampled through transformers' temperature, top-k and top-p warpers, as generate() does."""
+    if settings.temperature == 0:
+        return None
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    warpers = [TemperatureLogitsWarper(settings.temperature)]
+    if settings.top_k is not None:
+        warpers.append(TopKLogitsWarper(settings.top_k))
+    if settings.top_p is not None:
+        warpers.append(TopPLogitsWarper(settings.top_p))
+
+    def sample(logits: torch.Tensor) -> torch.Tensor:
+        scores = logits.float()
+        for warp in warpers:
+            scores = warp(None, scores)
+        return torch.multinomial(scores.softmax(-1), 1)[:, 0]
+
+    return sample
+
+
 def complete(model, tokenizer, texts: list[str], settings, cache, streamer=None) -> list[dict]:
     """Each prompt's completion: its text, new token ids and their exit loops (up to and with
     end of text; what a finished row is padded with afterwards is not its own)."""
     batch = tokenizer(texts, return_tensors="pt", padding=True).to(model.device)
     with torch.no_grad():
-        out = model.generate(
-            **batch,
-            max_new_tokens=settings.max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            past_key_values=cache,
-            streamer=streamer,
-            **sampling(settings),
-        )
-    new = out[:, batch["input_ids"].shape[1] :].cpu()
-    depths = torch.stack([e[:, -1] for e in cache.exit_loops[: new.shape[1]]], 1).cpu()
+        if settings.engine == "async":
+            new, depths = complete_async(model, tokenizer, batch, settings, cache)
+        else:
+            out = model.generate(
+                **batch,
+                max_new_tokens=settings.max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                past_key_values=cache,
+                streamer=streamer,
+                **sampling(settings),
+            )
+            new = out[:, batch["input_ids"].shape[1] :].cpu()
+            depths = torch.stack([e[:, -1] for e in cache.exit_loops[: new.shape[1]]], 1).cpu()
     results = []
     for text, ids, loops in zip(texts, new.tolist(), depths.tolist()):
         if tokenizer.eos_token_id in ids:
@@ -150,6 +175,21 @@ def complete(model, tokenizer, texts: list[str], settings, cache, streamer=None)
             }
         )
     return results
+
+
+def complete_async(model, tokenizer, batch, settings, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """New ids [b, n] and their exit loops, decoded into `cache` by the depth-asynchronous
+    engine."""
+    out = model.decode_async(
+        batch["input_ids"],
+        new_tokens=settings.max_new_tokens,
+        attention_mask=batch.get("attention_mask"),
+        sample=sampler(settings),
+        eos_token_id=tokenizer.eos_token_id,
+        cache=cache,
+    )
+    first = cache.exit_loops[0][:, -1:]  # the prompt's last position picks the first token
+    return out.tokens.cpu(), torch.cat([first, out.exit_loops], 1)[:, : out.tokens.shape[1]].cpu()
 
 
 def marked(tokenizer, result: dict, show_depth: bool) -> str:
@@ -177,7 +217,7 @@ def run(settings: GenerateSettings, out: TextIO | None = None, err: TextIO | Non
     for chunk in chunks if len(texts) == 1 else harness.progress(chunks, "generate"):
         cache = LoopCache(settings.kv)
         streamer = None
-        if len(texts) == 1:
+        if len(texts) == 1 and settings.engine == "sync":
             streamer = DepthStreamer(Detokenizer(tokenizer, settings.show_depth), cache, out)
             out.write(chunk[0])
         start = time.perf_counter()

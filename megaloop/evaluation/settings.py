@@ -394,6 +394,9 @@ class GenerateSettings:
     loops: int | None = None
     """K, the most loops a token runs. None: the model's num_loops."""
     kv: str = "copy"
+    engine: str = "sync"
+    """ENGINES: `async` decodes every row at its own loop (copy and share; printed whole, not
+    streamed)."""
     max_new_tokens: int = 64
     temperature: float = 0.0
     """0: greedy; above 0: sampling at this temperature."""
@@ -420,6 +423,13 @@ class GenerateSettings:
             raise EvalError(f"--exit {self.exit}: give one of gate, margin, fixed")
         if self.kv not in KV_POLICIES:
             raise EvalError(f"--kv {self.kv}: give one of {', '.join(KV_POLICIES)}")
+        if self.engine not in ENGINES:
+            raise EvalError(f"--engine {self.engine}: give one of {', '.join(ENGINES)}")
+        if self.engine == "async" and self.kv == "recompute":
+            raise EvalError(
+                "--engine async decodes --kv copy or share (recompute resumes earlier tokens at "
+                "the loop a row needs, a synchronous step): give --kv copy or --engine sync"
+            )
         if self.dtype not in DTYPES:
             raise EvalError(f"--dtype {self.dtype}: give one of {', '.join(DTYPES)}")
         set_(self, "dtype", DTYPES[self.dtype])

@@ -540,17 +540,24 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
         attention_mask: torch.Tensor | None = None,
         kv_policy: str | None = None,
         num_loops: int | None = None,
+        sample=None,
+        eos_token_id: int | None = None,
+        cache: LoopCache | None = None,
     ) -> AsyncDecoding:
         """Depth-asynchronous batched decoding (DepthAsyncDecoder) after a full-depth prefill of
         `prompt` [b, P] (left-padded where `attention_mask` says so) into a new LoopCache:
-        greedy, `new_tokens` a row (the first from the prompt's last logits), or teacher-forced,
-        each token of `forced` [b, m] fed in turn. The exit rule and threshold are
-        config.early_exit's and exit_threshold's, as in the synchronous exiting forward."""
+        `new_tokens` a row, each picked from its logits by `sample` (logits [r, V] → ids [r];
+        default the argmax), the first from the prompt's last logits, a row ending at
+        `eos_token_id` (with it; the rest of its row is that id); or teacher-forced, each token
+        of `forced` [b, m] fed in turn. The exit rule and threshold are config.early_exit's and
+        exit_threshold's, as in the synchronous exiting forward; `cache`, an empty LoopCache to
+        decode into (default: a new one of `kv_policy`)."""
         if (new_tokens is None) == (forced is None):
             raise ValueError("decode_async: give new_tokens (greedy) or forced (teacher-forced)")
-        policy = kv_policy or self.config.kv_policy
-        DepthAsyncDecoder.check(policy, attention_mask)
-        cache = LoopCache(policy)
+        if cache is None:
+            cache = LoopCache(kv_policy or self.config.kv_policy)
+        DepthAsyncDecoder.check(cache.kv_policy, attention_mask)
+        pick = sample or (lambda logits: logits.argmax(-1))
         with torch.no_grad():
             out = self(
                 prompt,
@@ -560,18 +567,21 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
                 num_loops=num_loops,
             )
             if forced is None:
-                first, feeds = out.logits[:, -1].argmax(-1), new_tokens - 1
+                first, feeds = pick(out.logits[:, -1]), new_tokens - 1
+                tokens = first.new_full((len(first), new_tokens), eos_token_id or 0)
+                tokens[:, 0] = first
             else:
-                first, feeds = forced[:, 0], forced.shape[1]
+                first, feeds, tokens = forced[:, 0], forced.shape[1], forced
 
             def next_input(rows: torch.Tensor, j: torch.Tensor, logits: torch.Tensor):
-                return logits[rows, j].argmax(-1) if forced is None else forced[rows, j + 1]
+                if forced is not None:  # past the last token: any (it is not fed)
+                    return forced[rows, (j + 1).clamp(max=feeds - 1)]
+                picked = pick(logits[rows, j])
+                tokens[rows, j + 1] = picked
+                return picked
 
-            decoder = DepthAsyncDecoder(self, cache, first, feeds, attention_mask)
+            decoder = DepthAsyncDecoder(self, cache, first, feeds, attention_mask, eos_token_id)
             decoder.run(next_input)
-        tokens = forced
-        if forced is None:
-            tokens = torch.cat([first[:, None], decoder.logits.argmax(-1)], 1)
         return AsyncDecoding(tokens, decoder.logits, decoder.exit_loops, decoder.steps, cache)
 
     def exiting(
@@ -749,7 +759,13 @@ class DepthAsyncDecoder:
     row's attention needs, which a row-synchronous step does."""
 
     def __init__(
-        self, model, cache: LoopCache, first: torch.Tensor, feeds: int, attention_mask=None
+        self,
+        model,
+        cache: LoopCache,
+        first: torch.Tensor,
+        feeds: int,
+        attention_mask=None,
+        until: int | None = None,
     ):
         self.check(cache.kv_policy, attention_mask)
         self.model, self.cache, self.feeds = model, cache, feeds
@@ -772,6 +788,9 @@ class DepthAsyncDecoder:
         self.logits = self.hidden.new_zeros(b, feeds, model.config.vocab_size)
         self.exit_loops = torch.zeros(b, feeds, dtype=torch.long, device=device)
         self.steps = 0
+        self.until = until
+        if until is not None:  # a row whose first token ends it feeds nothing
+            self.fed[first == until] = feeds
         positions = torch.arange(room, device=device)[None]
         self.rope = tuple(table[0, 0] for table in model.rotary(positions))  # [room, head_dim]
         c = model.config
@@ -795,7 +814,8 @@ class DepthAsyncDecoder:
         token each exiting row feeds after its j-th (the argmax, or the true next token)."""
         while bool((self.fed < self.feeds).any()):
             self.step(next_input)
-        self.cache.length += self.feeds  # every row now fills the same positions again
+        self.cache.length += self.feeds  # every row fills the same positions again (one ended
+        # by `until` leaves the positions after it empty)
         self.cache.exit_loops.append(self.exit_loops)
         self.cache.loops_run.append(self.exit_loops)
 
@@ -859,13 +879,19 @@ class DepthAsyncDecoder:
         return model.lm_head(x)
 
     def start_next(self, done: torch.Tensor, next_input) -> None:
-        """The rows whose token exited: the next token enters loop 1 at the next step."""
+        """The rows whose token exited: the next token (from `next_input`, which sees every
+        exit) enters loop 1 at the next step, unless the row is done or it is `until`."""
         fed = self.fed[done]
         self.fed[done] += 1
+        tokens = next_input(done, fed, self.logits)
         more = fed + 1 < self.feeds
-        done, fed = done[more], fed[more]
+        if self.until is not None:
+            ended = tokens == self.until
+            self.fed[done[ended]] = self.feeds
+            more &= ~ended
+        done, tokens = done[more], tokens[more]
         if len(done):
-            self.hidden[done] = self.model.embed_tokens(next_input(done, fed, self.logits))
+            self.hidden[done] = self.model.embed_tokens(tokens)
         self.length[done] += 1
         self.loop[done] = 1
         self.survive[done] = 1

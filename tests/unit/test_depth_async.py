@@ -109,6 +109,25 @@ def test_recompute_and_bad_arguments_are_refused(model):
             model.decode_async(prompts(2))
 
 
+def test_a_row_that_emits_the_end_token_stops_there(model):
+    """eos_token_id: the row that picks it runs no more steps and is filled with it; the
+    other rows are unchanged."""
+    prompt = prompts(3, seed=4)
+    with configured(model, early_exit="gate", exit_threshold=model.middle["gate"]):
+        free = model.decode_async(prompt, 8, kv_policy="copy")
+        eos = int(free.tokens[0, 3])
+        ended = model.decode_async(prompt, 8, kv_policy="copy", eos_token_id=eos)
+    for row in range(3):
+        tokens = free.tokens[row].tolist()
+        stop = tokens.index(eos) + 1 if eos in tokens else len(tokens)
+        assert ended.tokens[row].tolist() == tokens[:stop] + [eos] * (len(tokens) - stop)
+        assert torch.equal(ended.exit_loops[row, : stop - 1], free.exit_loops[row, : stop - 1])
+        assert bool((ended.exit_loops[row, stop - 1 :] == 0).all())  # fed nothing after
+    K, (b, P) = model.config.num_loops, prompt.shape
+    assert ended.cache.loop_applications == K * P * b + ended.exit_loops.sum().item()
+    assert ended.cache.loop_applications < free.cache.loop_applications
+
+
 def test_left_padded_rows_decode_as_each_row_alone(model):
     """Left padding: a row's rope positions count its tokens only and its pads are masked."""
     long, short = prompts(1, 9, seed=5), prompts(1, 5, seed=6)
