@@ -573,11 +573,13 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
             else:
                 first, feeds, tokens = forced[:, 0], forced.shape[1], forced
 
-            def next_input(rows: torch.Tensor, j: torch.Tensor, logits: torch.Tensor):
+            rows = torch.arange(len(first), device=first.device)
+
+            def next_input(stop: torch.Tensor, j: torch.Tensor, logits: torch.Tensor):
                 if forced is not None:  # past the last token: any (it is not fed)
                     return forced[rows, (j + 1).clamp(max=feeds - 1)]
-                picked = pick(logits[rows, j])
-                tokens[rows, j + 1] = picked
+                picked, at = pick(logits), (j + 1).clamp(max=new_tokens - 1)
+                tokens[rows, at] = torch.where(stop, picked, tokens[rows, at])
                 return picked
 
             decoder = DepthAsyncDecoder(self, cache, first, feeds, attention_mask, eos_token_id)
@@ -771,7 +773,8 @@ class DepthAsyncDecoder:
         self.model, self.cache, self.feeds = model, cache, feeds
         self.K, self.L = cache.num_loops, cache.num_layers
         room = cache.length + feeds
-        self.kv = restack(cache.keys, cache.values, room)
+        self.spare = room  # where a finished row's step writes: never read
+        self.kv = restack(cache.keys, cache.values, room + 1)
         cache.keys, cache.values = (
             list(self.kv[:, :, :, i].transpose(2, 3).unbind(0)) for i in (0, 1)
         )
@@ -788,6 +791,8 @@ class DepthAsyncDecoder:
         self.logits = self.hidden.new_zeros(b, feeds, model.config.vocab_size)
         self.exit_loops = torch.zeros(b, feeds, dtype=torch.long, device=device)
         self.steps = 0
+        self.applied = torch.zeros((), dtype=torch.long, device=device)
+        self.rows = torch.arange(b, device=device)
         self.until = until
         if until is not None:  # a row whose first token ends it feeds nothing
             self.fed[first == until] = feeds
@@ -810,65 +815,63 @@ class DepthAsyncDecoder:
             raise ValueError("attention_mask: pad prompts on the left (the pads first)")
 
     def run(self, next_input) -> None:
-        """Steps until every row has fed its tokens; `next_input(rows, j, logits)` gives the
-        token each exiting row feeds after its j-th (the argmax, or the true next token)."""
+        """Steps until every row has fed its tokens. `next_input(stop, j, logits)` gives, for
+        the rows where `stop` [b] is set, the token each feeds after its j-th ([b]; the true
+        next token, or one picked from `logits` [b, V], this step's readout)."""
         while bool((self.fed < self.feeds).any()):
             self.step(next_input)
         self.cache.length += self.feeds  # every row fills the same positions again (one ended
         # by `until` leaves the positions after it empty)
+        self.cache.loop_applications += int(self.applied)
         self.cache.exit_loops.append(self.exit_loops)
         self.cache.loops_run.append(self.exit_loops)
 
     def step(self, next_input) -> None:
-        """One application of the stack to every row still decoding, each at its own loop."""
-        model = self.model
-        rows = (self.fed < self.feeds).nonzero().squeeze(1)
-        sel = rows if len(rows) < len(self.fed) else slice(None)  # every row: views, no copies
-        loop, h = self.loop[sel], self.hidden[sel]
-        h = torch.where((loop > 1)[:, None], model.feed_back(h), h)
-        rope = tuple(table[(self.length - self.pads)[sel]][:, None, None] for table in self.rope)
-        slots = RowSlots(self, rows, loop)
+        """One application of the stack to every row, each at its own loop: a step of fixed
+        shape, the state updated by `torch.where`; a row that has fed its tokens runs along,
+        writing to the spare position, and changes nothing."""
+        model, loop = self.model, self.loop
+        live = self.fed < self.feeds
+        h = torch.where((loop > 1)[:, None], model.feed_back(self.hidden), self.hidden)
+        rope = tuple(table[self.length - self.pads][:, None, None] for table in self.rope)
+        slots = RowSlots(self, loop, live)
         x = h[:, None]
         for layer_index, layer in enumerate(model.layers):
             x = layer(x, *rope, slots, layer_index, slots.mask)
-        h = self.clamp(x[:, 0], sel, loop)
+        h = self.clamp(x[:, 0], loop)
         self.steps += 1
-        self.cache.loop_applications += len(rows)
-        stop = self.decide(rows, sel, loop, h)
-        self.hidden[sel], self.loop[sel] = h, loop + 1
-        self.start_next(rows[stop], next_input)
+        self.applied += live.sum()
+        exits, read = self.decide(loop, h)
+        stop = exits & live
+        j = self.fed.clamp(max=self.feeds - 1)
+        self.logits[self.rows, j] = torch.where(stop[:, None], read, self.logits[self.rows, j])
+        self.exit_loops[self.rows, j] = torch.where(stop, loop, self.exit_loops[self.rows, j])
+        self.start_next(exits, stop, h, read, next_input)
 
-    def clamp(self, h: torch.Tensor, rows, loop: torch.Tensor) -> torch.Tensor:
+    def clamp(self, h: torch.Tensor, loop: torch.Tensor) -> torch.Tensor:
         """config.clamp: a row's H_1 sets its reference, deeper loops are held at it."""
         if not self.model.config.clamp:
             return h
         first, deeper = Clamp(), Clamp()
-        first(h[loop == 1])
-        reference = self.reference[rows]
-        reference[loop == 1] = first.reference
-        self.reference[rows] = reference
-        deeper.reference = reference[loop > 1]
-        h[loop > 1] = deeper(h[loop > 1])
-        return h
+        first(h)
+        self.reference = torch.where((loop == 1)[:, None], first.reference, self.reference)
+        deeper.reference = self.reference
+        return torch.where((loop > 1)[:, None], deeper(h), h)
 
-    def decide(self, rows: torch.Tensor, sel, loop: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """The rule at each row's own loop (every row at K exits): records the exiting rows'
-        logits and exit loops; returns which stop. `sel` selects `rows` of the state."""
+    def decide(self, loop: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rule at each row's own loop (every row at K exits) and each row's logits there;
+        advances the rows' gate survival."""
         model, c = self.model, self.model.config
         rule = ExitRule(c.early_exit, c.exit_threshold, self.K)
         lam = model.exit_probability(h)[..., 0] if rule.reads_gate else None
         if rule.reads_gate:
-            rule.survival.survive = self.survive[sel]
-        read = self.readout(h, loop) if rule.reads_logits else None
+            rule.survival.survive = self.survive
+        read = self.readout(h, loop)
         # the rule's scores for every row (k = 0: none is at its last loop); loop K's stop by row
         stop = rule.stop(0, h, lam, read) | (loop == self.K)
         if rule.reads_gate:
-            self.survive[sel] = rule.survival.survive
-        done, at = rows[stop], loop[stop]
-        fed = self.fed[done]
-        self.logits[done, fed] = read[stop] if read is not None else self.readout(h[stop], at)
-        self.exit_loops[done, fed] = at
-        return stop
+            self.survive = rule.survival.survive
+        return stop, read
 
     def readout(self, h: torch.Tensor, loop: torch.Tensor) -> torch.Tensor:
         """Each row's logits at its own loop: through the exit norm where READOUT_NORMALIZES
@@ -878,33 +881,33 @@ class DepthAsyncDecoder:
         x = h if norm is None else torch.where(self.normalizes[loop - 1, None], norm(h), h)
         return model.lm_head(x)
 
-    def start_next(self, done: torch.Tensor, next_input) -> None:
-        """The rows whose token exited: the next token (from `next_input`, which sees every
-        exit) enters loop 1 at the next step, unless the row is done or it is `until`."""
-        fed = self.fed[done]
-        self.fed[done] += 1
-        tokens = next_input(done, fed, self.logits)
-        more = fed + 1 < self.feeds
+    def start_next(self, exits, stop, h, read, next_input) -> None:
+        """The live rows whose token exited (`stop`) feed their next token, which enters loop 1
+        at the next step, unless the row has fed its tokens or the token is `until`; the other
+        rows go on to their next loop. A finished row restarts from its token's embedding
+        whenever the rule `exits` it, so its state stays bounded."""
+        tokens = next_input(stop, self.fed, read)
+        self.fed = self.fed + stop
+        more = stop & (self.fed < self.feeds)
         if self.until is not None:
-            ended = tokens == self.until
-            self.fed[done[ended]] = self.feeds
+            ended = stop & (tokens == self.until)
+            self.fed = torch.where(ended, self.feeds, self.fed)
             more &= ~ended
-        done, tokens = done[more], tokens[more]
-        if len(done):
-            self.hidden[done] = self.model.embed_tokens(tokens)
-        self.length[done] += 1
-        self.loop[done] = 1
-        self.survive[done] = 1
+        self.hidden = torch.where(exits[:, None], self.model.embed_tokens(tokens), h)
+        self.length = self.length + more
+        self.loop = torch.where(exits, 1, self.loop + 1)
+        self.survive = torch.where(exits, 1.0, self.survive)
 
 
 class RowSlots:
-    """One step's view of a DepthAsyncDecoder's slots for its rows, each at its own loop: the
-    `update` of Cache, with the layer's index for the cache index (the row's loop picks the
-    slot): writes each row's new keys and values at its position and returns its slot; `mask`
-    [r, 1, 1, T] hides the keys past each row's position and its left padding."""
+    """One step's view of a DepthAsyncDecoder's slots, every row at its own loop: the `update`
+    of Cache, with the layer's index for the cache index (the row's loop picks the slot):
+    writes each row's new keys and values at its position (a finished row's at the spare one)
+    and returns its slot; `mask` [b, 1, 1, T] hides the keys past each row's position and its
+    left padding."""
 
-    def __init__(self, decoder: DepthAsyncDecoder, rows: torch.Tensor, loop: torch.Tensor):
-        self.decoder, self.rows = decoder, rows
+    def __init__(self, decoder: DepthAsyncDecoder, loop: torch.Tensor, live: torch.Tensor):
+        self.decoder, rows = decoder, decoder.rows
         share = decoder.cache.kv_policy == "share"
         self.loop_slot = torch.zeros_like(loop) if share else loop - 1
         # `copy` writes ahead: into the deeper loops' slots too, as if the token exited here
@@ -914,14 +917,13 @@ class RowSlots:
             self.write_slots = torch.arange(decoder.K, device=loop.device).clamp(
                 min=self.write_slots
             )
-        self.at = decoder.length[rows]
-        self.end = int(self.at.max()) + 1
+        self.at = torch.where(live, decoder.length, decoder.spare)
+        self.end = int(decoder.length.max()) + 1
         keys = torch.arange(self.end, device=rows.device)[None]
-        pads = decoder.pads[rows][:, None]
-        allowed = ((keys <= self.at[:, None]) & (keys >= pads))[:, None, None]
+        allowed = (keys <= decoder.length[:, None]) & (keys >= decoder.pads[:, None])
         # additive, once a step (attention would turn a boolean mask into this at every layer)
         self.mask = torch.zeros(allowed.shape, dtype=decoder.hidden.dtype, device=rows.device)
-        self.mask.masked_fill_(~allowed, float("-inf"))
+        self.mask = self.mask.masked_fill_(~allowed, float("-inf"))[:, None, None]
         L, b, room = decoder.L, decoder.kv.shape[1], decoder.kv.shape[2]
         layers = torch.arange(L, device=rows.device)[:, None] * b  # a layer's slot: b blocks on
         self.read = (self.loop_slot * L * b + rows)[None] + layers
