@@ -58,9 +58,17 @@ OPTIONS = {
     "eval compare": ["a", "b", "--resamples", "--seed", "--out"],
     "bench fixed-k": [*MEASURE, "--loops", "--batches", "--warmup", "--out"],
     "bench generate": ["model", "--data", "--seq-len", "--dtype", "--exit", "--thresholds"]
-    + ["--kv", "--batch-sizes", "--prompt-tokens", "--repeats", "--out"],
+    + ["--kv", "--engine", "--batch-sizes", "--prompt-tokens", "--repeats", "--out"],
     "generate": ["model", "--prompt", "--prompts", "--exit", "--threshold", "--loops", "--kv"]
-    + ["--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed", "--batch-size"]
+    + [
+        "--engine",
+        "--max-new-tokens",
+        "--temperature",
+        "--top-k",
+        "--top-p",
+        "--seed",
+        "--batch-size",
+    ]
     + ["--show-depth", "--dtype", "--device", "--json"],
     "depth": [*MEASURE, "--loops", "--clamp", "--sequences", "--out"],
     "halt": [*MEASURE, "--k-max", "--rho", "--calib", "--bench", "--rule", "--tau", "--q", "--out"],
