@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--kv", default="copy,share,recompute", help="KV policies, comma-separated")
     p.add_argument(
-        "--engine",
+        "--batching",
         default="sync,async",
         help="sync (every row at the same token) and/or async (every row at its own loop: "
         "copy and share, batch > 1), comma-separated",
@@ -85,7 +85,7 @@ def generate(args) -> int:
         if args.thresholds is None
         else numbers("--thresholds", args.thresholds, float, "0.5,0.9"),
         policies=tuple(args.kv.split(",")),
-        engines=tuple(args.engine.split(",")),
+        batching=tuple(args.batching.split(",")),
         batch_sizes=numbers("--batch-sizes", args.batch_sizes, int, "1,8"),
         prompt=args.prompt_tokens,
         repeats=args.repeats,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megaloop.evaluation.settings import DTYPES, ENGINES, EXITS, KV_POLICIES
+from megaloop.evaluation.settings import BATCHING, DTYPES, EXITS, KV_POLICIES
 from megaloop.extras import require
 
 BUILDS_MODEL = True
@@ -36,8 +36,8 @@ def add_parser(sub) -> None:
         help="what a token's skipped (loop, layer) cache slots hold (docs/generation.md)",
     )
     p.add_argument(
-        "--engine",
-        choices=list(ENGINES),
+        "--batching",
+        choices=list(BATCHING),
         default="sync",
         help="sync: a batch's rows decode a token together (one prompt streams); async: every "
         "row at its own loop, no row waiting for the deepest (copy, share; printed when done)",
@@ -77,7 +77,7 @@ def run(args) -> int:
         threshold=args.threshold,
         loops=args.loops,
         kv=args.kv,
-        engine=args.engine,
+        batching=args.batching,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,

@@ -4,9 +4,9 @@ Teacher-forced decoding of held-out windows through the cache (so a KV policy's 
 quality is measured): each row's first `prompt` tokens are prefilled at full depth (untimed),
 then every following true token is fed alone (one forward of one token per row, the cache
 passed on), and its logits scored against the next token. B rows are B different windows.
-Each run is one exit rule, threshold, KV policy and engine (a new LoopCache each time), or a
+Each run is one exit rule, threshold, KV policy and batching (a new LoopCache each time), or a
 fixed K (early_exit "none": the plain cached path a user gets without early exit). The `sync`
-engine feeds every row's next token together, each loop run by the rows still active, so a step
+batching feeds every row's next token together, each loop run by the rows still active, so a step
 costs its deepest row's loops; `async` (DepthAsyncDecoder, copy and share at batch > 1) runs
 every row at its own loop, so the stack runs about as often as a row's summed exits. tokens/s is
 B x decoded tokens over the decode loop's wall time, the median of `repeats` timed decodes,
@@ -88,7 +88,7 @@ def decode_async(model, rows: torch.Tensor, prompt: int, cache, sync: Callable):
 
 
 def measure(model, rows, settings, spec: dict, sync: Callable) -> dict:
-    """One run's record: `spec` is its exit, threshold, kv, engine and loops (K, or K_max at
+    """One run's record: `spec` is its exit, threshold, kv, batching and loops (K, or K_max at
     most)."""
     from transformers import DynamicCache
 
@@ -102,7 +102,7 @@ def measure(model, rows, settings, spec: dict, sync: Callable) -> dict:
     with configured(model, **fields):
         for repeat in range(settings.repeats):
             cache = DynamicCache() if fixed else LoopCache(spec["kv"])
-            if spec["engine"] == "async":
+            if spec["batching"] == "async":
                 logits, seconds, decoder = decode_async(model, rows, settings.prompt, cache, sync)
             else:
                 logits, seconds = decode(model, rows, settings.prompt, cache, loops, sync)
@@ -125,7 +125,7 @@ def measure(model, rows, settings, spec: dict, sync: Callable) -> dict:
         }
     decoded = torch.cat(first.exit_loops[1:], 1)
     applications = decoded.max(0).values.sum().item()
-    if spec["engine"] == "async":
+    if spec["batching"] == "async":
         applications = decoder.steps
     return {
         **record,
@@ -139,23 +139,23 @@ def measure(model, rows, settings, spec: dict, sync: Callable) -> dict:
 
 
 def warm_up(model, rows, settings, rules, k_max: int, sync: Callable) -> None:
-    """Untimed short decodes at fixed K_max and under each rule, policy and engine (first
+    """Untimed short decodes at fixed K_max and under each rule, policy and batching (first
     calls, the allocator, kernel choices), before a batch size's timed runs."""
-    fixed = {"exit": "fixed", "threshold": None, "kv": None, "engine": "sync", "loops": k_max}
+    fixed = {"exit": "fixed", "threshold": None, "kv": None, "batching": "sync", "loops": k_max}
     for spec in [fixed, *exiting(settings, rules, k_max, rows.shape[0], warm=True)]:
         measure(model, rows, settings, spec, sync)
 
 
 def exiting(settings: GenerateBenchSettings, rules, k_max: int, b: int, warm=False) -> list:
-    """The exiting runs of batch size b: rule x threshold x policy x engine (the first threshold
+    """The exiting runs of batch size b: rule x threshold x policy x batching (the first threshold
     only when `warm`); `async` where it applies (copy and share, b > 1)."""
     return [
-        {"exit": rule, "threshold": t, "kv": kv, "engine": engine, "loops": k_max}
+        {"exit": rule, "threshold": t, "kv": kv, "batching": batching, "loops": k_max}
         for rule in rules
         for t in settings.thresholds_of(rule)[: 1 if warm else None]
         for kv in settings.policies
-        for engine in settings.engines
-        if engine == "sync" or (b > 1 and kv in ASYNC_POLICIES)
+        for batching in settings.batching
+        if batching == "sync" or (b > 1 and kv in ASYNC_POLICIES)
     ]
 
 
@@ -164,7 +164,7 @@ def plan(settings: GenerateBenchSettings, rules, k_max: int) -> list[dict]:
     runs = []
     for b in settings.batch_sizes:
         runs += [
-            {"exit": "fixed", "threshold": None, "kv": None, "engine": "sync", "loops": k, "b": b}
+            {"exit": "fixed", "threshold": None, "kv": None, "batching": "sync", "loops": k, "b": b}
             for k in range(1, k_max + 1)
         ]
         runs += [{**spec, "b": b} for spec in exiting(settings, rules, k_max, b)]
@@ -274,18 +274,18 @@ def plot(result: dict, path: Path) -> None:
         )
         for r in fixed:
             ax.annotate(f"K={r['loops']}", (r["tokens_per_s"], r["ce"]), fontsize=7)
-        groups = {(r["exit"], r["kv"], r["engine"]) for r in runs if r["exit"] != "fixed"}
-        for rule, kv, engine in sorted(groups):
-            group = [r for r in runs if (r["exit"], r["kv"], r["engine"]) == (rule, kv, engine)]
+        groups = {(r["exit"], r["kv"], r["batching"]) for r in runs if r["exit"] != "fixed"}
+        for rule, kv, batching in sorted(groups):
+            group = [r for r in runs if (r["exit"], r["kv"], r["batching"]) == (rule, kv, batching)]
             ax.plot(
                 [r["tokens_per_s"] for r in group],
                 [r["ce"] for r in group],
                 marker=MARKERS.get(rule, "o"),
                 color=COLOURS.get(kv),
-                linestyle="--" if engine == "async" else "-",
-                markerfacecolor="none" if engine == "async" else None,
+                linestyle="--" if batching == "async" else "-",
+                markerfacecolor="none" if batching == "async" else None,
                 linewidth=0.6,
-                label=f"{rule} {kv}" + (" async" if engine == "async" else ""),
+                label=f"{rule} {kv}" + (" async" if batching == "async" else ""),
             )
         ax.set_xlabel("tokens/s")
         ax.set_ylabel("CE / token")
@@ -320,7 +320,7 @@ def table(result: dict) -> str:
         )
     lines += [
         "",
-        "| batch | exit | threshold | kv | engine | tokens/s | mean loops | stack applications "
+        "| batch | exit | threshold | kv | batching | tokens/s | mean loops | stack applications "
         "per token | CE | ΔCE vs K_max | loop applications | speed-up | predicted | ratio "
         "| within 15% | cache B/token |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -329,7 +329,7 @@ def table(result: dict) -> str:
         threshold = "" if r["threshold"] is None else f"{r['threshold']:g}"
         exit_ = f"fixed K={r['loops']}" if r["exit"] == "fixed" else r["exit"]
         lines.append(
-            f"| {r['batch_size']} | {exit_} | {threshold} | {r['kv'] or ''} | {r['engine']} "
+            f"| {r['batch_size']} | {exit_} | {threshold} | {r['kv'] or ''} | {r['batching']} "
             f"| {r['tokens_per_s']:,.1f} | {r['mean_loops']:.2f} | {r['step_max_loops']:.2f} "
             f"| {r['ce']:.4f} "
             f"| {r['ce_vs_fixed_kmax']:+.4f} | {r['loop_applications']:,} "

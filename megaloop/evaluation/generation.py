@@ -122,7 +122,7 @@ def sampling(settings: GenerateSettings) -> dict:
 
 
 def sampler(settings: GenerateSettings):
-    """For the depth-asynchronous engine: logits [r, V] → ids [r], greedy (None: the argmax) or
+    """For depth-asynchronous batching: logits [r, V] → ids [r], greedy (None: the argmax) or
     sampled through transformers' temperature, top-k and top-p warpers, as generate() does."""
     if settings.temperature == 0:
         return None
@@ -148,7 +148,7 @@ def complete(model, tokenizer, texts: list[str], settings, cache, streamer=None)
     end of text; what a finished row is padded with afterwards is not its own)."""
     batch = tokenizer(texts, return_tensors="pt", padding=True).to(model.device)
     with torch.no_grad():
-        if settings.engine == "async":
+        if settings.batching == "async":
             new, depths = complete_async(model, tokenizer, batch, settings, cache)
         else:
             out = model.generate(
@@ -178,8 +178,8 @@ def complete(model, tokenizer, texts: list[str], settings, cache, streamer=None)
 
 
 def complete_async(model, tokenizer, batch, settings, cache) -> tuple[torch.Tensor, torch.Tensor]:
-    """New ids [b, n] and their exit loops, decoded into `cache` by the depth-asynchronous
-    engine."""
+    """New ids [b, n] and their exit loops, decoded into `cache` by depth-asynchronous
+    batching."""
     out = model.decode_async(
         batch["input_ids"],
         new_tokens=settings.max_new_tokens,
@@ -217,7 +217,7 @@ def run(settings: GenerateSettings, out: TextIO | None = None, err: TextIO | Non
     for chunk in chunks if len(texts) == 1 else harness.progress(chunks, "generate"):
         cache = LoopCache(settings.kv)
         streamer = None
-        if len(texts) == 1 and settings.engine == "sync":
+        if len(texts) == 1 and settings.batching == "sync":
             streamer = DepthStreamer(Detokenizer(tokenizer, settings.show_depth), cache, out)
             out.write(chunk[0])
         start = time.perf_counter()

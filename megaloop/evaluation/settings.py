@@ -218,7 +218,7 @@ class FixedKSettings(Measurement):
 
 EXIT_RULES: tuple[str, ...] = tuple(r for r in get_args(EarlyExit) if r != "none")
 KV_POLICIES: tuple[str, ...] = get_args(KVPolicy)
-ENGINES: tuple[str, ...] = ("sync", "async")
+BATCHING: tuple[str, ...] = ("sync", "async")
 """How a batch decodes under early exit: `sync`, every row at the same token, each loop run by
 the rows still active; `async`, every row at its own loop (DepthAsyncDecoder; `copy` and
 `share`, batch > 1)."""
@@ -264,8 +264,8 @@ class GenerateBenchSettings(Measurement):
     thresholds: tuple[float, ...] | None = None
     """Every rule's thresholds. None: DEFAULT_THRESHOLDS per rule."""
     policies: tuple[str, ...] = KV_POLICIES
-    engines: tuple[str, ...] = ENGINES
-    """ENGINES to run each exiting run with; `async` runs only where it applies."""
+    batching: tuple[str, ...] = BATCHING
+    """BATCHING to run each exiting run with; `async` runs only where it applies."""
     batch_sizes: tuple[int, ...] = (1, 8)
     prompt: int = 4
     """Tokens run at full depth before the decoded ones (prefill, untimed); at least 2, since
@@ -280,7 +280,7 @@ class GenerateBenchSettings(Measurement):
         if self.rules is not None:
             set_(self, "rules", names("--exit", ",".join(self.rules), EXIT_RULES))
         set_(self, "policies", names("--kv", ",".join(self.policies), KV_POLICIES))
-        set_(self, "engines", names("--engine", ",".join(self.engines), ENGINES))
+        set_(self, "batching", names("--batching", ",".join(self.batching), BATCHING))
         if self.thresholds is not None:
             thresholds = tuple(sorted(set(map(float, self.thresholds))))
             if not thresholds or any(not 0 <= t < float("inf") for t in thresholds):
@@ -394,8 +394,8 @@ class GenerateSettings:
     loops: int | None = None
     """K, the most loops a token runs. None: the model's num_loops."""
     kv: str = "copy"
-    engine: str = "sync"
-    """ENGINES: `async` decodes every row at its own loop (copy and share; printed whole, not
+    batching: str = "sync"
+    """BATCHING: `async` decodes every row at its own loop (copy and share; printed whole, not
     streamed)."""
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -423,12 +423,12 @@ class GenerateSettings:
             raise EvalError(f"--exit {self.exit}: give one of gate, margin, fixed")
         if self.kv not in KV_POLICIES:
             raise EvalError(f"--kv {self.kv}: give one of {', '.join(KV_POLICIES)}")
-        if self.engine not in ENGINES:
-            raise EvalError(f"--engine {self.engine}: give one of {', '.join(ENGINES)}")
-        if self.engine == "async" and self.kv == "recompute":
+        if self.batching not in BATCHING:
+            raise EvalError(f"--batching {self.batching}: give one of {', '.join(BATCHING)}")
+        if self.batching == "async" and self.kv == "recompute":
             raise EvalError(
-                "--engine async decodes --kv copy or share (recompute resumes earlier tokens at "
-                "the loop a row needs, a synchronous step): give --kv copy or --engine sync"
+                "--batching async decodes --kv copy or share (recompute resumes earlier tokens at "
+                "the loop a row needs, a synchronous step): give --kv copy or --batching sync"
             )
         if self.dtype not in DTYPES:
             raise EvalError(f"--dtype {self.dtype}: give one of {', '.join(DTYPES)}")

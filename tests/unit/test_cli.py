@@ -58,10 +58,10 @@ OPTIONS = {
     "eval compare": ["a", "b", "--resamples", "--seed", "--out"],
     "bench fixed-k": [*MEASURE, "--loops", "--batches", "--warmup", "--out"],
     "bench generate": ["model", "--data", "--seq-len", "--dtype", "--exit", "--thresholds"]
-    + ["--kv", "--engine", "--batch-sizes", "--prompt-tokens", "--repeats", "--out"],
+    + ["--kv", "--batching", "--batch-sizes", "--prompt-tokens", "--repeats", "--out"],
     "generate": ["model", "--prompt", "--prompts", "--exit", "--threshold", "--loops", "--kv"]
     + [
-        "--engine",
+        "--batching",
         "--max-new-tokens",
         "--temperature",
         "--top-k",

@@ -53,7 +53,7 @@ def test_every_run_is_recorded_with_the_issues_keys_and_the_figure(bench):
     k_max = result["k_max"]
     exiting = 2 * len(THRESHOLDS) * (3 * len(BATCHES) + 2 * sum(b > 1 for b in BATCHES))
     assert len(result["runs"]) == exiting + k_max * len(BATCHES)
-    assert {r["engine"] for r in runs_of(result, batch_size=1)} == {"sync"}
+    assert {r["batching"] for r in runs_of(result, batch_size=1)} == {"sync"}
     for r in result["runs"]:
         assert all(key in r for key in KEYS), r
         assert isinstance(r["within_15pct"], bool) and np.isfinite(r["ratio"])
@@ -112,14 +112,14 @@ def test_a_threshold_that_never_exits_is_fixed_k_max(bench):
 
 
 def test_async_decodes_as_sync_in_fewer_stack_applications(bench):
-    """Teacher-forced, every row of the depth-asynchronous engine exits where it does in the
+    """Teacher-forced, every row of the depth-asynchronous batching exits where it does in the
     synchronous batch and scores the same CE; the stack runs as often as the row with the most
     loops, at most the synchronous steps (each the deepest row's loop)."""
     _, _, result = bench
     k_max, steps = result["k_max"], SEQ - PROMPT
-    for r in runs_of(result, engine="async"):
+    for r in runs_of(result, batching="async"):
         same = {k: r[k] for k in ("exit", "threshold", "kv", "batch_size")}
-        (sync,) = runs_of(result, engine="sync", **same)
+        (sync,) = runs_of(result, batching="sync", **same)
         assert r["kv"] in ("copy", "share") and r["batch_size"] > 1
         assert abs(r["ce"] - sync["ce"]) <= 1e-5, (r, sync)
         assert r["mean_loops"] == pytest.approx(sync["mean_loops"], abs=1e-9)
@@ -127,7 +127,7 @@ def test_async_decodes_as_sync_in_fewer_stack_applications(bench):
         least = np.ceil(r["mean_loops"] * steps)  # the row with the most loops has at least it
         assert least <= r["stack_applications"] <= sync["stack_applications"], (r, sync)
         assert sync["stack_applications"] <= k_max * steps
-    assert runs_of(result, engine="async", threshold=0.5)
+    assert runs_of(result, batching="async", threshold=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +144,7 @@ def gateless(tmp_path_factory):
         (["--thresholds", "0.5,high"], "--thresholds '0.5,high': give comma-separated numbers"),
         (["--thresholds", "nan"], "--thresholds 'nan': give finite numbers >= 0"),
         (["--kv", "foo"], "--kv 'foo': give one or more of copy, share, recompute"),
-        (["--engine", "fast"], "--engine 'fast': give one or more of sync, async"),
+        (["--batching", "fast"], "--batching 'fast': give one or more of sync, async"),
         (["--exit", "fixed"], "--exit 'fixed': give one or more of gate, margin"),
         (["--exit", "gate"], "--exit gate: .* has no exit gate; give --exit margin"),
         (["--batch-sizes", "1,0"], "--batch-sizes '0,1': give batch sizes >= 1"),

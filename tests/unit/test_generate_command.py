@@ -140,11 +140,11 @@ def test_each_tokens_depth_is_the_exit_of_the_forward_that_chose_it(gated, tmp_p
     assert stdout == f"the river{marked}\n"
 
 
-@pytest.mark.parametrize("engine", ["sync", "async"])
+@pytest.mark.parametrize("batching", ["sync", "async"])
 @pytest.mark.parametrize("rule", [("fixed",), ("gate", "--threshold", "0.7")])
-def test_a_batch_of_prompts_completes_each_as_alone(gated, megaloop_here, tmp_path, rule, engine):
-    """Either engine: each prompt's completion and exit loops are its own at batch 1 (through
-    the synchronous engine, streamed)."""
+def test_a_batch_of_prompts_completes_each_as_alone(gated, megaloop_here, tmp_path, rule, batching):
+    """Either batching: each prompt's completion and exit loops are its own at batch 1 (through
+    synchronous batching, streamed)."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(f"{PROMPTS[0]}\n\n{PROMPTS[1]}\n{PROMPTS[2]}\n")
     out = tmp_path / "batch.json"
@@ -161,8 +161,8 @@ def test_a_batch_of_prompts_completes_each_as_alone(gated, megaloop_here, tmp_pa
         "cpu",
         "--json",
         out,
-        "--engine",
-        engine,
+        "--batching",
+        batching,
     )
     assert code == 0, stderr
     batch = json.loads(out.read_text())["results"]
@@ -176,9 +176,9 @@ def test_a_batch_of_prompts_completes_each_as_alone(gated, megaloop_here, tmp_pa
     assert summary["new_tokens"] == sum(len(r["tokens"]) for r in batch)
 
 
-@pytest.mark.parametrize("engine", ["sync", "async"])
-def test_sampling_with_a_seed_is_reproducible(gated, tmp_path, engine):
-    flags = ("temperature", 1.0, "top_k", 20, "seed", 7, "engine", engine)
+@pytest.mark.parametrize("batching", ["sync", "async"])
+def test_sampling_with_a_seed_is_reproducible(gated, tmp_path, batching):
+    flags = ("temperature", 1.0, "top_k", 20, "seed", 7, "batching", batching)
     runs = [generated(gated, tmp_path, *flags, name=f"{i}.json") for i in range(2)]
     assert runs[0]["results"] == runs[1]["results"]
     greedy = generated(gated, tmp_path, name="greedy.json")["results"][0]["tokens"]
@@ -219,8 +219,8 @@ def never_loads(monkeypatch):
         ),
         (["--prompt", ""], "--prompt is empty"),
         (
-            ["--prompt", "a", "--engine", "async", "--kv", "recompute"],
-            "--engine async decodes --kv copy or share",
+            ["--prompt", "a", "--batching", "async", "--kv", "recompute"],
+            "--batching async decodes --kv copy or share",
         ),
     ],
 )
