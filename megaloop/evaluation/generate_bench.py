@@ -9,8 +9,9 @@ fixed K (early_exit "none": the plain cached path a user gets without early exit
 batching feeds every row's next token together, each loop run by the rows still active, so a step
 costs its deepest row's loops; `async` (DepthAsyncDecoder, copy and share at batch > 1) runs
 every row at its own loop, so the stack runs about as often as a row's summed exits. tokens/s is
-B x decoded tokens over the decode loop's wall time, the median of `repeats` timed decodes,
-after an untimed warm-up per batch size; CE is over the same positions in every run.
+B x decoded tokens over the decode loop's wall time, the median of `repeats` timed decodes taken
+in rounds across a batch size's runs, after an untimed warm-up per batch size; CE is over the
+same positions in every run.
 
 The per-token fixed cost (embedding, readout, cache bookkeeping, Python) is stated by a least-
 squares fit over the fixed-K runs of each batch size: seconds per token t(K) = f + c·K. An
@@ -87,9 +88,9 @@ def decode_async(model, rows: torch.Tensor, prompt: int, cache, sync: Callable):
     return decoder.logits, seconds, decoder
 
 
-def measure(model, rows, settings, spec: dict, sync: Callable) -> dict:
-    """One run's record: `spec` is its exit, threshold, kv, batching and loops (K, or K_max at
-    most)."""
+def measure(model, rows, settings, spec: dict, sync: Callable) -> tuple[float, dict]:
+    """One timed decode of one run, `spec` its exit, threshold, kv, batching and loops (K, or
+    K_max at most): the wall seconds and the run's record without its tokens/s."""
     from transformers import DynamicCache
 
     from megaloop.model.modeling_megaloop import LoopCache
@@ -98,23 +99,17 @@ def measure(model, rows, settings, spec: dict, sync: Callable) -> dict:
     fields = {"early_exit": "none"} if fixed else {"early_exit": spec["exit"]}
     if not fixed:
         fields["exit_threshold"] = spec["threshold"]
-    times = []
     with configured(model, **fields):
-        for repeat in range(settings.repeats):
-            cache = DynamicCache() if fixed else LoopCache(spec["kv"])
-            if spec["batching"] == "async":
-                logits, seconds, decoder = decode_async(model, rows, settings.prompt, cache, sync)
-            else:
-                logits, seconds = decode(model, rows, settings.prompt, cache, loops, sync)
-            times.append(seconds)
-            if repeat == 0:
-                ce = harness.token_ce(logits, rows[:, settings.prompt + 1 :]).mean().item()
-                first = cache
-            del logits
+        cache = DynamicCache() if fixed else LoopCache(spec["kv"])
+        if spec["batching"] == "async":
+            logits, seconds, decoder = decode_async(model, rows, settings.prompt, cache, sync)
+        else:
+            logits, seconds = decode(model, rows, settings.prompt, cache, loops, sync)
+    ce = harness.token_ce(logits, rows[:, settings.prompt + 1 :]).mean().item()
     b, steps = rows.shape[0], rows.shape[1] - 1 - settings.prompt
-    record = {**spec, "batch_size": b, "tokens_per_s": b * steps / statistics.median(times)}
+    record = {**spec, "batch_size": b}
     if fixed:
-        return {
+        return seconds, {
             **record,
             "mean_loops": float(loops),
             "step_max_loops": float(loops),
@@ -123,19 +118,37 @@ def measure(model, rows, settings, spec: dict, sync: Callable) -> dict:
             "loop_applications": loops * b * (settings.prompt + steps),
             "cache_bytes_per_token": model.cache_bytes_per_token("copy", loops),
         }
-    decoded = torch.cat(first.exit_loops[1:], 1)
+    decoded = torch.cat(cache.exit_loops[1:], 1)
     applications = decoded.max(0).values.sum().item()
     if spec["batching"] == "async":
         applications = decoder.steps
-    return {
+    return seconds, {
         **record,
         "mean_loops": decoded.float().mean().item(),
         "step_max_loops": applications / steps,
         "stack_applications": applications,
         "ce": ce,
-        "loop_applications": first.loop_applications,
-        "cache_bytes_per_token": first.bytes_per_token(),
+        "loop_applications": cache.loop_applications,
+        "cache_bytes_per_token": cache.bytes_per_token(),
     }
+
+
+def timed(model, rows, settings, specs: list[dict], sync: Callable) -> list[dict]:
+    """Each run's record, tokens/s the median of `repeats` decodes. The repeats are taken in
+    rounds (every run once, then every run again), so a drift of the machine's speed over the
+    minutes a batch size takes falls on every run alike instead of on whichever ran then."""
+    seconds = [[] for _ in specs]
+    records: list[dict | None] = [None] * len(specs)
+    rounds = [(i, spec) for _ in range(settings.repeats) for i, spec in enumerate(specs)]
+    desc = f"bench generate, batch {rows.shape[0]}"
+    for i, spec in harness.progress(rounds, desc, "decode"):
+        took, record = measure(model, rows, settings, spec, sync)
+        seconds[i].append(took)
+        records[i] = records[i] or record
+    steps = rows.shape[1] - 1 - settings.prompt
+    for record, took in zip(records, seconds):
+        record["tokens_per_s"] = rows.shape[0] * steps / statistics.median(took)
+    return records
 
 
 def warm_up(model, rows, settings, rules, k_max: int, sync: Callable) -> None:
@@ -159,16 +172,13 @@ def exiting(settings: GenerateBenchSettings, rules, k_max: int, b: int, warm=Fal
     ]
 
 
-def plan(settings: GenerateBenchSettings, rules, k_max: int) -> list[dict]:
-    """Every run, batch size by batch size: fixed K = 1..K_max, then the exiting ones."""
-    runs = []
-    for b in settings.batch_sizes:
-        runs += [
-            {"exit": "fixed", "threshold": None, "kv": None, "batching": "sync", "loops": k, "b": b}
-            for k in range(1, k_max + 1)
-        ]
-        runs += [{**spec, "b": b} for spec in exiting(settings, rules, k_max, b)]
-    return runs
+def plan(settings: GenerateBenchSettings, rules, k_max: int, b: int) -> list[dict]:
+    """Batch size b's runs: fixed K = 1..K_max, then the exiting ones."""
+    fixed = [
+        {"exit": "fixed", "threshold": None, "kv": None, "batching": "sync", "loops": k}
+        for k in range(1, k_max + 1)
+    ]
+    return fixed + exiting(settings, rules, k_max, b)
 
 
 def fixed_cost(records: list[dict], k_max: int) -> dict:
@@ -221,18 +231,14 @@ def run(settings: GenerateBenchSettings) -> dict:
     ).to(device)
 
     sync = functools.partial(harness.synchronize, device)
-    records, warmed = [], set()
-    for spec in harness.progress(plan(settings, rules, k_max), "bench generate", "run"):
-        rows = windows[: spec.pop("b")]
-        if rows.shape[0] not in warmed:
-            warm_up(model, rows[:, : settings.prompt + 4], settings, rules, k_max, sync)
-            warmed.add(rows.shape[0])
-        records.append(measure(model, rows, settings, spec, sync))
-    fits = []
+    records, fits = [], []
     for b in settings.batch_sizes:
-        batch = [r for r in records if r["batch_size"] == b]
+        rows = windows[:b]
+        warm_up(model, rows[:, : settings.prompt + 4], settings, rules, k_max, sync)
+        batch = timed(model, rows, settings, plan(settings, rules, k_max, b), sync)
         fits.append(fixed_cost(batch, k_max))
         compare(batch, fits[-1], k_max)
+        records += batch
     model_info = {k: v for k, v in opened.info.items() if k != "run_config"}
     result = {
         "model": model_info,

@@ -174,3 +174,21 @@ def test_the_rules_default_to_those_the_model_has():
     )
     with pytest.raises(EvalError, match="--repeats 0: must be >= 1"):
         GenerateBenchSettings(model="m", data="d", repeats=0)
+
+
+def test_repeats_are_taken_in_rounds_over_a_batch_sizes_runs(monkeypatch):
+    """Every run once, then every run again: a drift in the machine's speed falls on all runs."""
+    from megaloop.evaluation import generate_bench
+
+    calls, took = [], {"a": [3.0, 1.0, 2.0], "b": [4.0, 4.0, 8.0]}
+
+    def measure(model, rows, settings, spec, sync):
+        calls.append(spec["name"])
+        return took[spec["name"]][calls.count(spec["name"]) - 1], {"name": spec["name"]}
+
+    monkeypatch.setattr(generate_bench, "measure", measure)
+    settings = GenerateBenchSettings(model="m", data="d", repeats=3, prompt=2)
+    rows = torch.zeros(4, 7, dtype=torch.long)  # 4 rows, 4 decoded tokens each
+    records = generate_bench.timed(None, rows, settings, [{"name": "a"}, {"name": "b"}], None)
+    assert calls == ["a", "b"] * 3
+    assert [r["tokens_per_s"] for r in records] == [16 / 2.0, 16 / 4.0]  # medians
