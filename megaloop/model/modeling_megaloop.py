@@ -398,12 +398,19 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
                 h = held(h)
             yield k, h
 
+    @property
+    def exit_norm(self) -> nn.Module | None:
+        """The RMSNorm an exit reads through where READOUT_NORMALIZES says so: the shared loop
+        norm if the model has one, else the readout's own (None for a raw readout)."""
+        return self.readout_norm if self.norm is None else self.norm
+
     def readout(self, h: torch.Tensor, loop: int) -> torch.Tensor:
         """Exit `loop`'s logits, read the way semantics.READOUTS says (`final_norm` normalises
         from the trained depth on, whatever K the model runs at)."""
-        norm = self.readout_norm if self.norm is None else self.norm
         return self.lm_head(
-            readout_input(self.config.readout, h, loop, self.config.num_loops_trained, norm)
+            readout_input(
+                self.config.readout, h, loop, self.config.num_loops_trained, self.exit_norm
+            )
         )
 
     def exit_probability(self, h: torch.Tensor) -> torch.Tensor:
@@ -876,10 +883,9 @@ class DepthAsyncDecoder:
     def readout(self, h: torch.Tensor, loop: torch.Tensor) -> torch.Tensor:
         """Each row's logits at its own loop: through the exit norm where READOUT_NORMALIZES
         says so at that loop, one W_out for every row."""
-        model = self.model
-        norm = model.readout_norm if model.norm is None else model.norm
+        norm = self.model.exit_norm
         x = h if norm is None else torch.where(self.normalizes[loop - 1, None], norm(h), h)
-        return model.lm_head(x)
+        return self.model.lm_head(x)
 
     def start_next(self, exits, stop, h, read, next_input) -> None:
         """The live rows whose token exited (`stop`) feed their next token, which enters loop 1
