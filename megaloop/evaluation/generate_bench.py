@@ -81,8 +81,8 @@ def decode_async(model, rows: torch.Tensor, prompt: int, cache, sync: Callable):
         sync()
         start = time.perf_counter()
         decoder = DepthAsyncDecoder(model, cache, rows[:, prompt], rows.shape[1] - 1 - prompt)
-        every, last = torch.arange(rows.shape[0], device=rows.device), rows.shape[1] - 1
-        decoder.run(lambda stop, j, _: rows[every, (prompt + j + 1).clamp(max=last)])
+        last = rows.shape[1] - 1
+        decoder.run(lambda at, stop, j, _: rows[at, (prompt + j + 1).clamp(max=last)])
         sync()
         seconds = time.perf_counter() - start
     return decoder.logits, seconds, decoder

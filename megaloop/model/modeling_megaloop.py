@@ -580,9 +580,7 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
             else:
                 first, feeds, tokens = forced[:, 0], forced.shape[1], forced
 
-            rows = torch.arange(len(first), device=first.device)
-
-            def next_input(stop: torch.Tensor, j: torch.Tensor, logits: torch.Tensor):
+            def next_input(rows, stop: torch.Tensor, j: torch.Tensor, logits: torch.Tensor):
                 if forced is not None:  # past the last token: any (it is not fed)
                     return forced[rows, (j + 1).clamp(max=feeds - 1)]
                 picked, at = pick(logits), (j + 1).clamp(max=new_tokens - 1)
@@ -756,14 +754,16 @@ class DepthAsyncDecoder:
     loop, so one application of it serves a row at loop 1 of its next token beside a row at loop
     3 of its current one. A row whose token exits starts its next token at the next step, so no
     row waits for the batch's deepest token and the steps follow the rows' summed exit loops.
+    A row that has fed its tokens leaves the step: at small batch a step costs about its
+    weights, not its rows, but the last rows of a batch still run cheaper alone.
 
-    State per row: its hidden state, the loop it runs next, its current token's cache position
-    (less its left padding: its rope position), its gate survival and clamp reference (both
-    reset when it starts a token) and the tokens it has fed. The keys and values are the
-    prefilled LoopCache's, restacked token-major as one [slots, b, T, 2, kv_heads, head_dim]
-    (a row's keys and values of one slot are one block, a token's one row: both are read and
-    written whole) with room for every fed token; the cache's own slot lists view the same
-    memory, so the cache is whole afterwards.
+    State per decoding row (`rows`: their indices in the batch): its hidden state, the loop it
+    runs next, its current token's cache position (less its left padding: its rope position),
+    its gate survival and clamp reference (both reset when it starts a token) and the tokens it
+    has fed. The keys and values are the prefilled LoopCache's, restacked token-major as one
+    [slots, b, T, 2, kv_heads, head_dim] (a row's keys and values of one slot are one block, a
+    token's one row: both are read and written whole) with room for every fed token; the
+    cache's own slot lists view the same memory, so the cache is whole afterwards.
     `copy` and `share` only: `recompute` would resume earlier tokens of a row at a loop that
     row's attention needs, which a row-synchronous step does."""
 
@@ -780,12 +780,15 @@ class DepthAsyncDecoder:
         self.model, self.cache, self.feeds = model, cache, feeds
         self.K, self.L = cache.num_loops, cache.num_layers
         room = cache.length + feeds
-        self.spare = room  # where a finished row's step writes: never read
-        self.kv = restack(cache.keys, cache.values, room + 1)
+        self.kv = restack(cache.keys, cache.values, room)
         cache.keys, cache.values = (
             list(self.kv[:, :, :, i].transpose(2, 3).unbind(0)) for i in (0, 1)
         )
+        # where a layer gathers its rows' slots, the same memory at every layer and step: a new
+        # tensor each time would cost more in the allocator's page faults than in the copy
+        self.gathered = self.kv.new_empty(self.kv[0].numel())
         b, device = first.shape[0], first.device
+        self.batch_size = b
         self.length = torch.full((b,), cache.length, dtype=torch.long, device=device)
         self.pads = torch.zeros_like(self.length)
         if attention_mask is not None:
@@ -795,21 +798,31 @@ class DepthAsyncDecoder:
         self.hidden = model.embed_tokens(first)
         self.survive = self.hidden.new_ones(b)
         self.reference = self.hidden.new_ones(b, 1)
-        self.logits = self.hidden.new_zeros(b, feeds, model.config.vocab_size)
-        self.exit_loops = torch.zeros(b, feeds, dtype=torch.long, device=device)
-        self.steps = 0
-        self.applied = torch.zeros((), dtype=torch.long, device=device)
         self.rows = torch.arange(b, device=device)
+        # a spare column, where a step writes the rows whose token did not exit: never read
+        self.logits = self.hidden.new_zeros(b, feeds + 1, model.config.vocab_size)
+        self.exit_loops = torch.zeros(b, feeds + 1, dtype=torch.long, device=device)
+        self.steps = 0
+        self.applied = 0
         self.until = until
         if until is not None:  # a row whose first token ends it feeds nothing
             self.fed[first == until] = feeds
         positions = torch.arange(room, device=device)[None]
         self.rope = tuple(table[0, 0] for table in model.rotary(positions))  # [room, head_dim]
+        # additive, each row's keys from its first token to the position it decodes: a step
+        # opens that position (attention would turn a boolean mask into this at every layer)
+        keys = torch.arange(room, device=device)[None]
+        opened = (keys >= self.pads[:, None]) & (keys < cache.length)
+        self.mask = self.hidden.new_zeros(opened.shape).masked_fill_(~opened, float("-inf"))
+        # a row's block of (slot, layer): (slot·L + layer)·b + row in kv's first two dimensions
+        self.layer_blocks = torch.arange(self.L, device=device)[:, None] * b
+        self.slot_range = torch.arange(self.K, device=device)[None]
         c = model.config
-        self.normalizes = torch.tensor(
-            [READOUT_NORMALIZES[c.readout](k, c.num_loops_trained) for k in range(1, self.K + 1)],
-            device=device,
-        )
+        normalizes = [
+            READOUT_NORMALIZES[c.readout](k, c.num_loops_trained) for k in range(1, self.K + 1)
+        ]
+        self.normalizes = torch.tensor(normalizes, device=device)
+        self.normalized = None if len(set(normalizes)) > 1 else normalizes[0]
 
     @staticmethod
     def check(kv_policy: str, attention_mask: torch.Tensor | None) -> None:
@@ -822,38 +835,47 @@ class DepthAsyncDecoder:
             raise ValueError("attention_mask: pad prompts on the left (the pads first)")
 
     def run(self, next_input) -> None:
-        """Steps until every row has fed its tokens. `next_input(stop, j, logits)` gives, for
-        the rows where `stop` [b] is set, the token each feeds after its j-th ([b]; the true
-        next token, or one picked from `logits` [b, V], this step's readout)."""
-        while bool((self.fed < self.feeds).any()):
+        """Steps until every row has fed its tokens. `next_input(rows, stop, j, logits)` gives,
+        for the decoding rows `rows` [r] (indices in the batch) where `stop` [r] is set, the
+        token each feeds after its j-th ([r]; the true next token, or one picked from `logits`
+        [r, V], this step's readout)."""
+        while True:
+            decoding = self.fed < self.feeds
+            if not bool(decoding.all()):
+                self.keep(decoding.nonzero().squeeze(1))
+            if not len(self.rows):
+                break
             self.step(next_input)
+        self.logits, self.exit_loops = self.logits[:, :-1], self.exit_loops[:, :-1]
         self.cache.length += self.feeds  # every row fills the same positions again (one ended
         # by `until` leaves the positions after it empty)
-        self.cache.loop_applications += int(self.applied)
+        self.cache.loop_applications += self.applied
         self.cache.exit_loops.append(self.exit_loops)
         self.cache.loops_run.append(self.exit_loops)
 
+    def keep(self, index: torch.Tensor) -> None:
+        """Only the decoding rows at `index` (of the current ones) run from now on."""
+        for name in ("rows", "length", "pads", "loop", "fed", "hidden", "survive", "reference"):
+            setattr(self, name, getattr(self, name)[index])
+
     def step(self, next_input) -> None:
-        """One application of the stack to every row, each at its own loop: a step of fixed
-        shape, the state updated by `torch.where`; a row that has fed its tokens runs along,
-        writing to the spare position, and changes nothing."""
+        """One application of the stack to every decoding row, each at its own loop: the state
+        updated by `torch.where`, no shape changing."""
         model, loop = self.model, self.loop
-        live = self.fed < self.feeds
         h = torch.where((loop > 1)[:, None], model.feed_back(self.hidden), self.hidden)
         rope = tuple(table[self.length - self.pads][:, None, None] for table in self.rope)
-        slots = RowSlots(self, loop, live)
+        slots = RowSlots(self, loop)
         x = h[:, None]
         for layer_index, layer in enumerate(model.layers):
             x = layer(x, *rope, slots, layer_index, slots.mask)
         h = self.clamp(x[:, 0], loop)
         self.steps += 1
-        self.applied += live.sum()
-        exits, read = self.decide(loop, h)
-        stop = exits & live
-        j = self.fed.clamp(max=self.feeds - 1)
-        self.logits[self.rows, j] = torch.where(stop[:, None], read, self.logits[self.rows, j])
-        self.exit_loops[self.rows, j] = torch.where(stop, loop, self.exit_loops[self.rows, j])
-        self.start_next(exits, stop, h, read, next_input)
+        self.applied += len(self.rows)
+        stop, read = self.decide(loop, h)
+        column = torch.where(stop, self.fed, self.feeds)
+        self.logits[self.rows, column] = read
+        self.exit_loops[self.rows, column] = loop
+        self.start_next(stop, h, read, next_input)
 
     def clamp(self, h: torch.Tensor, loop: torch.Tensor) -> torch.Tensor:
         """config.clamp: a row's H_1 sets its reference, deeper loops are held at it."""
@@ -884,71 +906,72 @@ class DepthAsyncDecoder:
         """Each row's logits at its own loop: through the exit norm where READOUT_NORMALIZES
         says so at that loop, one W_out for every row."""
         norm = self.model.exit_norm
-        x = h if norm is None else torch.where(self.normalizes[loop - 1, None], norm(h), h)
-        return self.model.lm_head(x)
+        if norm is None or self.normalized is False:
+            return self.model.lm_head(h)
+        if self.normalized:
+            return self.model.lm_head(norm(h))
+        return self.model.lm_head(torch.where(self.normalizes[loop - 1, None], norm(h), h))
 
-    def start_next(self, exits, stop, h, read, next_input) -> None:
-        """The live rows whose token exited (`stop`) feed their next token, which enters loop 1
-        at the next step, unless the row has fed its tokens or the token is `until`; the other
-        rows go on to their next loop. A finished row restarts from its token's embedding
-        whenever the rule `exits` it, so its state stays bounded."""
-        tokens = next_input(stop, self.fed, read)
+    def start_next(self, stop, h, read, next_input) -> None:
+        """The rows whose token exited (`stop`) feed their next token, which enters loop 1 at
+        the next step, unless the row has fed its tokens or the token is `until` (the row then
+        leaves); the other rows go on to their next loop."""
+        tokens = next_input(self.rows, stop, self.fed, read)
         self.fed = self.fed + stop
         more = stop & (self.fed < self.feeds)
         if self.until is not None:
             ended = stop & (tokens == self.until)
             self.fed = torch.where(ended, self.feeds, self.fed)
             more &= ~ended
-        self.hidden = torch.where(exits[:, None], self.model.embed_tokens(tokens), h)
+        self.hidden = torch.where(stop[:, None], self.model.embed_tokens(tokens), h)
         self.length = self.length + more
-        self.loop = torch.where(exits, 1, self.loop + 1)
-        self.survive = torch.where(exits, 1.0, self.survive)
+        self.loop = torch.where(stop, 1, self.loop + 1)
+        self.survive = torch.where(stop, 1.0, self.survive)
 
 
 class RowSlots:
     """One step's view of a DepthAsyncDecoder's slots, every row at its own loop: the `update`
     of Cache, with the layer's index for the cache index (the row's loop picks the slot):
-    writes each row's new keys and values at its position (a finished row's at the spare one)
-    and returns its slot; `mask` [b, 1, 1, T] hides the keys past each row's position and its
-    left padding."""
+    writes each row's new keys and values at its position and returns its slot; `mask`
+    [r, 1, 1, T] hides the keys past each row's position and its left padding."""
 
-    def __init__(self, decoder: DepthAsyncDecoder, loop: torch.Tensor, live: torch.Tensor):
-        self.decoder, rows = decoder, decoder.rows
-        share = decoder.cache.kv_policy == "share"
-        self.loop_slot = torch.zeros_like(loop) if share else loop - 1
-        # `copy` writes ahead: into the deeper loops' slots too, as if the token exited here
-        # (a deeper loop overwrites them), so an exit leaves no copying to do
-        self.write_slots = self.loop_slot[:, None]
-        if not share:
-            self.write_slots = torch.arange(decoder.K, device=loop.device).clamp(
-                min=self.write_slots
-            )
-        self.at = torch.where(live, decoder.length, decoder.spare)
-        self.end = int(decoder.length.max()) + 1
-        keys = torch.arange(self.end, device=rows.device)[None]
-        allowed = (keys <= decoder.length[:, None]) & (keys >= decoder.pads[:, None])
-        # additive, once a step (attention would turn a boolean mask into this at every layer)
-        self.mask = torch.zeros(allowed.shape, dtype=decoder.hidden.dtype, device=rows.device)
-        self.mask = self.mask.masked_fill_(~allowed, float("-inf"))[:, None, None]
-        L, b, room = decoder.L, decoder.kv.shape[1], decoder.kv.shape[2]
-        layers = torch.arange(L, device=rows.device)[:, None] * b  # a layer's slot: b blocks on
-        self.read = (self.loop_slot * L * b + rows)[None] + layers
-        written = ((self.write_slots * L * b + rows[:, None]) * room + self.at[:, None]).flatten()
-        self.written = written[None] + layers * room
+    def __init__(self, decoder: DepthAsyncDecoder, loop: torch.Tensor):
+        self.decoder, rows, at = decoder, decoder.rows, decoder.length
+        L, b, room = decoder.L, decoder.batch_size, decoder.kv.shape[2]
+        self.whole = len(rows) == b  # every row of the batch, in order
+        decoder.mask[rows, at] = 0
+        self.end = int(at.max()) + 1
+        mask = decoder.mask[:, : self.end] if self.whole else decoder.mask[rows, : self.end]
+        self.mask = mask[:, None, None]
+        if decoder.cache.kv_policy == "share":  # one slot a layer
+            self.read = None if self.whole else decoder.layer_blocks + rows
+            written = (decoder.layer_blocks + rows) * room + at
+        else:
+            # `copy` writes ahead: into the deeper loops' slots too, as if the token exited here
+            # (a deeper loop overwrites them), so an exit leaves no copying to do
+            slot = loop - 1
+            self.read = decoder.layer_blocks + (slot * (L * b) + rows)
+            ahead = decoder.slot_range.clamp(min=slot[:, None]) * (L * b) + rows[:, None]
+            written = (decoder.layer_blocks[:, :, None] + ahead) * room + at[:, None]
+        self.written = written  # [L, r] or [L, r, K]: flat positions in kv's tokens
 
     def update(self, k: torch.Tensor, v: torch.Tensor, layer: int):
         """Writes each row's new key and value [r, kv_heads, 1, head_dim] at its position (into
-        its loop's slot, and ahead into the deeper ones under `copy`; the duplicate indices that
-        makes write the same values) and returns each row's slot [r, kv_heads, end, head_dim],
-        the one copy the step makes."""
+        its loop's slot, and ahead into the deeper ones under `copy`) and returns each row's
+        slot [r, kv_heads, end, head_dim]: under `share` with every row a view, else the step's
+        one copy."""
         store = self.decoder.kv
-        heads, head_dim = store.shape[4:]
+        b, room, _, heads, head_dim = store.shape[1:]
         new = torch.stack((k[:, :, 0], v[:, :, 0]), 1).flatten(1)
-        copies = len(self.written[layer]) // len(new)
-        tokens = store.view(-1, new.shape[1])
-        tokens[self.written[layer]] = new.repeat_interleave(copies, 0) if copies > 1 else new
-        blocks = store.view(-1, store.shape[2], 2, heads, head_dim)[:, : self.end]
-        kv = blocks.index_select(0, self.read[layer])
+        written = self.written[layer]
+        store.view(-1, new.shape[1])[written] = new if written.dim() == 1 else new[:, None]
+        blocks = store.view(-1, room, 2, heads, head_dim)[:, : self.end]
+        if self.read is None:
+            kv = blocks[layer * b : (layer + 1) * b]
+        else:
+            read = self.read[layer]
+            kv = self.decoder.gathered[: len(read) * blocks[0].numel()].view(-1, *blocks.shape[1:])
+            torch.index_select(blocks, 0, read, out=kv)
         return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
 
 

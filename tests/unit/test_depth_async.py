@@ -101,6 +101,27 @@ def test_steps_follow_each_rows_summed_exits(model, rule, policy):
     assert got.cache.length == tokens.shape[1]
 
 
+@pytest.mark.parametrize("policy", ["copy", "share"])
+def test_a_row_that_has_fed_its_tokens_leaves_the_step(model, policy):
+    """Counted: step n runs the rows whose summed exit loops reach n, and no other (a loop on
+    fewer rows costs less even where it costs mostly its weights)."""
+    tokens, fields = prompts(8, PROMPT + 16, seed=11), dict(early_exit="gate")
+    fields["exit_threshold"] = model.middle["gate"]
+    sizes = []
+    hook = model.layers[0].register_forward_pre_hook(lambda _, args: sizes.append(len(args[0])))
+    try:
+        with configured(model, **fields):
+            got = model.decode_async(
+                tokens[:, :PROMPT], forced=tokens[:, PROMPT:], kv_policy=policy
+            )
+    finally:
+        hook.remove()
+    summed = got.exit_loops.sum(1)
+    assert len(set(summed.tolist())) > 1, summed
+    decoding = sizes[-got.steps :]
+    assert decoding == [int((summed >= n).sum()) for n in range(1, got.steps + 1)]
+
+
 def test_recompute_and_bad_arguments_are_refused(model):
     with configured(model, early_exit="gate", exit_threshold=model.middle["gate"]):
         with pytest.raises(ValueError, match="runs `copy` or `share`"):
