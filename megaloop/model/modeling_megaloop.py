@@ -933,24 +933,32 @@ class RowSlots:
     """One step's view of a DepthAsyncDecoder's slots, every row at its own loop: the `update`
     of Cache, with the layer's index for the cache index (the row's loop picks the slot):
     writes each row's new keys and values at its position and returns its slot; `mask`
-    [r, 1, 1, T] hides the keys past each row's position and its left padding."""
+    [r, 1, 1, T] hides the keys past each row's position and its left padding. Where every
+    row of the batch reads the same slot (`share`, or `copy` with the rows at one loop, as
+    when none exits early) a layer's slots are one block: read as a view, not gathered."""
 
     def __init__(self, decoder: DepthAsyncDecoder, loop: torch.Tensor):
         self.decoder, rows, at = decoder, decoder.rows, decoder.length
         L, b, room = decoder.L, decoder.batch_size, decoder.kv.shape[2]
-        self.whole = len(rows) == b  # every row of the batch, in order
+        whole = len(rows) == b  # every row of the batch, in order
         decoder.mask[rows, at] = 0
-        self.end = int(at.max()) + 1
-        mask = decoder.mask[:, : self.end] if self.whole else decoder.mask[rows, : self.end]
+        end, lowest, deepest = torch.stack((at.max(), loop.min(), loop.max())).tolist()
+        self.end = end + 1
+        mask = decoder.mask[:, : self.end] if whole else decoder.mask[rows, : self.end]
         self.mask = mask[:, None, None]
+        self.read, self.block = None, 0  # read: the rows' blocks; else layer l's is block + l·b
         if decoder.cache.kv_policy == "share":  # one slot a layer
-            self.read = None if self.whole else decoder.layer_blocks + rows
+            if not whole:
+                self.read = decoder.layer_blocks + rows
             written = (decoder.layer_blocks + rows) * room + at
         else:
             # `copy` writes ahead: into the deeper loops' slots too, as if the token exited here
             # (a deeper loop overwrites them), so an exit leaves no copying to do
             slot = loop - 1
-            self.read = decoder.layer_blocks + (slot * (L * b) + rows)
+            if whole and lowest == deepest:
+                self.block = (lowest - 1) * L * b
+            else:
+                self.read = decoder.layer_blocks + (slot * (L * b) + rows)
             ahead = decoder.slot_range.clamp(min=slot[:, None]) * (L * b) + rows[:, None]
             written = (decoder.layer_blocks[:, :, None] + ahead) * room + at[:, None]
         self.written = written  # [L, r] or [L, r, K]: flat positions in kv's tokens
@@ -958,8 +966,8 @@ class RowSlots:
     def update(self, k: torch.Tensor, v: torch.Tensor, layer: int):
         """Writes each row's new key and value [r, kv_heads, 1, head_dim] at its position (into
         its loop's slot, and ahead into the deeper ones under `copy`) and returns each row's
-        slot [r, kv_heads, end, head_dim]: under `share` with every row a view, else the step's
-        one copy."""
+        slot [r, kv_heads, end, head_dim]: a view where the rows' slots are one block, else the
+        step's one copy."""
         store = self.decoder.kv
         b, room, _, heads, head_dim = store.shape[1:]
         new = torch.stack((k[:, :, 0], v[:, :, 0]), 1).flatten(1)
@@ -967,7 +975,7 @@ class RowSlots:
         store.view(-1, new.shape[1])[written] = new if written.dim() == 1 else new[:, None]
         blocks = store.view(-1, room, 2, heads, head_dim)[:, : self.end]
         if self.read is None:
-            kv = blocks[layer * b : (layer + 1) * b]
+            kv = blocks[self.block + layer * b : self.block + (layer + 1) * b]
         else:
             read = self.read[layer]
             kv = self.decoder.gathered[: len(read) * blocks[0].numel()].view(-1, *blocks.shape[1:])

@@ -5,6 +5,7 @@ Ouro's."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megaloop.evaluation.generate_bench import configured
 from megaloop.model.modeling_megaloop import LoopCache
@@ -120,6 +121,39 @@ def test_a_row_that_has_fed_its_tokens_leaves_the_step(model, policy):
     assert len(set(summed.tolist())) > 1, summed
     decoding = sizes[-got.steps :]
     assert decoding == [int((summed >= n).sum()) for n in range(1, got.steps + 1)]
+
+
+class Gathers(TorchDispatchMode):
+    """Counts the slot gathers (index_select) run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket is torch.ops.aten.index_select
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("policy", ["copy", "share"])
+def test_rows_at_one_loop_read_their_slots_in_place(model, policy):
+    """Counted: while every row of the batch reads one slot (none exits early, or `share`) a
+    layer's slots are read as a view; rows at different loops under `copy`, or fewer rows than
+    the batch (some have left), are gathered, once a layer."""
+    prompt, L, sizes = prompts(4), len(model.layers), []
+    hook = model.layers[0].register_forward_pre_hook(lambda _, a: sizes.append(len(a[0])))
+    try:
+        for threshold in (NEVER["gate"], model.middle["gate"]):
+            sizes.clear()
+            with configured(model, early_exit="gate", exit_threshold=threshold), Gathers() as seen:
+                got = model.decode_async(prompt, 6, kv_policy=policy)
+            in_step = sizes[-got.steps :]
+            if threshold == NEVER["gate"] or policy == "share":
+                assert seen.count == L * sum(size < len(prompt) for size in in_step), in_step
+            else:
+                assert len(got.exit_loops.unique()) > 1 and seen.count > 0
+    finally:
+        hook.remove()
 
 
 def test_recompute_and_bad_arguments_are_refused(model):
