@@ -51,7 +51,9 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--prompt-tokens", type=int, default=4, help="tokens prefilled at full depth (untimed)"
     )
-    p.add_argument("--repeats", type=int, default=3, help="timed decodes per run (median)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed decodes per run (the fastest counts)"
+    )
     p.add_argument("--out", required=True, help="folder for generate.json, .md and .png")
     p.set_defaults(fn=generate)
 

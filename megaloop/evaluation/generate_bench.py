@@ -9,9 +9,10 @@ fixed K (early_exit "none": the plain cached path a user gets without early exit
 batching feeds every row's next token together, each loop run by the rows still active, so a step
 costs its deepest row's loops; `async` (DepthAsyncDecoder, copy and share at batch > 1) runs
 every row at its own loop, so the stack runs about as often as a row's summed exits. tokens/s is
-B x decoded tokens over the decode loop's wall time, the median of `repeats` timed decodes taken
-in rounds across a batch size's runs, after an untimed warm-up per batch size; CE is over the
-same positions in every run.
+B x decoded tokens over the decode loop's wall time, the fastest of `repeats` timed decodes
+taken in rounds across a batch size's runs (as timeit takes: what else runs on the machine only
+slows a decode; every repeat's seconds are kept), after an untimed warm-up per batch size; CE is
+over the same positions in every run.
 
 The per-token fixed cost (embedding, readout, cache bookkeeping, Python) is stated by a least-
 squares fit over the fixed-K runs of each batch size: seconds per token t(K) = f + c·K. An
@@ -23,7 +24,6 @@ in the ratio measured / predicted.
 from __future__ import annotations
 
 import functools
-import statistics
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -134,9 +134,10 @@ def measure(model, rows, settings, spec: dict, sync: Callable) -> tuple[float, d
 
 
 def timed(model, rows, settings, specs: list[dict], sync: Callable) -> list[dict]:
-    """Each run's record, tokens/s the median of `repeats` decodes. The repeats are taken in
-    rounds (every run once, then every run again), so a drift of the machine's speed over the
-    minutes a batch size takes falls on every run alike instead of on whichever ran then."""
+    """Each run's record, tokens/s from the fastest of `repeats` decodes (`seconds`: each one's,
+    in order). The repeats are taken in rounds (every run once, then every run again), so a
+    drift of the machine's speed over the minutes a batch size takes falls on every run alike
+    instead of on whichever ran then."""
     seconds = [[] for _ in specs]
     records: list[dict | None] = [None] * len(specs)
     rounds = [(i, spec) for _ in range(settings.repeats) for i, spec in enumerate(specs)]
@@ -147,7 +148,8 @@ def timed(model, rows, settings, specs: list[dict], sync: Callable) -> list[dict
         records[i] = records[i] or record
     steps = rows.shape[1] - 1 - settings.prompt
     for record, took in zip(records, seconds):
-        record["tokens_per_s"] = rows.shape[0] * steps / statistics.median(took)
+        record["seconds"] = took
+        record["tokens_per_s"] = rows.shape[0] * steps / min(took)
     return records
 
 
@@ -328,8 +330,8 @@ def table(result: dict) -> str:
         "",
         "| batch | exit | threshold | kv | batching | tokens/s | mean loops | stack applications "
         "per token | CE | ΔCE vs K_max | loop applications | speed-up | predicted | ratio "
-        "| within 15% | cache B/token |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| within 15% | repeats' spread | cache B/token |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["runs"]:
         threshold = "" if r["threshold"] is None else f"{r['threshold']:g}"
@@ -340,6 +342,8 @@ def table(result: dict) -> str:
             f"| {r['ce']:.4f} "
             f"| {r['ce_vs_fixed_kmax']:+.4f} | {r['loop_applications']:,} "
             f"| {r['speedup']:.2f}x | {r['predicted_speedup']:.2f}x | {r['ratio']:.2f} "
-            f"| {'yes' if r['within_15pct'] else 'no'} | {r['cache_bytes_per_token']:,.0f} |"
+            f"| {'yes' if r['within_15pct'] else 'no'} "
+            f"| {max(r['seconds']) / min(r['seconds']) - 1:.0%} "
+            f"| {r['cache_bytes_per_token']:,.0f} |"
         )
     return "\n".join(lines)
