@@ -37,10 +37,11 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--batching",
-        choices=list(BATCHING),
-        default="sync",
+        choices=["auto", *BATCHING],
+        default="auto",
         help="sync: a batch's rows decode a token together (one prompt streams); async: every "
-        "row at its own loop, no row waiting for the deepest (copy, share; printed when done)",
+        "row at its own loop, no row waiting for the deepest (copy, share; printed when done); "
+        "auto: async for a batch of prompts under an exit rule with copy or share, else sync",
     )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampling")

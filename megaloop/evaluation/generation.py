@@ -148,7 +148,7 @@ def complete(model, tokenizer, texts: list[str], settings, cache, streamer=None)
     end of text; what a finished row is padded with afterwards is not its own)."""
     batch = tokenizer(texts, return_tensors="pt", padding=True).to(model.device)
     with torch.no_grad():
-        if settings.batching == "async":
+        if settings.batching_of(len(texts)) == "async":
             new, depths = complete_async(model, tokenizer, batch, settings, cache)
         else:
             out = model.generate(
@@ -217,7 +217,7 @@ def run(settings: GenerateSettings, out: TextIO | None = None, err: TextIO | Non
     for chunk in chunks if len(texts) == 1 else harness.progress(chunks, "generate"):
         cache = LoopCache(settings.kv)
         streamer = None
-        if len(texts) == 1 and settings.batching == "sync":
+        if len(texts) == 1 and settings.batching_of(1) == "sync":
             streamer = DepthStreamer(Detokenizer(tokenizer, settings.show_depth), cache, out)
             out.write(chunk[0])
         start = time.perf_counter()

@@ -394,9 +394,9 @@ class GenerateSettings:
     loops: int | None = None
     """K, the most loops a token runs. None: the model's num_loops."""
     kv: str = "copy"
-    batching: str = "sync"
-    """BATCHING: `async` decodes every row at its own loop (copy and share; printed whole, not
-    streamed)."""
+    batching: str = "auto"
+    """`auto` or one of BATCHING: `async` decodes every row at its own loop (copy and share;
+    printed whole, not streamed); `auto` takes it where it saves (below, batching_of)."""
     max_new_tokens: int = 64
     temperature: float = 0.0
     """0: greedy; above 0: sampling at this temperature."""
@@ -423,8 +423,8 @@ class GenerateSettings:
             raise EvalError(f"--exit {self.exit}: give one of gate, margin, fixed")
         if self.kv not in KV_POLICIES:
             raise EvalError(f"--kv {self.kv}: give one of {', '.join(KV_POLICIES)}")
-        if self.batching not in BATCHING:
-            raise EvalError(f"--batching {self.batching}: give one of {', '.join(BATCHING)}")
+        if self.batching not in ("auto", *BATCHING):
+            raise EvalError(f"--batching {self.batching}: give one of auto, {', '.join(BATCHING)}")
         if self.batching == "async" and self.kv == "recompute":
             raise EvalError(
                 "--batching async decodes --kv copy or share (recompute resumes earlier tokens at "
@@ -447,6 +447,16 @@ class GenerateSettings:
     def rule(self) -> str:
         """The exported config's early_exit: none, gate or margin."""
         return EXITS[self.exit]
+
+    def batching_of(self, rows: int) -> str:
+        """How a batch of `rows` prompts decodes. `auto`: depth-asynchronously where rows can
+        exit at different loops and the policy allows it (more than one row, an exit rule,
+        copy or share), since a synchronous step waits for its deepest row; else in sync (one
+        prompt streams)."""
+        if self.batching != "auto":
+            return self.batching
+        takes_async = rows > 1 and self.rule != "none" and self.kv in ("copy", "share")
+        return "async" if takes_async else "sync"
 
     def check_threshold(self) -> None:
         if self.rule == "none":

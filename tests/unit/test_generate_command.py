@@ -185,6 +185,22 @@ def test_sampling_with_a_seed_is_reproducible(gated, tmp_path, batching):
     assert runs[0]["results"][0]["tokens"] != greedy
 
 
+def test_auto_batching_is_async_where_rows_can_exit_apart(tmp_path):
+    """The default: depth-asynchronous for a batch under an exit rule with copy or share; one
+    prompt (it streams), fixed K (no row waits) and recompute decode in sync."""
+    (tmp_path / "p.txt").write_text("a\nb\n")
+
+    def batching(rows, **fields):
+        settings = GenerateSettings(model=tmp_path, prompts=tmp_path / "p.txt", **fields)
+        return settings.batching_of(rows)
+
+    gate = dict(exit="gate", threshold=0.5)
+    assert batching(2, **gate) == batching(2, exit="margin", threshold=1.0, kv="share") == "async"
+    assert batching(1, **gate) == batching(2) == batching(2, **gate, kv="recompute") == "sync"
+    assert batching(1, **gate, batching="async") == "async"
+    assert batching(2, **gate, batching="sync") == "sync"
+
+
 def test_loop_applications_count_the_prompt_at_k_and_each_new_tokens_exit(gated, tmp_path):
     record = generated(gated, tmp_path, "exit", "gate", "threshold", 0.0, "kv", "copy")
     (result,) = record["results"]
