@@ -34,8 +34,9 @@ slurm:
 	  fi; \
 	fi
 
+# --durations: CI's log names the slowest tests, where to look when the suite's time grows.
 test: $(STAMP) slurm lint
-	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q --durations=25
 
 # ruff (lint and format) and the import contracts of pyproject.toml (docs/architecture.md).
 lint: $(STAMP)
