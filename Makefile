@@ -34,9 +34,15 @@ slurm:
 	  fi; \
 	fi
 
-# --durations: CI's log names the slowest tests, where to look when the suite's time grows.
+PYTEST := HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q
+# The in-process tests spread over the cores (pytest-xdist, one thread each; a file's tests stay
+# on one worker, with its fixtures), then the multi-process and Slurm tests one at a time: their
+# ranks already take the cores. --durations: the log names where the suite's time goes.
+IN_PROCESS := -n auto --dist loadfile -m "not multiprocess and not slurm"
+
 test: $(STAMP) slurm lint
-	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q --durations=25
+	$(PYTEST) $(IN_PROCESS) --durations=10
+	$(PYTEST) -m "multiprocess or slurm" --durations=25
 
 # ruff (lint and format) and the import contracts of pyproject.toml (docs/architecture.md).
 lint: $(STAMP)
@@ -46,7 +52,7 @@ lint: $(STAMP)
 
 # Everything but the multi-process and Slurm-cluster tests (markers in pyproject.toml): < 5 min.
 test-fast: $(STAMP)
-	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q -m "not multiprocess and not slurm"
+	$(PYTEST) $(IN_PROCESS)
 
 clean:
 	rm -rf $(VENV) runs

@@ -15,7 +15,9 @@ from megaloop import _cpu_compat, known_warnings
 known_warnings.install()  # before megatron-core is imported: some warn at import
 
 _cpu_compat.apply()
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# processes x threads <= cores: `make test` runs these tests on pytest-xdist workers, one per core
+workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // workers))
 
 
 def pytest_configure(config):
