@@ -174,6 +174,7 @@ def test_a_batch_of_prompts_completes_each_as_alone(gated, megaloop_here, tmp_pa
         assert f"{prompt}{row['completion']}\n" in stdout
     summary = json.loads(out.read_text())["summary"]
     assert summary["new_tokens"] == sum(len(r["tokens"]) for r in batch)
+    assert summary["batching"] == [batching]
 
 
 @pytest.mark.parametrize("batching", ["sync", "async"])
@@ -210,6 +211,7 @@ def test_loop_applications_count_the_prompt_at_k_and_each_new_tokens_exit(gated,
     # its exit loop
     assert summary["loop_applications"] == prompt * K + sum(result["exit_loops"][1:])
     assert summary["mean_exit_loop"] == 1.0 and summary["num_loops"] == K
+    assert summary["batching"] == ["sync"]  # --batching auto, one prompt
 
 
 def never_loads(monkeypatch):
