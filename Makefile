@@ -50,7 +50,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 
-# Everything but the multi-process and Slurm-cluster tests (markers in pyproject.toml): < 5 min.
+# Everything but the multi-process and Slurm-cluster tests (markers in pyproject.toml): 8 min here.
 test-fast: $(STAMP)
 	$(PYTEST) $(IN_PROCESS)
 
