@@ -60,9 +60,21 @@ def srun_tasks(run_dir, faults: list[str]) -> list[subprocess.Popen]:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
+                start_new_session=True,  # a group per task, as Slurm's cgroup: see stop_tasks
             )
         )
     return procs
+
+
+def stop_tasks(procs: list[subprocess.Popen]) -> None:
+    """Kill what is left of each task, helpers too: megatron-core's checkpoint writer starts a
+    multiprocessing Manager that outlives a rank killed by -9 (Slurm would end it with the job)."""
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
 
 
 def test_a_dead_rank_stops_the_others_and_the_relaunch_resumes(tmp_path):
@@ -85,8 +97,7 @@ def test_a_dead_rank_stops_the_others_and_the_relaunch_resumes(tmp_path):
             )
         exited_within = time.monotonic() - killed
     finally:
-        for p in procs:
-            p.kill()
+        stop_tasks(procs)
     assert exited_within < DETECTED_S, exited_within  # see TIMEOUT_S, DETECTED_S above
     for p, (_, err) in zip(procs[:3], outputs, strict=True):
         assert p.returncode not in (0, 65, 75), err[-2000:]
@@ -97,7 +108,10 @@ def test_a_dead_rank_stops_the_others_and_the_relaunch_resumes(tmp_path):
     assert (run_dir / "checkpoints/latest").read_text().strip() == "step_0000004"
 
     relaunch = srun_tasks(run_dir, [])
-    outs = [p.communicate(timeout=300) for p in relaunch]
+    try:
+        outs = [p.communicate(timeout=300) for p in relaunch]
+    finally:
+        stop_tasks(relaunch)
     assert all(p.returncode == 0 for p in relaunch), outs[0][1][-3000:]
     assert f"resumed from {run_dir}/checkpoints/step_0000004" in outs[0][0]
     # metrics() also fails on any non-finite loss
