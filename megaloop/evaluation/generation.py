@@ -213,7 +213,7 @@ def run(settings: GenerateSettings, out: TextIO | None = None, err: TextIO | Non
         torch.manual_seed(settings.seed)
     size = settings.batch_size
     chunks = [texts[i : i + size] for i in range(0, len(texts), size)]
-    results, caches, seconds, engines = [], [], 0.0, []
+    results, caches, seconds, engines = [], [], 0.0, {}
     for chunk in chunks if len(texts) == 1 else harness.progress(chunks, "generate"):
         cache = LoopCache(settings.kv)
         streamer = None
@@ -225,13 +225,12 @@ def run(settings: GenerateSettings, out: TextIO | None = None, err: TextIO | Non
         seconds += time.perf_counter() - start  # complete() waited for the device: .cpu()
         results += done
         caches.append(cache)
-        if settings.batching_of(len(chunk)) not in engines:
-            engines.append(settings.batching_of(len(chunk)))
+        engines[settings.batching_of(len(chunk))] = None  # an ordered set
         if streamer is None:
             for r in done:  # above the progress bar
                 tqdm.write(f"{r['prompt']}{marked(tokenizer, r, settings.show_depth)}\n", file=out)
     summary = summarize(results, caches, seconds, model.config.num_loops, settings.kv)
-    summary["batching"] = engines  # what --batching auto chose: a last, shorter chunk may differ
+    summary["batching"] = list(engines)  # what auto chose: a last, shorter chunk may differ
     print(summary_line(summary), file=err)
     record = {"settings": settings_record(settings), "results": results, "summary": summary}
     if settings.json is not None:
