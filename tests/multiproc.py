@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +34,18 @@ BASE = [
     "optim.warmup_steps=2",
     "wandb.mode=disabled",
 ]
+
+
+def stop_groups(procs: Sequence[subprocess.Popen]) -> None:
+    """Kill what is left of each process started with start_new_session, helpers too:
+    megatron-core's checkpoint writer starts a multiprocessing Manager that outlives a rank
+    killed by -9 (Slurm would end it with the job's cgroup)."""
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
 
 
 def free_port() -> int:

@@ -271,7 +271,7 @@ class GenerateBenchSettings(Measurement):
     """Tokens run at full depth before the decoded ones (prefill, untimed); at least 2, since
     a forward of one token is a decoded one (it exits by the rule)."""
     repeats: int = 3
-    """Timed decodes of each run; tokens/s is their median's."""
+    """Timed decodes of each run; tokens/s is the fastest one's (load only slows a decode)."""
 
     longest_default: ClassVar[int] = 128
 

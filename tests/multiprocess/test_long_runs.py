@@ -20,6 +20,7 @@ from multiproc import (
     assert_same_curve,
     command,
     metrics,
+    stop_groups,
     train_here,
     wait_for_step,
 )
@@ -36,11 +37,8 @@ STARTED: list[subprocess.Popen] = []
 def no_run_outlives_its_test():
     """A failed assertion must not leave a run paused at its fault for ever."""
     yield
-    while STARTED:
-        proc = STARTED.pop()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    stop_groups(STARTED)
+    STARTED.clear()
 
 
 def start(run_dir, overrides=OVERRIDES, nproc=1, faults=()):

@@ -13,7 +13,17 @@ import time
 import pytest
 
 from faults import SCRIPT as FAULTS
-from multiproc import BASE, TINY, assert_same_curve, env, free_port, metrics, train, wait_for_step
+from multiproc import (
+    BASE,
+    TINY,
+    assert_same_curve,
+    env,
+    free_port,
+    metrics,
+    stop_groups,
+    train,
+    wait_for_step,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -60,21 +70,10 @@ def srun_tasks(run_dir, faults: list[str]) -> list[subprocess.Popen]:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
-                start_new_session=True,  # a group per task, as Slurm's cgroup: see stop_tasks
+                start_new_session=True,  # a group per task, as Slurm's cgroup: see stop_groups
             )
         )
     return procs
-
-
-def stop_tasks(procs: list[subprocess.Popen]) -> None:
-    """Kill what is left of each task, helpers too: megatron-core's checkpoint writer starts a
-    multiprocessing Manager that outlives a rank killed by -9 (Slurm would end it with the job)."""
-    for p in procs:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
 
 
 def test_a_dead_rank_stops_the_others_and_the_relaunch_resumes(tmp_path):
@@ -97,7 +96,7 @@ def test_a_dead_rank_stops_the_others_and_the_relaunch_resumes(tmp_path):
             )
         exited_within = time.monotonic() - killed
     finally:
-        stop_tasks(procs)
+        stop_groups(procs)
     assert exited_within < DETECTED_S, exited_within  # see TIMEOUT_S, DETECTED_S above
     for p, (_, err) in zip(procs[:3], outputs, strict=True):
         assert p.returncode not in (0, 65, 75), err[-2000:]
@@ -111,7 +110,7 @@ def test_a_dead_rank_stops_the_others_and_the_relaunch_resumes(tmp_path):
     try:
         outs = [p.communicate(timeout=300) for p in relaunch]
     finally:
-        stop_tasks(relaunch)
+        stop_groups(relaunch)
     assert all(p.returncode == 0 for p in relaunch), outs[0][1][-3000:]
     assert f"resumed from {run_dir}/checkpoints/step_0000004" in outs[0][0]
     # metrics() also fails on any non-finite loss
