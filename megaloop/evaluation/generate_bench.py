@@ -82,7 +82,7 @@ def decode_async(model, rows: torch.Tensor, prompt: int, cache, sync: Callable):
         start = time.perf_counter()
         decoder = DepthAsyncDecoder(model, cache, rows[:, prompt], rows.shape[1] - 1 - prompt)
         last = rows.shape[1] - 1
-        decoder.run(lambda at, stop, j, _: rows[at, (prompt + j + 1).clamp(max=last)])
+        decoder.run(lambda at, j, _: rows[at, (prompt + j + 1).clamp(max=last)])
         sync()
         seconds = time.perf_counter() - start
     return decoder.logits, seconds, decoder

@@ -580,11 +580,11 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
             else:
                 first, feeds, tokens = forced[:, 0], forced.shape[1], forced
 
-            def next_input(rows, stop: torch.Tensor, j: torch.Tensor, logits: torch.Tensor):
+            def next_input(rows, j: torch.Tensor, logits: torch.Tensor):
                 if forced is not None:  # past the last token: any (it is not fed)
                     return forced[rows, (j + 1).clamp(max=feeds - 1)]
-                picked, at = pick(logits), (j + 1).clamp(max=new_tokens - 1)
-                tokens[rows, at] = torch.where(stop, picked, tokens[rows, at])
+                picked = pick(logits)
+                tokens[rows, j + 1] = picked  # j < feeds = new_tokens - 1
                 return picked
 
             decoder = DepthAsyncDecoder(self, cache, first, feeds, attention_mask, eos_token_id)
@@ -799,9 +799,8 @@ class DepthAsyncDecoder:
         self.survive = self.hidden.new_ones(b)
         self.reference = self.hidden.new_ones(b, 1)
         self.rows = torch.arange(b, device=device)
-        # a spare column, where a step writes the rows whose token did not exit: never read
-        self.logits = self.hidden.new_zeros(b, feeds + 1, model.config.vocab_size)
-        self.exit_loops = torch.zeros(b, feeds + 1, dtype=torch.long, device=device)
+        self.logits = self.hidden.new_zeros(b, feeds, model.config.vocab_size)
+        self.exit_loops = torch.zeros(b, feeds, dtype=torch.long, device=device)
         self.steps = 0
         self.applied = 0
         self.until = until
@@ -818,6 +817,7 @@ class DepthAsyncDecoder:
         self.layer_blocks = torch.arange(self.L, device=device)[:, None] * b
         self.slot_range = torch.arange(self.K, device=device)[None]
         c = model.config
+        self.rule = ExitRule(c.early_exit, c.exit_threshold, self.K)
         normalizes = [
             READOUT_NORMALIZES[c.readout](k, c.num_loops_trained) for k in range(1, self.K + 1)
         ]
@@ -835,10 +835,10 @@ class DepthAsyncDecoder:
             raise ValueError("attention_mask: pad prompts on the left (the pads first)")
 
     def run(self, next_input) -> None:
-        """Steps until every row has fed its tokens. `next_input(rows, stop, j, logits)` gives,
-        for the decoding rows `rows` [r] (indices in the batch) where `stop` [r] is set, the
-        token each feeds after its j-th ([r]; the true next token, or one picked from `logits`
-        [r, V], this step's readout)."""
+        """Steps until every row has fed its tokens. `next_input(rows, j, logits)` gives, for
+        the rows `rows` [r] (indices in the batch) whose j-th token ([r]) exited at this step,
+        the token each feeds next ([r]; the true next token, or one picked from `logits` [r, V],
+        that token's readout)."""
         while True:
             decoding = self.fed < self.feeds
             if not bool(decoding.all()):
@@ -846,7 +846,6 @@ class DepthAsyncDecoder:
             if not len(self.rows):
                 break
             self.step(next_input)
-        self.logits, self.exit_loops = self.logits[:, :-1], self.exit_loops[:, :-1]
         self.cache.length += self.feeds  # every row fills the same positions again (one ended
         # by `until` leaves the positions after it empty)
         self.cache.loop_applications += self.applied
@@ -859,8 +858,8 @@ class DepthAsyncDecoder:
             setattr(self, name, getattr(self, name)[index])
 
     def step(self, next_input) -> None:
-        """One application of the stack to every decoding row, each at its own loop: the state
-        updated by `torch.where`, no shape changing."""
+        """One application of the stack to every decoding row, each at its own loop; the rows
+        whose token exits start their next one."""
         model, loop = self.model, self.loop
         h = torch.where((loop > 1)[:, None], model.feed_back(self.hidden), self.hidden)
         rope = tuple(table[self.length - self.pads][:, None, None] for table in self.rope)
@@ -872,10 +871,12 @@ class DepthAsyncDecoder:
         self.steps += 1
         self.applied += len(self.rows)
         stop, read = self.decide(loop, h)
-        column = torch.where(stop, self.fed, self.feeds)
-        self.logits[self.rows, column] = read
-        self.exit_loops[self.rows, column] = loop
-        self.start_next(stop, h, read, next_input)
+        done = stop.nonzero().squeeze(1)
+        if len(done):
+            h[done] = self.model.embed_tokens(self.start_next(done, loop, h, read, next_input))
+        self.hidden = h
+        self.loop = torch.where(stop, 1, loop + 1)
+        self.survive = torch.where(stop, 1.0, self.survive)
 
     def clamp(self, h: torch.Tensor, loop: torch.Tensor) -> torch.Tensor:
         """config.clamp: a row's H_1 sets its reference, deeper loops are held at it."""
@@ -887,15 +888,17 @@ class DepthAsyncDecoder:
         deeper.reference = self.reference
         return torch.where((loop > 1)[:, None], deeper(h), h)
 
-    def decide(self, loop: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rule at each row's own loop (every row at K exits) and each row's logits there;
-        advances the rows' gate survival."""
-        model, c = self.model, self.model.config
-        rule = ExitRule(c.early_exit, c.exit_threshold, self.K)
-        lam = model.exit_probability(h)[..., 0] if rule.reads_gate else None
+    def decide(
+        self, loop: torch.Tensor, h: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Which rows' tokens exit at their own loop (every row at K does), and every row's
+        logits where the rule reads them (the margin; the gate reads λ only, so only the exiting
+        rows are read out, by `step`); advances the rows' gate survival."""
+        rule = self.rule
+        lam = self.model.exit_probability(h)[..., 0] if rule.reads_gate else None
         if rule.reads_gate:
             rule.survival.survive = self.survive
-        read = self.readout(h, loop)
+        read = self.readout(h, loop) if rule.reads_logits else None
         # the rule's scores for every row (k = 0: none is at its last loop); loop K's stop by row
         stop = rule.stop(0, h, lam, read) | (loop == self.K)
         if rule.reads_gate:
@@ -912,21 +915,25 @@ class DepthAsyncDecoder:
             return self.model.lm_head(norm(h))
         return self.model.lm_head(torch.where(self.normalizes[loop - 1, None], norm(h), h))
 
-    def start_next(self, stop, h, read, next_input) -> None:
-        """The rows whose token exited (`stop`) feed their next token, which enters loop 1 at
-        the next step, unless the row has fed its tokens or the token is `until` (the row then
-        leaves); the other rows go on to their next loop."""
-        tokens = next_input(self.rows, stop, self.fed, read)
-        self.fed = self.fed + stop
-        more = stop & (self.fed < self.feeds)
+    def start_next(self, done, loop, h, read, next_input) -> torch.Tensor:
+        """The rows at `done` (of the decoding ones) whose token exited: records its logits (read
+        out here unless the rule read every row's) and exit loop, and returns the token each
+        feeds next, which enters loop 1 at the next step, unless the row has fed its tokens or
+        the token is `until` (the row then leaves)."""
+        rows, fed = self.rows[done], self.fed[done]
+        read = self.readout(h[done], loop[done]) if read is None else read[done]
+        self.logits[rows, fed] = read
+        self.exit_loops[rows, fed] = loop[done]
+        tokens = next_input(rows, fed, read)
+        fed += 1
+        more = fed < self.feeds
         if self.until is not None:
-            ended = stop & (tokens == self.until)
-            self.fed = torch.where(ended, self.feeds, self.fed)
+            ended = tokens == self.until
+            fed[ended] = self.feeds
             more &= ~ended
-        self.hidden = torch.where(stop[:, None], self.model.embed_tokens(tokens), h)
-        self.length = self.length + more
-        self.loop = torch.where(stop, 1, self.loop + 1)
-        self.survive = torch.where(stop, 1.0, self.survive)
+        self.fed[done] = fed
+        self.length[done[more]] += 1
+        return tokens
 
 
 class RowSlots:
