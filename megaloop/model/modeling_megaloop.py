@@ -925,7 +925,7 @@ class DepthAsyncDecoder:
         self.logits[rows, fed] = read
         self.exit_loops[rows, fed] = loop[done]
         tokens = next_input(rows, fed, read)
-        fed += 1
+        fed = fed + 1
         more = fed < self.feeds
         if self.until is not None:
             ended = tokens == self.until
