@@ -760,10 +760,11 @@ class DepthAsyncDecoder:
     State per decoding row (`rows`: their indices in the batch): its hidden state, the loop it
     runs next, its current token's cache position (less its left padding: its rope position),
     its gate survival and clamp reference (both reset when it starts a token) and the tokens it
-    has fed. The keys and values are the prefilled LoopCache's, restacked token-major as one
-    [slots, b, T, 2, kv_heads, head_dim] (a row's keys and values of one slot are one block, a
-    token's one row: both are read and written whole) with room for every fed token; the
-    cache's own slot lists view the same memory, so the cache is whole afterwards.
+    has fed. The keys and values are the prefilled LoopCache's, restacked as one
+    [slots, b, 2, kv_heads, T, head_dim] with room for every fed token: a row's keys and values
+    of one slot are one block (`blocks`, read whole), each head's positions contiguous as
+    attention reads them; `by_position` views the same memory by (block, position), where a step
+    writes. The cache's own slot lists view it too, so the cache is whole afterwards.
     `copy` and `share` only: `recompute` would resume earlier tokens of a row at a loop that
     row's attention needs, which a row-synchronous step does."""
 
@@ -781,9 +782,9 @@ class DepthAsyncDecoder:
         self.K, self.L = cache.num_loops, cache.num_layers
         room = cache.length + feeds
         self.kv = restack(cache.keys, cache.values, room)
-        cache.keys, cache.values = (
-            list(self.kv[:, :, :, i].transpose(2, 3).unbind(0)) for i in (0, 1)
-        )
+        cache.keys, cache.values = (list(self.kv[:, :, i].unbind(0)) for i in (0, 1))
+        self.blocks = self.kv.flatten(0, 1)
+        self.by_position = self.blocks.permute(0, 3, 1, 2, 4)  # [blocks, room, 2, heads, d_head]
         # where a layer gathers its rows' slots, the same memory at every layer and step: a new
         # tensor each time would cost more in the allocator's page faults than in the copy
         self.gathered = self.kv.new_empty(self.kv[0].numel())
@@ -815,7 +816,9 @@ class DepthAsyncDecoder:
         self.mask = self.hidden.new_zeros(opened.shape).masked_fill_(~opened, float("-inf"))
         # a row's block of (slot, layer): (slot·L + layer)·b + row in kv's first two dimensions
         self.layer_blocks = torch.arange(self.L, device=device)[:, None] * b
-        self.slot_range = torch.arange(self.K, device=device)[None]
+        # ahead[e − 1, j]: how many blocks past loop e's slot loop j + 1's lies (0 up to loop e)
+        loops = torch.arange(self.K, device=device)
+        self.ahead = (loops[None] - loops[:, None]).clamp(min=0) * (self.L * b)
         c = model.config
         self.rule = ExitRule(c.early_exit, c.exit_threshold, self.K)
         normalizes = [
@@ -873,6 +876,8 @@ class DepthAsyncDecoder:
         stop, read = self.decide(loop, h)
         done = stop.nonzero().squeeze(1)
         if len(done):
+            if self.cache.kv_policy == "copy":
+                self.copy_down(stop & (loop < self.K), loop, slots)
             h[done] = self.model.embed_tokens(self.start_next(done, loop, h, read, next_input))
         self.hidden = h
         self.loop = torch.where(stop, 1, loop + 1)
@@ -915,6 +920,18 @@ class DepthAsyncDecoder:
             return self.model.lm_head(norm(h))
         return self.model.lm_head(torch.where(self.normalizes[loop - 1, None], norm(h), h))
 
+    def copy_down(self, early: torch.Tensor, loop: torch.Tensor, slots: RowSlots) -> None:
+        """`copy`: the keys and values of the rows whose token exits at its loop before K
+        (`early`), written this step, into the deeper loops' slots of every layer, in one read
+        and one write (which rewrites the exit slot too, with its own values)."""
+        early = early.nonzero().squeeze(1)
+        if not len(early):
+            return
+        at = slots.at[early]
+        written = slots.written[:, early, None] + self.ahead[loop[early] - 1]  # [L, n, K]
+        exited = torch.stack(slots.new)[:, early]  # [L, n, 2, kv_heads, head_dim]
+        self.by_position.index_put_((written, at[:, None]), exited[:, :, None])
+
     def start_next(self, done, loop, h, read, next_input) -> torch.Tensor:
         """The rows at `done` (of the decoding ones) whose token exited: records its logits (read
         out here unless the rule read every row's) and exit loop, and returns the token each
@@ -940,62 +957,59 @@ class RowSlots:
     """One step's view of a DepthAsyncDecoder's slots, every row at its own loop: the `update`
     of Cache, with the layer's index for the cache index (the row's loop picks the slot):
     writes each row's new keys and values at its position and returns its slot; `mask`
-    [r, 1, 1, T] hides the keys past each row's position and its left padding. Where every
-    row of the batch reads the same slot (`share`, or `copy` with the rows at one loop, as
-    when none exits early) a layer's slots are one block: read as a view, not gathered."""
+    [r, 1, 1, T] hides the keys past each row's position and its left padding; `written`
+    [L, r] is each row's block at each layer, `at` [r] its position. Where every row of the
+    batch reads the same slot (`share`, or `copy` with the rows at one loop, as when none exits
+    early) a layer's slots are one block: read as a view, not gathered."""
 
     def __init__(self, decoder: DepthAsyncDecoder, loop: torch.Tensor):
         self.decoder, rows, at = decoder, decoder.rows, decoder.length
-        L, b, room = decoder.L, decoder.batch_size, decoder.kv.shape[2]
+        L, b = decoder.L, decoder.batch_size
         whole = len(rows) == b  # every row of the batch, in order
         decoder.mask[rows, at] = 0
         end, lowest, deepest = torch.stack((at.max(), loop.min(), loop.max())).tolist()
-        self.end = end + 1
-        mask = decoder.mask[:, : self.end] if whole else decoder.mask[rows, : self.end]
+        end += 1
+        mask = decoder.mask[:, :end] if whole else decoder.mask[rows, :end]
         self.mask = mask[:, None, None]
+        self.blocks = decoder.blocks[:, :, :, :end]
         self.read, self.block = None, 0  # read: the rows' blocks; else layer l's is block + l·b
         if decoder.cache.kv_policy == "share":  # one slot a layer
+            self.written = decoder.layer_blocks + rows
             if not whole:
-                self.read = decoder.layer_blocks + rows
-            written = (decoder.layer_blocks + rows) * room + at
+                self.read = self.written
         else:
-            # `copy` writes ahead: into the deeper loops' slots too, as if the token exited here
-            # (a deeper loop overwrites them), so an exit leaves no copying to do
-            slot = loop - 1
+            self.written = decoder.layer_blocks + ((loop - 1) * (L * b) + rows)
             if whole and lowest == deepest:
                 self.block = (lowest - 1) * L * b
             else:
-                self.read = decoder.layer_blocks + (slot * (L * b) + rows)
-            ahead = decoder.slot_range.clamp(min=slot[:, None]) * (L * b) + rows[:, None]
-            written = (decoder.layer_blocks[:, :, None] + ahead) * room + at[:, None]
-        self.written = written  # [L, r] or [L, r, K]: flat positions in kv's tokens
+                self.read = self.written
+        self.at = at
+        self.new: list[torch.Tensor] = []  # each layer's [r, 2, kv_heads, head_dim] written
+        if self.read is not None:
+            self.gathered = decoder.gathered[: len(rows) * self.blocks[0].numel()]
+            self.gathered = self.gathered.view(len(rows), *self.blocks.shape[1:])
 
     def update(self, k: torch.Tensor, v: torch.Tensor, layer: int):
-        """Writes each row's new key and value [r, kv_heads, 1, head_dim] at its position (into
-        its loop's slot, and ahead into the deeper ones under `copy`) and returns each row's
-        slot [r, kv_heads, end, head_dim]: a view where the rows' slots are one block, else the
-        step's one copy."""
-        store = self.decoder.kv
-        b, room, _, heads, head_dim = store.shape[1:]
-        new = torch.stack((k[:, :, 0], v[:, :, 0]), 1).flatten(1)
-        written = self.written[layer]
-        store.view(-1, new.shape[1])[written] = new if written.dim() == 1 else new[:, None]
-        blocks = store.view(-1, room, 2, heads, head_dim)[:, : self.end]
+        """Writes each row's new key and value [r, kv_heads, 1, head_dim] at its position in its
+        loop's slot and returns each row's slot [r, kv_heads, end, head_dim]: a view where the
+        rows' slots are one block, else the step's one copy."""
+        new = torch.stack((k[:, :, 0], v[:, :, 0]), 1)
+        self.decoder.by_position.index_put_((self.written[layer], self.at), new)
+        self.new.append(new)
         if self.read is None:
-            kv = blocks[self.block + layer * b : self.block + (layer + 1) * b]
+            b = self.decoder.batch_size
+            kv = self.blocks[self.block + layer * b : self.block + (layer + 1) * b]
         else:
-            read = self.read[layer]
-            kv = self.decoder.gathered[: len(read) * blocks[0].numel()].view(-1, *blocks.shape[1:])
-            torch.index_select(blocks, 0, read, out=kv)
-        return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+            kv = torch.index_select(self.blocks, 0, self.read[layer], out=self.gathered)
+        return kv[:, 0], kv[:, 1]
 
 
 def restack(keys: list[torch.Tensor], values: list[torch.Tensor], room: int) -> torch.Tensor:
-    """A LoopCache's per-slot keys and values [b, kv_heads, ≥T, head_dim] as one token-major
-    [slots, b, room, 2, kv_heads, head_dim] tensor, the first T positions theirs."""
+    """A LoopCache's per-slot keys and values [b, kv_heads, ≥T, head_dim] as one
+    [slots, b, 2, kv_heads, room, head_dim] tensor, the first T positions theirs."""
     b, heads, _, head_dim = keys[0].shape
-    stacked = keys[0].new_zeros(len(keys), b, room, 2, heads, head_dim)
+    stacked = keys[0].new_zeros(len(keys), b, 2, heads, room, head_dim)
     for i, pair in enumerate(zip(keys, values)):
         for j, slot in enumerate(pair):
-            stacked[i, :, : min(room, slot.shape[2]), j] = slot[:, :, :room].transpose(1, 2)
+            stacked[i, :, j, :, : min(room, slot.shape[2])] = slot[:, :, :room]
     return stacked
