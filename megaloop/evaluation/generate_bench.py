@@ -326,6 +326,7 @@ def table(result: dict) -> str:
             f"c = {c * 1e3:.4f} ms (t(K) = f + c·K over the fixed-K runs): "
             f"{fit['fixed_share_at_k_max']:.0%} of a token at K_max"
         )
+    lines += ["", *verdicts(result["runs"])]
     lines += [
         "",
         "| batch | exit | threshold | kv | batching | tokens/s | mean loops | stack applications "
@@ -347,3 +348,18 @@ def table(result: dict) -> str:
             f"| {r['cache_bytes_per_token']:,.0f} |"
         )
     return "\n".join(lines)
+
+
+def verdicts(runs: list[dict]) -> list[str]:
+    """How many exiting runs are within 15% of their prediction, per batch size, engine and
+    policy: a line each."""
+    counts: dict[tuple, list[int]] = {}
+    for r in runs:
+        if r["exit"] != "fixed":
+            count = counts.setdefault((r["batch_size"], r["batching"], r["kv"]), [0, 0])
+            count[0] += r["within_15pct"]
+            count[1] += 1
+    return [
+        f"- within 15%, batch {b}, {batching}, `{kv}`: {within} of {total}"
+        for (b, batching, kv), (within, total) in counts.items()
+    ]

@@ -68,6 +68,11 @@ def test_every_run_is_recorded_with_the_issues_keys_and_the_figure(bench):
     assert any(1 < r["mean_loops"] < k_max for r in mixed)  # the thresholds do exit early
     md = (root / "out/generate.md").read_text()
     assert md.count("\n| ") == 1 + len(result["runs"]) and "fixed cost per token" in md
+    groups = {(r["batch_size"], r["batching"], r["kv"]) for r in result["runs"] if r["kv"]}
+    for b, batching, kv in groups:
+        group = runs_of(result, batch_size=b, batching=batching, kv=kv)
+        within = sum(r["within_15pct"] for r in group)
+        assert f"batch {b}, {batching}, `{kv}`: {within} of {len(group)}\n" in md
     assert (root / "out/generate.png").stat().st_size > 10_000
 
 
