@@ -69,6 +69,14 @@ class ExperimentConfig(Config):
             self.data.seq_len,
             f"must be <= model.max_seq_len={self.model.max_seq_len}",
         )
+        check(
+            self.model.dropout == 0 or self.train.recompute in ("none", "selective"),
+            "train.recompute",
+            self.train.recompute,
+            f"with model.dropout={self.model.dropout}: torch's recompute of a layer or a loop "
+            f"restores the default RNG but not megatron-core's tracker, so attention dropout "
+            f"would draw other masks in backward; use train.recompute=selective or none",
+        )
         policy = self.train.nonfinite
         check(
             policy in spec.nonfinite,
@@ -197,8 +205,17 @@ def check_resume(cfg: ExperimentConfig) -> None:
     ENGINES[meta["engine"]].check_reshard(cfg, meta["layout"], dp, folder)
 
 
-INIT_FREE = ("max_seq_len", "attention", "init_std", "damping_init")
-"""Model keys a run started from train.init_from may set differently from the checkpoint's."""
+INIT_FREE = (
+    "max_seq_len",
+    "attention",
+    "init",
+    "init_std",
+    "embedding_init_std",
+    "damping_init",
+    "dropout",
+)
+"""Model keys a run started from train.init_from may set differently from the checkpoint's
+(max_seq_len only with RoPE: learned positions are a table of that many rows)."""
 
 
 def check_init_from(cfg: ExperimentConfig) -> None:
@@ -220,15 +237,16 @@ def check_init_from(cfg: ExperimentConfig) -> None:
         f"checkpoints ({names(lambda e: e.init_from)} runs, `megaloop import ouro` folders)",
     )
     saved = meta["config"]["model"]
+    free = [k for k in INIT_FREE if k != "max_seq_len" or cfg.model.position_embedding == "rope"]
     changes = [
         c
         for c in config_changes({"model": saved}, {"model": cfg.model.to_dict()})
-        if c.split(":")[0].removeprefix("model.") not in INIT_FREE
+        if c.split(":")[0].removeprefix("model.") not in free
     ]
     if changes:
         raise ConfigError(
             f"config key 'train.init_from': {folder} holds another model: {'; '.join(changes)}. "
-            f"Give the model keys of that checkpoint (only {', '.join(INIT_FREE)} may differ)"
+            f"Give the model keys of that checkpoint (only {', '.join(free)} may differ)"
         )
 
 

@@ -94,6 +94,7 @@ def hf_config(model) -> dict:
         "architectures": ["MegaloopForCausalLM"],
         "auto_map": AUTO_MAP,
         **shape_config(model),
+        "position_embedding": model.position_embedding,
         "num_loops": model.num_loops,
         "num_loops_trained": model.num_loops,
         "readout": model.readout,
@@ -145,6 +146,7 @@ def to_hf(state: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
                 src + "mlp.linear_fc2.post_norm.weight"
             ]
     renames = {
+        "embedding.position_embeddings.weight": "embed_positions.weight",
         "recurrence.norm.weight": "recurrence.norm.weight",
         "recurrence.damping_logit": "recurrence.damping_logit",
         "readout.norm.weight": "readout_norm.weight",

@@ -132,6 +132,7 @@ def why_not_ouro(model: ModelConfig) -> str | None:
         "recurrence": "none",
         "readout": "norm",
         "exit_gate": True,
+        "position_embedding": "rope",
     }
     for key, value in wanted.items():
         if getattr(model, key) != value:

@@ -182,6 +182,14 @@ MODELS = {
         layer_norms="sandwich",
         loop_norm="shared",
     ),
+    # learned positions added to H_0, no rotation in attention (the study's released code)
+    "learned": dict(
+        readout="final_norm",
+        recurrence="damping",
+        exit_gate=True,
+        tie_embeddings=False,
+        position_embedding="learned",
+    ),
 }
 
 

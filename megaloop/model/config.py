@@ -16,11 +16,13 @@ from megaloop.model.modes import (
     GateInput,
     LayerNorms,
     LoopNorm,
+    PositionEmbedding,
     ReadoutMode,
     RecurrenceMode,
 )
 
 Recompute = Literal["none", "selective", "full", "loop"]
+Init = Literal["megatron", "pytorch"]
 
 
 @dataclass
@@ -38,9 +40,24 @@ class ModelConfig(Config):
     """K_train, the depth trained at; any K >= 1 can be asked for at inference (checkpoints and
     exports record it as `num_loops_trained`)."""
     max_seq_len: int = 1024
+    """The longest sequence; with `learned` positions, the rows of the position table."""
+    position_embedding: PositionEmbedding = "rope"
+    """`rope` (rotary, in attention) or `learned`: an absolute position table added to the token
+    embedding (the study's released 44M/129M code)."""
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
+    init: Init = "megatron"
+    """`megatron`: N(0, init_std²), the sublayer output projections scaled by 1/√(2L), the exit
+    gate at zero; `pytorch`: PyTorch's module defaults, as the study's released code leaves them:
+    embeddings N(0, 1) (a tied W_out too), Linear and the exit gate U(±1/√fan_in)."""
     init_std: float = 0.02
+    """`init=megatron`'s standard deviation."""
+    embedding_init_std: float | None = None
+    """The token embedding's (and a tied W_out's) std, whatever `init` says of the rest; None:
+    `init`'s. (N(0, 1) here under `megatron` tells the embedding's scale from the rest's.)"""
+    dropout: float = 0.0
+    """Dropout on the embedding output H_0, the attention probabilities and the FFN output, where
+    the study's code applies it (not on the attention output projection)."""
     tie_embeddings: bool = True
     """Tie W_out to the token embedding."""
     readout: ReadoutMode = "norm"
@@ -98,7 +115,7 @@ class ModelConfig(Config):
         )
         check(self.rope_base > 0, prefix + "rope_base", self.rope_base, "must be > 0")
         check(
-            (self.hidden_size // self.num_heads) % 2 == 0,
+            self.position_embedding != "rope" or (self.hidden_size // self.num_heads) % 2 == 0,
             prefix + "num_heads",
             self.num_heads,
             "head dimension hidden_size/num_heads must be even for RoPE",
@@ -131,3 +148,10 @@ class ModelConfig(Config):
             "norm's output; leave exit_gate_input at normed",
         )
         check(self.init_std > 0, prefix + "init_std", self.init_std, "must be > 0")
+        check(
+            self.embedding_init_std is None or self.embedding_init_std > 0,
+            prefix + "embedding_init_std",
+            self.embedding_init_std,
+            "must be > 0 (or null: the std `model.init` gives it)",
+        )
+        check(0 <= self.dropout < 1, prefix + "dropout", self.dropout, "must lie in [0, 1)")

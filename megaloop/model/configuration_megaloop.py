@@ -18,6 +18,7 @@ from .modes import (
     KVPolicy,
     LayerNorms,
     LoopNorm,
+    PositionEmbedding,
     ReadoutMode,
     RecurrenceMode,
 )
@@ -38,6 +39,7 @@ class MegaloopConfig(PretrainedConfig):
         num_loops: int = 4,
         num_loops_trained: int | None = None,
         max_position_embeddings: int = 1024,
+        position_embedding: str = "rope",
         rope_theta: float = 10000.0,
         rms_norm_eps: float = 1e-5,
         readout: str = "norm",
@@ -60,6 +62,7 @@ class MegaloopConfig(PretrainedConfig):
             ("recurrence", recurrence, RecurrenceMode),
             ("damping_shape", damping_shape, DampingShape),
             ("exit_gate_input", exit_gate_input, GateInput),
+            ("position_embedding", position_embedding, PositionEmbedding),
             ("layer_norms", layer_norms, LayerNorms),
             ("loop_norm", loop_norm, LoopNorm),
             ("early_exit", early_exit, EarlyExit),
@@ -84,6 +87,9 @@ class MegaloopConfig(PretrainedConfig):
         self.num_loops_trained = num_loops_trained or num_loops
         """K_train, the depth the model was trained at (where `final_norm` normalises from)."""
         self.max_position_embeddings = max_position_embeddings
+        self.position_embedding = position_embedding
+        """rope: rotary, in attention; learned: a table of max_position_embeddings rows added to
+        the token embedding."""
         self.rope_theta = rope_theta
         self.rms_norm_eps = rms_norm_eps
         self.readout = readout

@@ -2,13 +2,19 @@
 
 A parameter's initial value is a function of (seed, its name in the whole one-device model),
 drawn at its full shape; a tensor-parallel rank keeps its shard and a pipeline stage only builds
-its own layers. So one process, TP2, PP2 or DP2 start from the same weights.
+its own layers. So one process, TP2, PP2 or DP2 start from the same weights, and a shard's
+fan-in is the full matrix's.
 
-    norms                       ones
-    linear_proj, linear_fc2     N(0, (std / sqrt(2L))^2)   (outputs into the residual stream)
-    embedding, other linears    N(0, std^2)
-    exit gate                   zeros (λ = 0.5 everywhere at the start)
-    damping                     logit(damping_init)
+                                model.init=megatron          model.init=pytorch
+    norms                       ones                         ones
+    embeddings (token, position) N(0, std²)                  N(0, 1)
+    linear_proj, linear_fc2     N(0, (std / sqrt(2L))²)      U(±1/√fan_in)
+    other linears, untied W_out N(0, std²)                   U(±1/√fan_in)
+    exit gate                   zeros (λ = 0.5 at the start)  U(±1/√d), bias too
+    damping                     logit(damping_init)          logit(damping_init)
+
+`pytorch` is what nn.Embedding and nn.Linear give by themselves, the study's released code;
+model.embedding_init_std overrides the token embedding's std under either.
 """
 
 from __future__ import annotations
@@ -24,15 +30,23 @@ def initial_value(name: str, shape: tuple, cfg, seed: int) -> torch.Tensor:
     """The full (unsharded) initial tensor of parameter `name`."""
     if name.endswith("norm.weight"):
         return torch.ones(shape)
-    if name.startswith("exit_gate."):
-        return torch.zeros(shape)
     if name == "recurrence.damping_logit":
         return torch.full(shape, math.log(cfg.damping_init / (1 - cfg.damping_init)))
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+    if name == "embedding.word_embeddings.weight" and cfg.embedding_init_std is not None:
+        return torch.randn(shape, generator=generator) * cfg.embedding_init_std
+    if cfg.init == "pytorch":
+        if name.startswith("embedding."):
+            return torch.randn(shape, generator=generator)
+        fan_in = cfg.hidden_size if name.startswith("exit_gate.") else shape[-1]
+        bound = 1.0 / math.sqrt(fan_in)
+        return (torch.rand(shape, generator=generator) * 2 - 1) * bound
+    if name.startswith("exit_gate."):
+        return torch.zeros(shape)
     std = cfg.init_std
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         std /= math.sqrt(2.0 * cfg.num_layers)
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
     return torch.randn(shape, generator=generator) * std
 
 

@@ -38,6 +38,9 @@ from megaloop.model.config import ModelConfig, Recompute
 from megaloop.model.readout import Readout
 from megaloop.model.specs import layer_spec, tp_group
 
+POSITION_EMBEDDINGS = {"rope": "rope", "learned": "learned_absolute"}
+"""model.position_embedding → megatron-core's LanguageModelEmbedding position_embedding_type."""
+
 
 @dataclass
 class LoopOutput:
@@ -88,14 +91,18 @@ class LoopedLM(LanguageModule):
                 config,
                 vocab_size=cfg.vocab_size,
                 max_sequence_length=cfg.max_seq_len,
-                position_embedding_type="rope",
+                position_embedding_type=POSITION_EMBEDDINGS[cfg.position_embedding],
                 tp_group=tp_group(),
             )
-        self.rotary_pos_emb = RotaryEmbedding(
-            kv_channels=config.kv_channels,
-            rotary_percent=1.0,
-            rotary_base=cfg.rope_base,
-            use_cpu_initialization=config.use_cpu_initialization,
+        self.rotary_pos_emb = (
+            RotaryEmbedding(
+                kv_channels=config.kv_channels,
+                rotary_percent=1.0,
+                rotary_base=cfg.rope_base,
+                use_cpu_initialization=config.use_cpu_initialization,
+            )
+            if cfg.position_embedding == "rope"
+            else None
         )
         spec = layer_spec(cfg.attention, cfg.layer_norms, cfg.ffn_size)
         self.layer_ids = list(layer_ids if layer_ids is not None else range(cfg.num_layers))
@@ -148,13 +155,17 @@ class LoopedLM(LanguageModule):
         """Pipeline stages after the first receive H from the previous stage (megatron-core API)."""
         self.input_tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
 
-    def stack(self, h: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def rotary(self, seq_len: int) -> torch.Tensor | None:
+        """The rotary tables every layer reads; None with learned positions (added to H_0)."""
+        return None if self.rotary_pos_emb is None else self.rotary_pos_emb(seq_len)
+
+    def stack(self, h: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
         """One application of this module's layers of the shared stack."""
         if self.recompute == "loop" and torch.is_grad_enabled():
             return checkpoint(self._layers, h, rope, use_reentrant=False)
         return self._layers(h, rope)
 
-    def _layers(self, h: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def _layers(self, h: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
         full = self.recompute == "full" and torch.is_grad_enabled()
         for layer in self.layers:
             if full:
@@ -164,7 +175,7 @@ class LoopedLM(LanguageModule):
         return h
 
     @staticmethod
-    def _layer(layer, h: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def _layer(layer, h: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
         return layer(h, attention_mask=None, rotary_pos_emb=rope)[0]
 
     def logits(
@@ -184,7 +195,7 @@ class LoopedLM(LanguageModule):
         """tokens, labels: [b, s]. `num_loops` overrides K; `clamp` holds every token's RMS at
         its loop-1 value (inference-time recurrent-scale clamp); `keep_logits` keeps every
         exit's logits beside its CE (for objectives of the logits themselves)."""
-        rope = self.rotary_pos_emb(tokens.shape[1])
+        rope = self.rotary(tokens.shape[1])
         out = LoopOutput(labels=labels)
         held = semantics.Clamp() if clamp else None
         h = tokens
@@ -199,7 +210,12 @@ class LoopedLM(LanguageModule):
     def enter(self, x: torch.Tensor, loop: int) -> torch.Tensor:
         """What loop `loop` starts from: H_0 = Embed(tokens x) for loop 1, else R(x), x being
         what the previous loop's `exit` returned."""
-        return self.embedding(x, position_ids=None) if loop == 1 else self.recurrence(x)
+        if loop > 1:
+            return self.recurrence(x)
+        positions = None
+        if self.embedding.add_position_embedding:
+            positions = torch.arange(x.shape[1], device=x.device).expand_as(x)
+        return self.embedding(x, position_ids=positions)
 
     def exit(
         self,

@@ -1,6 +1,6 @@
 """A looped language model in plain PyTorch, for transformers (remote code of an export).
 
-    H_0 = Embed(x)
+    H_0 = Embed(x) (+ a learned position table, where RoPE is not used)
     H_k = Stack(R(H_{k-1}))          k = 1..K, R = recurrence (identity for k = 1)
     logits = Readout(H_K)            (or, with early exit, each token's exit loop)
 
@@ -11,12 +11,13 @@ RMSNorm `norm` is R, the gate's input and the normalising readout's norm.
 `embed`, `loops`, `readout` and `exit_probability` are the pieces `forward` is made of; the
 measurement commands (megaloop depth/halt/diagnose) drive them one loop at a time.
 
-The stack is L pre-norm layers (RMSNorm, causal attention with RoPE, SwiGLU; with sandwich norms
-a second RMSNorm on each sublayer's output), the same layers megatron-core runs in training;
-`megaloop export` converts their weights. The KV cache holds one entry per (loop, layer), as
-Ouro's code does: loop k's layer l attends to the keys loop k's layer l computed for earlier
-tokens. With early exit the cache is a LoopCache, and a token that exits at loop k runs no loop
-after it; its KV policy says what the loops it skipped hold (docs/generation.md).
+The stack is L pre-norm layers (RMSNorm, causal attention with RoPE unless positions are
+learned, SwiGLU; with sandwich norms a second RMSNorm on each sublayer's output), the same
+layers megatron-core runs in training; `megaloop export` converts their weights. The KV cache
+holds one entry per (loop, layer), as Ouro's code does: loop k's layer l attends to the keys
+loop k's layer l computed for earlier tokens. With early exit the cache is a LoopCache, and a
+token that exits at loop k runs no loop after it; its KV policy says what the loops it skipped
+hold (docs/generation.md).
 """
 
 from __future__ import annotations
@@ -69,6 +70,15 @@ class Rotary(nn.Module):
         freqs = positions.float()[..., None] / (self.base**exponents)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         return emb.cos(), emb.sin()
+
+
+class NoRotary(nn.Module):
+    """Learned positions: attention rotates nothing. Tables of the identity rotation (cos 1,
+    sin 0, exact), so every path that carries rotary tables carries these unchanged."""
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ones = torch.ones(*positions.shape, 1, device=positions.device)[:, None]
+        return ones, torch.zeros_like(ones)
 
 
 class Attention(nn.Module):
@@ -330,10 +340,16 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config: MegaloopConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        learned = config.position_embedding == "learned"
+        self.embed_positions = (
+            nn.Embedding(config.max_position_embeddings, config.hidden_size) if learned else None
+        )
         self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_hidden_layers))
         d, eps = config.hidden_size, config.rms_norm_eps
         self.recurrence = Recurrence(config.recurrence, d, eps, damping_shape=config.damping_shape)
-        self.rotary = Rotary(d // config.num_attention_heads, config.rope_theta)
+        self.rotary = (
+            NoRotary() if learned else Rotary(d // config.num_attention_heads, config.rope_theta)
+        )
         self.norm = loop_norm(config.loop_norm, d, eps)
         self.readout_norm = readout_norm(
             config.readout, d, eps, config.loop_norm, config.num_loops_trained
@@ -357,7 +373,21 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
         """H_0 and the rotary tables for `loop` (positions 0..s-1 unless given, [b or 1, s])."""
         if position_ids is None:  # [1, s]: the tables broadcast over any batch (rows may leave)
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-        return self.embed_tokens(input_ids), self.rotary(position_ids)
+        return self.embed_at(input_ids, position_ids), self.rotary(position_ids)
+
+    def embed_at(self, input_ids: torch.LongTensor, positions: torch.LongTensor) -> torch.Tensor:
+        """H_0 of tokens at `positions` (broadcast with input_ids): the token embedding, plus the
+        learned position table's rows where the model has one."""
+        h = self.embed_tokens(input_ids)
+        if self.embed_positions is None:
+            return h
+        rows = self.embed_positions.num_embeddings
+        if positions.numel() and int(positions.max()) >= rows:
+            raise ValueError(
+                f"position {int(positions.max())} is past the learned position table's {rows} "
+                f"rows (max_position_embeddings): this model reads at most {rows} tokens"
+            )
+        return h + self.embed_positions(positions)
 
     def loop(
         self,
@@ -607,7 +637,7 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
         b, s = input_ids.shape
         c = self.config
         head_dim = c.hidden_size // c.num_attention_heads
-        h0 = self.embed_tokens(input_ids)
+        h0 = self.embed_at(input_ids, positions)
         cache.grow(s, K, h0.new_zeros(b, c.num_key_value_heads, 0, head_dim), len(self.layers))
         new = Tokens(
             h0,
@@ -796,7 +826,7 @@ class DepthAsyncDecoder:
             self.pads = cache.length - attention_mask.long().sum(1)
         self.loop = torch.ones(b, dtype=torch.long, device=device)
         self.fed = torch.zeros(b, dtype=torch.long, device=device)
-        self.hidden = model.embed_tokens(first)
+        self.hidden = model.embed_at(first, self.length - self.pads)
         self.survive = self.hidden.new_ones(b)
         self.reference = self.hidden.new_ones(b, 1)
         self.rows = torch.arange(b, device=device)
@@ -878,7 +908,8 @@ class DepthAsyncDecoder:
         if len(done):
             if self.cache.kv_policy == "copy":
                 self.copy_down(stop & (loop < self.K), loop, slots)
-            h[done] = self.model.embed_tokens(self.start_next(done, loop, h, read, next_input))
+            fed = self.start_next(done, loop, h, read, next_input)
+            h[done] = self.model.embed_at(fed, (self.length - self.pads)[done])
         self.hidden = h
         self.loop = torch.where(stop, 1, loop + 1)
         self.survive = torch.where(stop, 1.0, self.survive)

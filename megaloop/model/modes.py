@@ -18,6 +18,7 @@ DampingShape = Literal["channel", "scalar"]
 GateInput = Literal["normed", "raw"]
 LayerNorms = Literal["pre", "sandwich"]
 LoopNorm = Literal["separate", "shared"]
+PositionEmbedding = Literal["rope", "learned"]
 EarlyExit = Literal["none", "gate", "margin"]
 KVPolicy = Literal["copy", "share", "recompute"]
 

@@ -1,7 +1,11 @@
 """What a layer of the shared stack is made of, as megatron-core specs.
 
 The stack uses megatron-core's local (non-Transformer-Engine) GPT layer: pre-norm RMSNorm,
-causal self-attention with RoPE, SwiGLU MLP, no biases. Two slots can change. Core attention:
+causal self-attention (with RoPE, or none where learned positions are added to H_0), SwiGLU MLP,
+no biases. Dropout (model.dropout) falls where the study's code has it: the attention
+probabilities, the FFN output and, through megatron-core's embedding, H_0; the attention
+sublayer's residual add never drops out (attention_residual_add). Two slots can change. Core
+attention:
 `sdpa` (torch's scaled_dot_product_attention) instead of megatron-core's `DotProductAttention`,
 which materialises the score matrix (1.25x slower steps on CPU here; bench/attention.py measures
 it). And the sublayers' output projections: with `sandwich` norms (Ouro's layer) each is followed
@@ -15,6 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import RowParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
@@ -107,6 +112,14 @@ class PostNormLinear(RowParallelLinear):
         return self.post_norm(out), bias
 
 
+def attention_residual_add(training: bool, fused: bool):
+    """megatron-core's bias-dropout-add for the attention sublayer, with no dropout: the study's
+    code drops out the FFN output (the MLP's add keeps config.hidden_dropout), not the attention
+    output projection."""
+    add = get_bias_dropout_add(training, fused)
+    return lambda x_with_bias, residual, prob: add(x_with_bias, residual, 0.0)
+
+
 def tp_group():
     """This rank's tensor-parallel group, given to the layers the model builds itself (megatron-core
     deprecates finding it implicitly); None before megatron-core's parallel state exists."""
@@ -118,6 +131,7 @@ def layer_spec(attention: str, layer_norms: str, ffn_hidden_size: int) -> Module
     `layer_norms` (pre | sandwich) whether the sublayer outputs are normalised too."""
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.mlp.params = {"ffn_hidden_size": ffn_hidden_size}
+    spec.submodules.self_attn_bda = attention_residual_add
     attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
     if attention == "sdpa":
         attn.core_attention = SDPAttention
@@ -131,7 +145,7 @@ def transformer_config(model, **overrides) -> TransformerConfig:
     """megatron-core's TransformerConfig for a `ModelConfig` (one source of truth for the shape).
 
     `overrides` carries what parallelism decides (tensor/pipeline sizes, dtypes); the model's
-    own choices (no biases, SwiGLU, RMSNorm, no dropout, no CUDA fusions) are fixed here.
+    own choices (no biases, SwiGLU, RMSNorm, no CUDA fusions) are fixed here.
     """
     kwargs = dict(
         num_layers=model.num_layers,
@@ -146,8 +160,8 @@ def transformer_config(model, **overrides) -> TransformerConfig:
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        hidden_dropout=model.dropout,
+        attention_dropout=model.dropout,
         init_method_std=model.init_std,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,

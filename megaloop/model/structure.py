@@ -71,6 +71,10 @@ def parameters(
     out = []
     if first:
         out.append(Param("embedding.word_embeddings.weight", (vocab // tp, d), "embedding"))
+        if cfg.position_embedding == "learned":
+            out.append(
+                Param("embedding.position_embeddings.weight", (cfg.max_seq_len, d), "embedding")
+            )
     for i in range(cfg.num_layers if layers is None else layers):
         out += layer_params(cfg, i, tp)
     if first:

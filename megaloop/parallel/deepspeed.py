@@ -3,11 +3,11 @@ DeepSpeed ZeRO stage 0-3 over the data-parallel ranks.
 
 Everything DeepSpeed needs is derived from megaloop's config (written to RUN/deepspeed.json):
 micro-batch and accumulation, clipping (always set: DeepSpeed 0.19.8 defaults it to 1.0), torch's
-AdamW with megatron's parameter groups (no decay for 1-D parameters), bf16, and the ZeRO stage.
-The learning-rate schedule is megatron-core's (linear warmup from 0, cosine to min_lr), so the
-two engines follow the same curve. Tensor parallelism comes from megatron-core's process groups
-through `MegatronMPU`, so ZeRO partitions over the data-parallel group only; pipeline
-parallelism stays with the megatron engine.
+AdamW with the megatron engine's parameter groups (OptimConfig.decays), bf16, and the ZeRO
+stage. The learning-rate schedule is megatron-core's (linear warmup from 0, then cosine to
+min_lr or constant), so the two engines follow the same curve. Tensor parallelism comes from
+megatron-core's process groups through `MegatronMPU`, so ZeRO partitions over the data-parallel
+group only; pipeline parallelism stays with the megatron engine.
 """
 
 from __future__ import annotations
@@ -75,13 +75,16 @@ def deepspeed_config(cfg, dp: int) -> dict:
 
 
 def megatron_lr(o, steps: int):
-    """megatron-core's OptimizerParamScheduler (init_lr=0, cosine), as a LambdaLR factor of the
-    step count: step n of training uses the value at n (n = 0 for the first update)."""
+    """megatron-core's OptimizerParamScheduler (init_lr=0, cosine or constant), as a LambdaLR
+    factor of the step count: step n of training uses the value at n (n = 0 for the first
+    update)."""
     decay_steps = max(steps, o.warmup_steps + 1)
 
     def factor(n: int) -> float:
         if o.warmup_steps > 0 and n <= o.warmup_steps:
             return n / o.warmup_steps
+        if o.schedule == "constant":
+            return 1.0
         ratio = min(1.0, (n - o.warmup_steps) / (decay_steps - o.warmup_steps))
         lr = o.min_lr + (o.lr - o.min_lr) * 0.5 * (math.cos(math.pi * ratio) + 1.0)
         return lr / o.lr

@@ -90,7 +90,7 @@ class LapChunk(torch.nn.Module):
         h = self.input_tensor
         if self.first_rank:
             h = stage.enter(tokens if self.lap == 0 else h, self.lap + 1)
-        h = stage.stack(h, stage.rotary_pos_emb(tokens.shape[1]))
+        h = stage.stack(h, stage.rotary(tokens.shape[1]))
         if not self.last_rank:
             return h
         out = LoopOutput()

@@ -1,9 +1,11 @@
-"""AdamW with warmup + cosine decay and gradient clipping, through megatron-core's optimizer
-(so the same code path serves DDP and the distributed optimizer)."""
+"""AdamW with warmup, then a cosine decay or a constant learning rate, and gradient clipping,
+through megatron-core's optimizer (so the same code path serves DDP and the distributed
+optimizer)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from megaloop.config import Config, check
 
@@ -16,13 +18,20 @@ class OptimConfig(Config):
     lr: float = 3e-4
     min_lr: float = 3e-5
     """The floor of the cosine decay."""
+    schedule: Literal["cosine", "constant"] = "cosine"
+    """After the warmup: `cosine` from lr to min_lr over the run, or `constant` at lr (the
+    study's released code: no warmup, no decay)."""
     warmup_steps: int = 100
     weight_decay: float = 0.1
-    """Decoupled (AdamW); norms and other 1-D parameters are never decayed."""
+    """Decoupled (AdamW), on the parameters `decay` names."""
+    decay: Literal["matrices", "all"] = "matrices"
+    """Which parameters weight decay reaches: `matrices` (2-D weights; norms, biases and the
+    damping factors never) or `all` (every parameter, as AdamW over model.parameters() does in
+    the study's released code)."""
     decay_embeddings: bool = True
-    """Whether weight decay also reaches the token embedding and W_out (tied or not). Decay
-    shrinks W_out, which a raw readout must then make up with a larger hidden state: one of the
-    settings docs/drift_regime/ maps."""
+    """With decay=matrices, whether weight decay also reaches the token embedding and W_out
+    (tied or not). Decay shrinks W_out, which a raw readout must then make up with a larger
+    hidden state: one of the settings docs/drift_regime/ maps."""
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
@@ -39,6 +48,13 @@ class OptimConfig(Config):
         )
         check(self.warmup_steps >= 0, prefix + "warmup_steps", self.warmup_steps, "must be >= 0")
         check(self.weight_decay >= 0, prefix + "weight_decay", self.weight_decay, "must be >= 0")
+        check(
+            self.decay == "matrices" or self.decay_embeddings,
+            prefix + "decay_embeddings",
+            self.decay_embeddings,
+            "exempts the embedding from optim.decay=matrices; with optim.decay=all every "
+            "parameter is decayed: set one or the other",
+        )
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
             check(0 <= value < 1, prefix + name, value, "must lie in [0, 1)")
@@ -47,6 +63,8 @@ class OptimConfig(Config):
 
     def decays(self, name: str, param) -> bool:
         """Whether weight decay reaches the parameter `name` (any wrapper prefix)."""
+        if self.decay == "all":
+            return True
         if param.ndim <= 1:
             return False
         return self.decay_embeddings or not name.endswith(EMBEDDING_WEIGHTS)
@@ -90,7 +108,7 @@ class OptimConfig(Config):
             min_lr=self.min_lr,
             lr_warmup_steps=self.warmup_steps,
             lr_decay_steps=max(steps, self.warmup_steps + 1),
-            lr_decay_style="cosine",
+            lr_decay_style=self.schedule,
             start_wd=self.weight_decay,
             end_wd=self.weight_decay,
             wd_incr_steps=max(steps, 1),

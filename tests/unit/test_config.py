@@ -98,6 +98,13 @@ BAD = [
     (["engine=deepspeed", "parallel.pp=2"], ["parallel.pp", "engine=megatron", "parallel.pp=1"]),
     (["engine=deepspeed", "deepspeed.zero_stage=4"], ["deepspeed.zero_stage", "0, 1, 2, 3"]),
     (["engine=fsdp"], ["engine", "megatron, deepspeed"]),
+    (["model.dropout=1"], ["model.dropout", "[0, 1)"]),
+    (["model.dropout=0.1", "train.recompute=loop"], ["train.recompute", "selective or none"]),
+    (["model.init=xavier"], ["model.init", "megatron, pytorch"]),
+    (["model.position_embedding=alibi"], ["model.position_embedding", "rope, learned"]),
+    (["model.embedding_init_std=0"], ["model.embedding_init_std", "> 0"]),
+    (["optim.schedule=linear"], ["optim.schedule", "cosine, constant"]),
+    (["optim.decay=none"], ["optim.decay", "matrices, all"]),
 ]
 
 

@@ -52,6 +52,7 @@ def variant(
     damping="channel",
     layer_norms="pre",
     loop_norm="separate",
+    **more,
 ) -> tuple:
     cfg = ModelConfig(
         vocab_size=64,
@@ -69,6 +70,7 @@ def variant(
         damping_shape=damping,
         layer_norms=layer_norms,
         loop_norm=loop_norm,
+        **more,
     )
     model = build(cfg).eval()
     with torch.no_grad():  # norms, damping and gate away from their initial constants
@@ -126,6 +128,28 @@ def test_ouro_wiring_exports_the_same_logits_and_gate(readout, layer_norms, loop
                 h = hf.loop(h, j, rope)
                 assert rel_err(hf.readout(h, j), out.logits[j - 1].transpose(0, 1)) <= 1e-5
                 assert rel_err(hf.exit_probability(h)[..., 0], out.gates[j - 1]) <= 1e-5
+
+
+@pytest.mark.parametrize("readout", READOUTS)
+def test_learned_positions_export_the_trainer_models_logits(readout):
+    """The study's released setup: a position table added to H_0, no rotation, PyTorch's
+    default initialisation; generation with a cache as without; a position past the table is
+    one clear error."""
+    cfg, model = variant(readout, "none", gate=False, position_embedding="learned", init="pytorch")
+    hf = exported(model, cfg)
+    assert hf.embed_positions.weight.shape == (cfg.max_seq_len, cfg.hidden_size)
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for k in (1, 4, 8):
+            ref = model(tokens, num_loops=k).logits[-1].transpose(0, 1)
+            assert rel_err(hf(tokens, num_loops=k, use_cache=False).logits, ref) <= 1e-5, k
+        out = hf.generate(tokens[:1, :7], max_new_tokens=10, do_sample=False, pad_token_id=0)
+        x = tokens[:1, :7]
+        for _ in range(10):
+            x = torch.cat([x, hf(x, use_cache=False).logits[:, -1:].argmax(-1)], dim=1)
+        assert out.tolist() == x.tolist()
+        with pytest.raises(ValueError, match="past the learned position table's 32 rows"):
+            hf(torch.zeros(1, 33, dtype=torch.long), use_cache=False)
 
 
 @pytest.mark.parametrize("damping", get_args(DampingShape))

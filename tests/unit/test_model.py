@@ -145,7 +145,9 @@ def gpt_reference(cfg, looped):
         get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_seq_len,
-        position_embedding_type="rope",
+        position_embedding_type={"rope": "rope", "learned": "learned_absolute"}[
+            cfg.position_embedding
+        ],
         share_embeddings_and_output_weights=cfg.tie_embeddings,
     )
     state = {}
@@ -165,12 +167,154 @@ def gpt_reference(cfg, looped):
 @pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning")
 @pytest.mark.parametrize("attention", ["sdpa", "megatron"])
 @pytest.mark.parametrize("tie", [True, False])
-def test_k1_norm_readout_is_an_ordinary_pre_norm_gpt(tiny_cfg, attention, tie):
-    cfg = dataclasses.replace(tiny_cfg, num_loops=1, tie_embeddings=tie, attention=attention)
+@pytest.mark.parametrize("positions", ["rope", "learned"])
+def test_k1_norm_readout_is_an_ordinary_pre_norm_gpt(tiny_cfg, attention, tie, positions):
+    cfg = dataclasses.replace(
+        tiny_cfg,
+        num_loops=1,
+        tie_embeddings=tie,
+        attention=attention,
+        position_embedding=positions,
+        init="pytorch" if positions == "learned" else "megatron",
+    )
     looped = build(cfg)
     gpt = gpt_reference(cfg, looped)
     x = tokens(cfg)
+    position_ids = torch.arange(x.shape[1]).expand_as(x) if positions == "learned" else None
     with torch.no_grad():
         ours = looped(x).logits[0]
-        ref = gpt(x, position_ids=None, attention_mask=None)  # [b, s, V]
+        ref = gpt(x, position_ids=position_ids, attention_mask=None)  # [b, s, V]
     torch.testing.assert_close(ours.transpose(0, 1), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_learned_positions_are_a_table_added_to_h0_and_rope_is_off(tiny_cfg):
+    cfg = dataclasses.replace(tiny_cfg, position_embedding="learned", max_seq_len=16)
+    model = build(cfg)
+    assert model.rotary_pos_emb is None and model.rotary(16) is None
+    table = model.embedding.position_embeddings.weight
+    assert table.shape == (16, cfg.hidden_size)
+    x = tokens(cfg, s=16)
+    h0 = model.enter(x, 1)  # [s, b, d]
+    expected = model.embedding.word_embeddings(x) + table[None]
+    torch.testing.assert_close(h0, expected.transpose(0, 1))
+    # the same token at two positions reads two rows of the table
+    same = torch.full((1, 2), 3)
+    h = model.enter(same, 1)
+    torch.testing.assert_close(h[1, 0] - h[0, 0], table[1] - table[0])
+
+
+def params_of(cfg) -> dict:
+    return dict(build(cfg).named_parameters())
+
+
+def test_pytorch_init_is_pytorchs_module_defaults():
+    """N(0, 1) embeddings (token, position), U(±1/√fan_in) for every linear with the fan-in of
+    the full matrix (the fused qkv and fc1 are d wide, fc2 ffn wide), the gate's bias too."""
+    from megaloop.model import ModelConfig
+
+    cfg = ModelConfig(
+        vocab_size=512,
+        hidden_size=64,
+        num_heads=4,
+        num_layers=2,
+        max_seq_len=256,
+        position_embedding="learned",
+        init="pytorch",
+        exit_gate=True,
+        tie_embeddings=False,
+    )
+    params = params_of(cfg)
+    for name in ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight"):
+        assert params[name].mean().abs() < 0.02 and abs(params[name].std() - 1) < 0.02, name
+    fan_ins = {
+        "linear_qkv.weight": 64,
+        "linear_proj.weight": 64,
+        "linear_fc1.weight": 64,
+        "linear_fc2.weight": 256,
+        "output_layer.weight": 64,
+        "exit_gate.proj.weight": 64,
+        "exit_gate.proj.bias": 64,
+    }
+    seen = set()
+    for name, p in params.items():
+        if name.endswith("norm.weight"):
+            assert torch.equal(p, torch.ones_like(p)), name
+            continue
+        fan_in = next((f for suffix, f in fan_ins.items() if name.endswith(suffix)), None)
+        if fan_in is None:
+            continue
+        seen.add(next(s for s in fan_ins if name.endswith(s)))
+        bound = fan_in**-0.5
+        assert p.abs().max() <= bound, name
+        if p.numel() >= 4096:  # a uniform on [-b, b]: std b/√3, and it reaches near its ends
+            assert abs(p.std() / (bound / 3**0.5) - 1) < 0.03, name
+            assert p.abs().max() > 0.99 * bound, name
+    assert seen == set(fan_ins)
+
+
+def test_megatron_init_and_the_embedding_std_override(tiny_cfg):
+    cfg = dataclasses.replace(
+        tiny_cfg, vocab_size=512, hidden_size=64, position_embedding="learned", max_seq_len=256
+    )
+    params = params_of(cfg)
+    assert abs(params["embedding.word_embeddings.weight"].std() / 0.02 - 1) < 0.03
+    assert abs(params["embedding.position_embeddings.weight"].std() / 0.02 - 1) < 0.03
+    out = params["layers.0.mlp.linear_fc2.weight"].std()
+    assert abs(out / (0.02 / (2 * cfg.num_layers) ** 0.5) - 1) < 0.05
+    unit = params_of(dataclasses.replace(cfg, embedding_init_std=1.0))
+    assert abs(unit["embedding.word_embeddings.weight"].std() - 1) < 0.03
+    for name, p in unit.items():  # only the token embedding changed
+        if name != "embedding.word_embeddings.weight":
+            assert torch.equal(p, params[name]), name
+
+
+def test_dropout_falls_where_the_study_puts_it(tiny_cfg):
+    """p on H_0 and on each FFN output (dropped units: zero, kept ones scaled by 1/(1 − p)); the
+    attention output is added to the residual whole; attention probabilities are dropped out
+    in training only; evaluation is the model without dropout."""
+    p = 0.5
+    cfg = dataclasses.replace(tiny_cfg, hidden_size=64, dropout=p, num_layers=1)
+    model = build(cfg)
+    layer = model.layers[0]
+    seen = {}
+
+    def keep(key):
+        def hook(module, args, output):
+            seen.setdefault(key, []).append((args, output))
+
+        return hook
+
+    layer.register_forward_hook(keep("layer"))
+    layer.self_attention.register_forward_hook(keep("attention"))
+    layer.pre_mlp_layernorm.register_forward_hook(keep("pre_mlp"))
+    layer.mlp.register_forward_hook(keep("mlp"))
+    model.embedding.word_embeddings.register_forward_hook(keep("embed"))
+    x = tokens(cfg, b=4, s=32)
+    model.train()
+    with torch.no_grad():
+        model(x, num_loops=2)
+    h0 = seen["layer"][0][0][0]
+    embed = seen["embed"][0][1].transpose(0, 1)
+    dropped = h0 == 0
+    assert abs(dropped.float().mean() - p) < 0.05
+    torch.testing.assert_close(h0[~dropped], embed[~dropped] / (1 - p))
+    for loop in range(2):
+        layer_in = seen["layer"][loop][0][0]
+        attn_out, attn_bias = seen["attention"][loop][1]
+        assert attn_bias is None
+        mid = seen["pre_mlp"][loop][0][0]
+        torch.testing.assert_close(mid, layer_in + attn_out)  # no dropout on the attention add
+        mlp_out = seen["mlp"][loop][1][0]
+        out = seen["layer"][loop][1][0]
+        added = out - mid
+        zero = added.abs() < 1e-6
+        assert abs(zero.float().mean() - p) < 0.05
+        torch.testing.assert_close(added[~zero], mlp_out[~zero] / (1 - p), rtol=1e-4, atol=1e-5)
+    core = layer.self_attention.core_attention
+    q, k, v = (torch.randn(8, 2, 4, 16) for _ in range(3))
+    with torch.no_grad():
+        assert not torch.equal(core(q, k, v), core(q, k, v))  # a new mask each call
+        model.eval()
+        torch.testing.assert_close(core(q, k, v), core(q, k, v))
+        without = build(dataclasses.replace(cfg, dropout=0.0)).eval()
+        torch.testing.assert_close(model(x).logits[-1], without(x).logits[-1])

@@ -74,3 +74,93 @@ def test_undecayed_embedding_moves_only_by_its_gradient(tmp_path):
     # W_out (untied) is decayed in one run only: its values differ
     w_out = "readout.output_layer.weight"
     assert not torch.equal(kept[w_out], decayed[w_out])
+
+
+def test_decay_all_reaches_every_parameter_and_refuses_an_embedding_exemption():
+    from megaloop.config import ConfigError
+
+    model = build_model(
+        ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_layers=1, exit_gate=True)
+    )
+    cfg = OptimConfig(decay="all")
+    assert all(cfg.decays(n, p) for n, p in model.named_parameters())
+    with pytest.raises(ConfigError, match="'optim.decay_embeddings'.*optim.decay=all"):
+        experiment.load("experiments/tiny", ["optim.decay=all", "optim.decay_embeddings=false"])
+
+
+def one_step(tmp_path, *overrides) -> dict:
+    run = tmp_path / "-".join(overrides)
+    cfg = experiment.load(
+        "experiments/tiny",
+        [
+            f"train.dir={run}",
+            "train.steps=1",
+            "train.log_every=1",
+            "train.eval_batches=1",
+            "model.exit_gate=true",
+            f"optim.lr={LR}",
+            "optim.warmup_steps=0",
+            "optim.schedule=constant",
+            f"optim.weight_decay={WD}",
+            *overrides,
+        ],
+    )
+    experiment.build_trainer(cfg, log=False).fit()
+    experiment.consolidate(run, run / "consolidated")
+    return load_file(run / "consolidated" / "model.safetensors")
+
+
+@pytest.mark.parametrize("engine", ["megatron", "deepspeed"])
+def test_decay_all_shrinks_norms_and_biases_too(tmp_path, engine):
+    """One AdamW step from the same weights and gradients: decay=all moves a 1-D parameter by
+    −lr·wd·p more than decay=matrices does, and leaves the matrices' step as it was."""
+    matrices = one_step(tmp_path, f"engine={engine}", "optim.decay=matrices")
+    every = one_step(tmp_path, f"engine={engine}", "optim.decay=all")
+    init = build_model(experiment.load("experiments/tiny", ["model.exit_gate=true"]).model, 0)
+    init = init.state_dict()
+    for name in ("layers.0.input_layernorm.weight", "exit_gate.proj.bias"):
+        torch.testing.assert_close(
+            every[name] - matrices[name], -LR * WD * init[name], rtol=1e-4, atol=1e-7
+        )
+    # (DeepSpeed's flat buffers round differently with one group than with two: ~1e-8; a decay
+    # the matrices did not get would be lr·wd·|w| ~ 1e-4)
+    name = "layers.0.mlp.linear_fc1.weight"
+    torch.testing.assert_close(every[name], matrices[name], rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("warmup", [0, 3])
+@pytest.mark.parametrize("schedule", ["cosine", "constant"])
+def test_both_engines_follow_megatron_cores_schedule(schedule, warmup):
+    """The DeepSpeed engine's LambdaLR factor is megatron-core's OptimizerParamScheduler, step
+    for step; `constant` holds lr after the warmup."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megaloop.parallel.deepspeed import megatron_lr
+
+    o = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=warmup, schedule=schedule)
+    steps = 12
+    group = {"params": [torch.zeros(1)], "max_lr": o.lr, "min_lr": o.min_lr}
+    optimizer = torch.optim.SGD([group], lr=0.0)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=o.warmup_steps,
+        lr_decay_steps=max(steps, o.warmup_steps + 1),
+        lr_decay_style=o.schedule,
+        start_wd=0.0,
+        end_wd=0.0,
+        wd_incr_steps=steps,
+        wd_incr_style="constant",
+    )
+    factor = megatron_lr(o, steps)
+    lrs = []
+    for n in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        assert lrs[-1] == pytest.approx(o.lr * factor(n), rel=1e-12, abs=1e-15), n
+        scheduler.step(1)
+    if schedule == "constant":
+        assert lrs[warmup:] == [o.lr] * (steps - warmup)
+    else:
+        assert lrs[-1] < lrs[warmup] == o.lr

@@ -24,6 +24,7 @@ MODES = {
     "loop_norm": get_args(model_config.LoopNorm),
     "layer_norms": get_args(model_config.LayerNorms),
     "tie_embeddings": (True, False),
+    "position_embedding": get_args(model_config.PositionEmbedding),
 }
 
 
