@@ -4,6 +4,8 @@ on real WikiText text (run it as bench/drift_regime).
     bench/drift_regime               the full run: <= 2 hours on 2 CPU cores, rewrites
                                      docs/drift_regime/report.md, its PNGs and drift_regime.json
     SMOKE=1 bench/drift_regime OUT   the same flow at a toy size (a minute or two)
+    bench/drift_regime --report [OUT]  rewrites OUT's report.md and growth.png from its
+                                     drift_regime.json alone (trains and measures nothing)
 
 The model is the miniature of bench/repro_mini (configs/experiments/drift_regime/base.yaml:
 d=96, 2 layers, K=4, a 1,024-token BPE, 4 x 128 tokens a step, 1,200 steps), trained with per-loop
@@ -16,10 +18,12 @@ windows every 100, so growth over training is a curve. Then, in this order and o
 budget's projection allows (DRIFT_BUDGET_MIN, default 120 minutes in all): a run 3x the
 miniature's length (3,600 steps) at the cell that drifts most; depth, halt and diagnose (float32
 and bfloat16) on the final checkpoints of the most- and least-drifting cells and the long runs;
-the most-drifting cell with 8 layers (the study's) instead of 2; and with weight decay kept off
-the embedding and W_out (optim.decay_embeddings=false). Finished runs are skipped, so a rerun
-resumes. The report (report.md, PNGs, drift_regime.json) is written unedited into OUT; the
-verdict is the hand-written README beside it.
+the most-drifting cell with 8 layers (the study's) instead of 2; and with weight decay 0.1 on the
+matrices but kept off the embedding and W_out (optim.decay_embeddings=false). Every cell is named
+for what it runs (wd{decay}-{tied|untied}-lr{lr}, then what it adds). Finished runs are skipped,
+so a rerun resumes. The report (report.md, PNGs, drift_regime.json) is written unedited into OUT;
+the verdict is the hand-written README beside it. The report's growth section reads only the
+validation curves kept in drift_regime.json, so `--report` rewrites it after the runs are gone.
 
 Environment: REPRO_SOURCE (a folder with wiki.test.raw, trained on, and wiki.valid.raw; default
 ../shared/data/wikitext-103), DRIFT_WORK (scratch, default runs/drift_regime), DRIFT_BUDGET_MIN,
@@ -73,12 +77,6 @@ DRIFT = 5.0
 GROWING = 1.05
 """Still growing: the last validation RMS >= 1.05x the one at three quarters of the run (our
 choice)."""
-STUDY = {"44M": (39_207, 512), "129M": (56_051, 768)}
-"""The study's per-loop RMSNorm final-loop norms (Table 2) and widths; read as per-token L2 norms
-(the study does not say; sqrt(d)*RMS), so RMS = L2/sqrt(d)."""
-STEPS_44M = 7_300
-"""The 44M config's step count, estimated: 4 epochs of WikiText-103 train (103M words, ~120M
-tokens of a 20,480-token BPE: our estimate) at 64 x 1,024 tokens a step."""
 LAYERS_FACTOR = 4.0
 """Projected cost of a step with 8 layers against 2 (for the budget; measured after)."""
 MEASURE_MINUTES = 0.6
@@ -105,25 +103,34 @@ class Run:
         return f"{self.cell.name}/{self.readout}/seed{self.seed}"
 
 
+def cell_name(overrides: tuple[str, ...]) -> str:
+    """wd{weight decay}-{tied|untied}-lr{lr}: the grid's keys as the run resolves them."""
+    key = dict(o.split("=", 1) for o in overrides)
+    tie = "tied" if key["model.tie_embeddings"] == "true" else "untied"
+    return f"wd{float(key['optim.weight_decay']):g}-{tie}-lr{float(key['optim.lr']):g}"
+
+
 def grid() -> list[Cell]:
-    return [
-        Cell(
-            f"wd{wd:g}-{'tied' if tie else 'untied'}-lr{lr:g}",
-            (
-                f"optim.weight_decay={wd}",
-                f"model.tie_embeddings={str(tie).lower()}",
-                f"optim.lr={lr}",
-                f"optim.min_lr={lr / 10}",
-            ),
-        )
-        for wd in WEIGHT_DECAYS
-        for tie in TIES
-        for lr in LRS
-    ]
+    cells = []
+    for wd in WEIGHT_DECAYS:
+        for tie in TIES:
+            for lr in LRS:
+                overrides = (
+                    f"optim.weight_decay={wd}",
+                    f"model.tie_embeddings={str(tie).lower()}",
+                    f"optim.lr={lr}",
+                    f"optim.min_lr={lr / 10}",
+                )
+                cells.append(Cell(cell_name(overrides), overrides))
+    return cells
 
 
 def variant(cell: Cell, suffix: str, extra: tuple[str, ...], **kwargs) -> Cell:
-    return Cell(f"{cell.name}-{suffix}", cell.overrides + extra, grid=False, **kwargs)
+    """`cell` with `extra` overrides (replacing its own for the same keys), named for what it
+    runs: a variant that changes a grid key carries the new value in its name."""
+    changed = {o.split("=", 1)[0] for o in extra}
+    overrides = tuple(o for o in cell.overrides if o.split("=", 1)[0] not in changed) + extra
+    return Cell(f"{cell_name(overrides)}-{suffix}", overrides, grid=False, **kwargs)
 
 
 class Bench:
@@ -281,29 +288,53 @@ def growth(c: dict) -> float | None:
     return c["eval_rms"][-1] / c["eval_rms"][i] if i < len(c["eval_steps"]) - 1 else None
 
 
-def power_law(c: dict) -> dict | None:
-    """The growth phase's law: log RMS = log a + b log step from the end of the warmup to the
-    step of the largest RMS (under the cosine schedule the RMS may peak and fall as the learning
-    rate decays), with the peak and the last value beside it."""
-    steps, rms = np.array(c["steps"], float), np.array(c["rms"], float)
-    peak = int(np.argmax(rms))
-    keep = (steps >= c["warmup"]) & (steps <= steps[peak])
-    if keep.sum() < 3:
+def still_growing(values: list) -> bool:
+    """Every seed's last-quarter growth >= GROWING."""
+    return bool(values) and all(g is not None and g >= GROWING for g in values)
+
+
+def local_slopes(c: dict) -> list[float]:
+    """d log RMS / d log step between successive validation points (one number for a power law,
+    whatever the interval)."""
+    return list(np.diff(np.log(c["eval_rms"])) / np.diff(np.log(c["eval_steps"])))
+
+
+def rising_fit(curves: dict[int, dict]) -> dict | None:
+    """One power law, log RMS = log a + b log step, through every seed's rising part pooled (its
+    validation points from the first to its largest: the window kindest to a law), with R² and
+    each point's residual ln(RMS / law) by seed."""
+    parts = {}
+    for seed, c in curves.items():
+        end = int(np.argmax(c["eval_rms"])) + 1
+        parts[seed] = list(zip(c["eval_steps"][:end], c["eval_rms"][:end]))
+    points = np.log([p for part in parts.values() for p in part])
+    if len(points) < 3 or np.ptp(points[:, 0]) == 0:
         return None
-    x, y = np.log(steps[keep]), np.log(rms[keep])
+    x, y = points.T
     b, log_a = np.polyfit(x, y, 1)
     residual = y - (log_a + b * x)
-    r2 = 1 - residual.var() / y.var() if y.var() > 0 else 1.0
     return {
         "a": math.exp(log_a),
         "b": float(b),
-        "r2": float(r2),
-        "fit_steps": [int(steps[keep][0]), int(steps[keep][-1])],
-        "peak_rms": float(rms[peak]),
-        "peak_step": int(steps[peak]),
-        "last_rms": float(rms[-1]),
-        "rms_at_44m_steps": math.exp(log_a) * STEPS_44M**b,
+        "r2": float(1 - residual.var() / y.var()) if y.var() > 0 else 1.0,
+        "residuals": {
+            seed: [(int(s), math.log(r) - log_a - b * math.log(s)) for s, r in part]
+            for seed, part in parts.items()
+        },
     }
+
+
+def growth_curves(info: dict) -> dict[str, dict[int, dict]]:
+    """{cell: {seed: validation curve}} of the norm readout in every drifting cell and in the long
+    run: the runs whose growth the report describes, read from drift_regime.json's fields."""
+    drifting = {r["cell"] for r in info["cells"] + info["extra_cells"] if r["drifts"]}
+    out: dict[str, dict[int, dict]] = {}
+    for name, c in info["curves"].items():
+        cell, readout, seed = name.split("/")
+        long = c["eval_steps"][-1:] == [info["long_steps"]]
+        if readout == "norm" and (cell in drifting or long) and len(c["eval_steps"]) > 1:
+            out.setdefault(cell, {})[int(seed.removeprefix("seed"))] = c
+    return out
 
 
 def summarize(bench: Bench, cells: list[Cell]) -> list[dict]:
@@ -327,8 +358,7 @@ def summarize(bench: Bench, cells: list[Cell]) -> list[dict]:
         row["ratios"] = ratios
         row["min_ratio"] = min(ratios) if complete else None
         row["drifts"] = complete and min(ratios) >= DRIFT
-        grows = row["norm"]["growth"]
-        row["norm_still_growing"] = complete and all(g is not None and g >= GROWING for g in grows)
+        row["norm_still_growing"] = complete and still_growing(row["norm"]["growth"])
         rows.append(row)
     return rows
 
@@ -351,11 +381,16 @@ def spread(values: list) -> str:
     return f"{fmt(float(np.mean(v)))} [{fmt(min(v))}, {fmt(max(v))}]"
 
 
+def growths(values: list) -> str:
+    return ", ".join(fmt(g) for g in values) + (" (growing)" if still_growing(values) else "")
+
+
 def cell_table(rows: list[dict]) -> list[str]:
     lines = [
         "| cell | seeds | norm ‖H_K‖_rms | norm L2 | raw ‖H_K‖_rms | raw L2 | norm/raw per seed "
-        "| ≥ 5× every seed | norm growth, last quarter | norm CE at K | raw CE at K |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ≥ 5× every seed | norm growth, last quarter | raw growth, last quarter | norm CE at K "
+        "| raw CE at K |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         d = r["norm"]["d"] or r["raw"]["d"] or 0
@@ -365,8 +400,7 @@ def cell_table(rows: list[dict]) -> list[str]:
             f"| {spread(l2['norm'])} | {spread(r['raw']['final_rms'])} | {spread(l2['raw'])} "
             f"| {', '.join(fmt(x) for x in r['ratios']) or '—'} "
             f"| {'**yes**' if r['drifts'] else 'no'} "
-            f"| {', '.join(fmt(g) for g in r['norm']['growth'])}"
-            f"{' (growing)' if r['norm_still_growing'] else ''} "
+            f"| {growths(r['norm']['growth'])} | {growths(r['raw']['growth'])} "
             f"| {spread(r['norm']['final_ce'])} | {spread(r['raw']['final_ce'])} |"
         )
     return lines
@@ -438,31 +472,36 @@ def plot_ratio(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def plot_long(bench: Bench, cell: Cell, fits: dict, path: Path) -> None:
+def plot_growth(info: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.8))
-    for readout, color in (("norm", "C0"), ("raw", "C1")):
-        c = curve(bench.run_dir(Run(cell, readout, cell.seeds[0])))
-        if not c:
-            continue
-        ax.plot(c["steps"], c["rms"], color=color, label=f"{readout} (training batches)")
-        ax.plot(c["eval_steps"], c["eval_rms"], "o", color=color, ms=3, label=f"{readout} (valid)")
-        fit = fits.get(readout)
-        if fit:
-            x = np.linspace(*fit["fit_steps"], 50)
-            ax.plot(x, fit["a"] * x ** fit["b"], ":", color="k")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("training step")
-    ax.set_ylabel("final-loop ‖H_K‖_rms")
-    ax.set_title(f"{cell.name}: power-law fits of the growth phase (dotted)", fontsize=9)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 3.8))
+    for i, (cell, seeds) in enumerate(growth_curves(info).items()):
+        for seed, c in seeds.items():
+            style = dict(color=f"C{i}", ls="-" if seed == 0 else "--", lw=1)
+            label = f"{cell} s{seed}"
+            left.plot(c["eval_steps"], c["eval_rms"], marker="o", ms=2, label=label, **style)
+            mid = np.sqrt(np.array(c["eval_steps"][1:]) * np.array(c["eval_steps"][:-1]))
+            right.plot(mid, local_slopes(c), marker="o", ms=2, **style)
+    for ax in (left, right):
+        ax.set_xscale("log")
+        lo, hi = ax.get_xlim()
+        ticks = [t for t in (20, 50, 100, 200, 500, 1000, 2000, 5000) if lo <= t <= hi]
+        ax.set_xticks(ticks, [f"{t:,}" for t in ticks])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xlabel("training step")
+        ax.tick_params(labelsize=7)
+    left.set_yscale("log")
+    left.set_ylabel("final-loop ‖H_K‖_rms (validation)")
+    right.axhline(0, color="k", lw=0.5)
+    right.set_ylabel("local slope d log RMS / d log step")
+    fig.suptitle("norm readouts of the drifting cells: a power law would be a flat line (right)")
+    if left.get_legend_handles_labels()[0]:
+        fig.legend(fontsize=6, loc="center right")
+    fig.tight_layout(rect=(0, 0, 0.84, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -503,21 +542,101 @@ def consequences(bench: Bench, runs: list[Run]) -> list[dict]:
     return out
 
 
-def write_report(bench: Bench, out: Path, rows, extras, long_cell, fits, measured) -> None:
+def growth_section(info: dict) -> list[str]:
+    """Local log-log slopes of every drifting norm run, and one power law per cell with its
+    residuals, from the validation curves alone."""
+    groups = growth_curves(info)
+    if not groups:
+        return ["No drifting run to describe."]
+    longest = max((c["eval_steps"] for g in groups.values() for c in g.values()), key=len)
+    edges = [s for s in longest if s <= info["steps"]]
+    intervals = list(zip(edges[:-1], edges[1:]))
+    lines = [
+        "From the validation records in drift_regime.json (the same 64 windows every "
+        f"{edges[1] - edges[0]} steps) of the norm readout in every drifting cell, every seed, and "
+        "in the long run. A power law RMS = a·step^b has one log–log slope b at every step; the "
+        "local slope d log RMS / d log step between successive validation points is below, then "
+        "one power law per cell fitted to all its seeds' rising parts (each seed's points from "
+        "the first to its largest RMS, the window kindest to a law) with its residuals "
+        "ln(RMS / law). Nothing is extrapolated.",
+        "",
+        "| run | " + " | ".join(f"{a}→{b}" for a, b in intervals) + " | largest RMS (step) "
+        "| last / largest |",
+        "|---|" + "---|" * (len(intervals) + 2),
+    ]
+    first, before_peak = [], []
+    for cell, seeds in groups.items():
+        for seed, c in sorted(seeds.items()):
+            slopes = dict(zip(zip(c["eval_steps"][:-1], c["eval_steps"][1:]), local_slopes(c)))
+            peak = int(np.argmax(c["eval_rms"]))
+            first.append(local_slopes(c)[0])
+            if peak > 0:
+                before_peak.append(local_slopes(c)[peak - 1])
+            columns = " | ".join(f"{slopes[i]:.2f}" if i in slopes else "—" for i in intervals)
+            lines.append(
+                f"| {cell}/norm/seed{seed} | {columns} | {fmt(c['eval_rms'][peak])} "
+                f"({c['eval_steps'][peak]}) | {c['eval_rms'][-1] / c['eval_rms'][peak]:.2f} |"
+            )
+    lines += [
+        "",
+        f"The local slope over the first interval is {min(first):.2f} to {max(first):.2f}; over "
+        "the last interval before each run's largest RMS it is "
+        + (f"{min(before_peak):.2f} to {max(before_peak):.2f}." if before_peak else "—."),
+    ]
+    for cell, seeds in groups.items():
+        past = [x for c in seeds.values() for x in local_slopes(c)[len(intervals) :]]
+        if past:
+            lines[-1] += (
+                f" {cell} past step {edges[-1]:,}: {min(past):.2f} to {max(past):.2f} (growth.png)."
+            )
+    lines += [
+        "",
+        "| cell | seeds | points | b | R² | residual ln(RMS / law) at each point, by seed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for cell, seeds in groups.items():
+        fit = rising_fit(seeds)
+        if not fit:
+            continue
+        per_seed = "; ".join(
+            f"s{seed}: "
+            + " ".join(f"{e:+.2f}" for _, e in points)
+            + f" (steps {points[0][0]}–{points[-1][0]})"
+            for seed, points in sorted(fit["residuals"].items())
+        )
+        n = sum(len(part) for part in fit["residuals"].values())
+        lines.append(
+            f"| {cell} | {len(seeds)} | {n} | {fit['b']:.2f} | {fit['r2']:.3f} | {per_seed} |"
+        )
+    return lines + ["", "![growth](growth.png)"]
+
+
+def write_report(info: dict, out: Path, rewritten: bool = False) -> None:
+    """report.md from drift_regime.json's fields (`rewritten`: from the JSON alone, the runs
+    gone)."""
+    rows, extras, seconds = info["cells"], info["extra_cells"], info["run_seconds"]
     lines = [
         "# Where the drift lives: norm vs raw readouts over a grid of training settings",
         "",
-        f"Written by `bench/drift_regime` ({'SMOKE' if SMOKE else 'full run'} on "
-        f"{os.cpu_count()} CPU cores: {bench.wall_minutes():.0f} minutes of training and "
-        f"measuring over {bench.invocations()} invocation(s), {len(bench.seconds)} runs two at "
-        "a time, "
-        f"{sum(bench.seconds.values()) / 60:.0f} run-minutes; this report's invocation "
-        f"{bench.minutes():.0f} minutes). Per-loop CE, K=4, the "
-        f"miniature of bench/repro_mini, {STEPS} steps a run, seeds {', '.join(map(str, SEEDS))}. "
+        f"Written by `bench/drift_regime` ({'SMOKE' if info['smoke'] else 'full run'} on "
+        f"{info['cpus']} CPU cores: {info['wall_minutes']:.0f} minutes of training and "
+        f"measuring over {info['invocations']} invocation(s), {len(seconds)} runs two at a "
+        f"time, {sum(seconds.values()) / 60:.0f} run-minutes; this report's invocation "
+        f"{info['minutes']:.0f} minutes). "
+        + (
+            "Rewritten from drift_regime.json alone by `bench/drift_regime --report`: "
+            "curves.png, curves_extra.png and ratio.png are the training invocation's (its "
+            "training-batch curves are not in the JSON). "
+            if rewritten
+            else ""
+        )
+        + "Per-loop CE, K=4, the miniature of bench/repro_mini, "
+        f"{info['steps']} steps a run, seeds {', '.join(map(str, info['seeds']))}. "
         "‖H_K‖_rms is the mean token RMS of the final loop's hidden state on the same 64 "
-        "validation windows, at the last step; L2 = √d·RMS. The study's Table 2 norms read as "
-        "per-token L2 norms: 39,207 at d=512 (44M) is RMS 1,733; 56,051 at d=768 (129M) is RMS "
-        "2,023.",
+        "validation windows, at the last step; L2 = √d·RMS. Growth, last quarter: the last "
+        f"validation RMS over the one at three quarters of the run (≥ {GROWING:g}: still "
+        "growing). The study's Table 2 norms read as per-token L2 norms: 39,207 at d=512 (44M) "
+        "is RMS 1,733; 56,051 at d=768 (129M) is RMS 2,023.",
         "",
         "## Every grid cell",
         "",
@@ -531,34 +650,10 @@ def write_report(bench: Bench, out: Path, rows, extras, long_cell, fits, measure
     if extras:
         lines += ["## Extra cells (where the budget allowed)", "", *cell_table(extras), ""]
         lines += ["![extra curves](curves_extra.png)", ""]
-    lines += ["## Growth law of the final-loop RMS", ""]
-    if fits:
-        lines += [
-            "Power law ‖H_K‖_rms = a·step^b fitted to the logged training steps of the growth "
-            "phase: from the end of the warmup to the step of the largest RMS (under the cosine "
-            "schedule the RMS can peak and then fall as the learning rate decays; the peak and "
-            "the last value stand beside the fit). Continued to the 44M config's "
-            f"~{STEPS_44M:,} steps it is an **extrapolation** (d=96, not 512; another batch, "
-            "learning rate and schedule; and it assumes the growth phase lasts), set beside the "
-            f"study's RMS {STUDY['44M'][0] / STUDY['44M'][1] ** 0.5:,.0f} (L2 39,207).",
-            "",
-            "| run | steps | fitted steps | a | b (exponent) | R² | peak RMS (step) | last RMS "
-            f"| RMS at {STEPS_44M:,} steps | L2 at {STEPS_44M:,} steps |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for name, (steps, fit, d) in fits.items():
-            at = fit["rms_at_44m_steps"]
-            lines.append(
-                f"| {name} | {steps} | {fit['fit_steps'][0]}–{fit['fit_steps'][1]} "
-                f"| {fmt(fit['a'])} | {fit['b']:.3f} | {fit['r2']:.3f} "
-                f"| {fmt(fit['peak_rms'])} ({fit['peak_step']}) | {fmt(fit['last_rms'])} "
-                f"| {fmt(at)} | {fmt(at * d**0.5)} |"
-            )
-        if long_cell:
-            lines += ["", "![long](long.png)"]
-    else:
-        lines += ["No run finished to fit."]
     lines += [
+        "## Growth of the final-loop RMS over training",
+        "",
+        *growth_section(info),
         "",
         "## The consequences beside the drift (depth, halt, diagnose on the final checkpoints)",
         "",
@@ -571,16 +666,20 @@ def write_report(bench: Bench, out: Path, rows, extras, long_cell, fits, measure
         "| r_K bf16 | rollout RMS k=1→30 | angle ~ s^slope |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for m in measured:
+    for m in info["consequences"]:
         p = m["ppl"]
         lines.append(
-            f"| {m['run']} | {fmt(m['rms_K'])} | {fmt(p.get(1))} | {fmt(p.get(2))} "
-            f"| {fmt(p.get(4))} | {fmt(p.get(8))} | {m['k1_over_k4']:.3f} "
+            f"| {m['run']} | {fmt(m['rms_K'])} | {fmt(p.get('1'))} | {fmt(p.get('2'))} "
+            f"| {fmt(p.get('4'))} | {fmt(p.get('8'))} | {m['k1_over_k4']:.3f} "
             f"| {fmt(m['halt_mean_loops'])} | {m['r_fp32'][-1]:.1e} | {m['r_bf16'][-1]:.1e} "
             f"| {fmt(m['rollout_s'][0])} → {fmt(m['rollout_s'][1])} "
             f"| {fmt(m['angle_vs_s_slope'])} |"
         )
     drifting = [r["cell"] for r in rows + extras if r["drifts"]]
+    growing = {
+        readout: [r["cell"] for r in rows + extras if still_growing(r[readout]["growth"])]
+        for readout in READOUTS
+    }
     lines += [
         "",
         "## Summary (computed)",
@@ -588,27 +687,20 @@ def write_report(bench: Bench, out: Path, rows, extras, long_cell, fits, measure
         f"Cells where the norm readout's final-loop RMS is ≥ {DRIFT:g}× the raw readout's in "
         f"every seed: {', '.join(drifting) if drifting else 'none'}.",
         "",
+        *(
+            f"Cells where the {readout} readout's RMS still grew ≥ {GROWING:g}× over the last "
+            f"quarter in every seed: {', '.join(growing[readout]) or 'none'}.\n"
+            for readout in READOUTS
+        ),
     ]
     (out / "report.md").write_text("\n".join(lines))
 
 
-def growth_fits(bench: Bench, cells: list[Cell]) -> dict:
-    """The power law of each cell's seed-0 runs that finished: {run name: (steps, fit, d)}."""
-    fits = {}
-    for cell in cells:
-        for readout in READOUTS:
-            c = curve(bench.run_dir(Run(cell, readout, 0)))
-            fit = power_law(c) if c and c["finished"] else None
-            if fit:
-                fits[f"{cell.name}/{readout}/seed0"] = (cell.steps, fit, c["d"])
-    return fits
-
-
 def extra_work(bench: Bench, best: Cell, least: Cell) -> tuple[Cell, list[dict], list[Run]]:
     """What the budget still allows after the grid, in order: the long run at the most drifting
-    cell, the measurements, that cell with 8 layers, and with the embeddings undecayed. Each is
-    skipped (saying so) when its projected minutes do not fit what is left, minus 3 for the
-    report."""
+    cell, the measurements, that cell with 8 layers, and with weight decay 0.1 on its matrices but
+    not on the embedding / W_out. Each is skipped (saying so) when its projected minutes do not
+    fit what is left, minus 3 for the report."""
     per_step = bench.step_seconds()
     long_cell = variant(best, "long", (), steps=LONG_STEPS, seeds=(0,))
     layers = variant(best, "L8", ("model.num_layers=8",), seeds=EXTRA_SEEDS)
@@ -654,6 +746,13 @@ def main() -> None:
     if sys.argv[1:2] == ["--measure"]:
         measure_one(*map(Path, sys.argv[2:5]))
         return
+    if sys.argv[1:2] == ["--report"]:
+        out = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "docs/drift_regime"
+        info = json.loads((out / "drift_regime.json").read_text())
+        write_report(info, out, rewritten=True)
+        plot_growth(info, out / "growth.png")
+        print(f"drift_regime: report.md and growth.png rewritten from {out / 'drift_regime.json'}")
+        return
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "docs/drift_regime"
     out.mkdir(parents=True, exist_ok=True)
     work = Path(os.environ.get("DRIFT_WORK", ROOT / "runs/drift_regime")).resolve()
@@ -676,16 +775,6 @@ def main() -> None:
     else:
         long_cell, extras, measured_runs = None, [], []
 
-    fits = growth_fits(
-        bench,
-        [c for c in cells if any(r["cell"] == c.name and r["drifts"] for r in rows)]
-        + ([long_cell] if long_cell else []),
-    )
-    long_fits = {
-        readout: fits[f"{long_cell.name}/{readout}/seed0"][1]
-        for readout in READOUTS
-        if long_cell and f"{long_cell.name}/{readout}/seed0" in fits
-    }
     plot_curves(bench, cells, out / "curves.png")
     plot_ratio(rows, out / "ratio.png")
     extra_cells = [c for c in [long_cell] if c] + [
@@ -693,12 +782,9 @@ def main() -> None:
     ]
     if extras or long_cell:
         plot_curves(bench, extra_cells, out / "curves_extra.png")
-    if long_cell:
-        plot_long(bench, long_cell, long_fits, out / "long.png")
     measured = consequences(bench, measured_runs)
     all_runs = [Run(c, r, s) for c in cells + extra_cells for r in READOUTS for s in c.seeds]
-    write_report(bench, out, rows, extras, long_cell, fits, measured)
-    (out / "drift_regime.json").write_text(
+    text = (
         json.dumps(
             {
                 "smoke": SMOKE,
@@ -713,7 +799,6 @@ def main() -> None:
                 "run_seconds": bench.seconds,
                 "cells": rows,
                 "extra_cells": extras,
-                "fits": {k: {"steps": s, **f, "d": d} for k, (s, f, d) in fits.items()},
                 "consequences": measured,
                 "curves": {
                     run.name: {k: c[k] for k in ("eval_steps", "eval_rms", "eval_ce")}
@@ -725,6 +810,10 @@ def main() -> None:
         )
         + "\n"
     )
+    (out / "drift_regime.json").write_text(text)
+    info = json.loads(text)  # the report reads what the JSON holds, as --report does
+    write_report(info, out)
+    plot_growth(info, out / "growth.png")
     print(f"drift_regime: {bench.minutes():.1f} minutes; report in {out}")
 
 
