@@ -18,6 +18,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import inspect
+import logging
 import os
 import sys
 import types
@@ -157,6 +158,15 @@ def _set(target, name: str, value) -> Callable[[], None]:
     return apply
 
 
+def _drop_log_message(logger: str, message: str) -> Callable[[], None]:
+    """A logging filter on `logger` that drops records whose message is `message`."""
+
+    def apply():
+        logging.getLogger(logger).addFilter(lambda record: record.getMessage() != message)
+
+    return apply
+
+
 def _set_env(name: str, value: str) -> Callable[[], None]:
     return lambda: os.environ.setdefault(name, value)
 
@@ -226,6 +236,14 @@ PATCHES = [
             "tensor_parallel.random",
             "_set_cuda_rng_state",
             lambda state, *a, **k: torch.set_rng_state(state),
+        ),
+    ),
+    Patch(
+        "tensor_parallel/random.py:258-265 (CudaRNGStatesTracker.fork)",
+        "a warning when the CPU generator's state changes inside fork: with the tracker on the "
+        "CPU generator, every dropout inside fork (attention's) changes it, as it should",
+        _drop_log_message(
+            "megatron.core.tensor_parallel.random", "CPU RNG state changed within GPU RNG context"
         ),
     ),
     Patch(
