@@ -62,6 +62,25 @@ def peak_tflops(device_name: str) -> float | None:
 # and the norms, which every TP rank keeps whole (no sequence parallelism).
 
 
+DROPOUT_MASK_BYTES = 1
+"""Bytes a dropout keeps per element for backward on CUDA, a bool mask (torch's CPU dropout keeps
+its float noise: 4). Attention-probability dropout inside SDPA's flash and memory-efficient
+kernels keeps nothing more (they regenerate the mask); CPU SDPA falls back to the math kernel,
+which keeps the s×s probabilities: a CPU run's attention dropout is not what this plans."""
+
+
+def _dropout_bytes(model, seq_len: int, tp: int, recompute: str) -> float:
+    """Bytes per token one layer application keeps for model.dropout: the FFN output's mask
+    and, with megatron-core's own attention, the s×s probabilities' mask and their dropped
+    copy."""
+    if model.dropout == 0 or recompute in ("full", "loop"):
+        return 0.0
+    out = DROPOUT_MASK_BYTES * model.hidden_size
+    if model.attention == "megatron" and recompute != "selective":
+        out += (DROPOUT_MASK_BYTES + 4) * model.num_heads * seq_len / tp
+    return out
+
+
 def _layer_values(model, seq_len: int, tp: int, recompute: str) -> tuple[float, float]:
     """(replicated, shared) values per token of one layer application."""
     d, f, h = model.hidden_size, model.ffn_size, model.num_heads
@@ -110,7 +129,12 @@ def activation_bytes(cfg, tp: int, pp: int, dp: int, micro_batch: int) -> dict:
     bf16_copies = (
         4 * model.hidden_size if train.bf16 and train.recompute in ("none", "selective") else 0
     )
-    layer = 4 * replicated + (2 if train.bf16 else 4) * shared + bf16_copies  # 0 under `loop`
+    layer = (
+        4 * replicated
+        + (2 if train.bf16 else 4) * shared
+        + bf16_copies
+        + _dropout_bytes(model, s, tp, train.recompute)
+    )  # 0 under `loop`
     per_lap = 4.0 * model.hidden_size if train.recompute == "loop" else 0.0  # a lap's input
     keep = cfg.objective.needs_logits
     microbatches = max(1, train.global_batch_size // (micro_batch * dp))
@@ -122,7 +146,8 @@ def activation_bytes(cfg, tp: int, pp: int, dp: int, micro_batch: int) -> dict:
             * (layers * layer + per_lap + (4 * _exit_values(model, tp, k, keep) if last else 0))
             for k in range(1, K + 1)
         ]
-        first = 4 * tokens * (model.hidden_size + 2) if rank == 0 else 0
+        h0_mask = DROPOUT_MASK_BYTES * model.hidden_size if model.dropout else 0
+        first = tokens * (4 * (model.hidden_size + 2) + h0_mask) if rank == 0 else 0
         if pp == 1:
             total = sum(laps) + first
         else:

@@ -69,6 +69,35 @@ def test_activation_figures_follow_the_architecture(overrides):
     assert planned == pytest.approx(measured(cfg), rel=TOLERANCE)
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "megatron"])
+def test_dropout_masks_are_counted(attention, monkeypatch):
+    """The dropout masks of H_0, each FFN output (and megatron attention's probabilities), as
+    many elements as the CPU keeps. The CPU keeps float masks (4 bytes, CUDA a bool: the
+    planner's DROPOUT_MASK_BYTES) and runs SDPA's dropout in its math kernel, which keeps the
+    s×s probabilities that CUDA's flash kernels do not: both are set to CUDA's way here."""
+    monkeypatch.setattr(cost, "DROPOUT_MASK_BYTES", 4)
+    cfg = experiment.load(
+        TINY,
+        [*SHAPE, "model.num_loops=2", "model.dropout=0.1", f"model.attention={attention}"],
+    )
+    model = build_model(cfg.model, 0)
+    model.train()
+    if attention == "sdpa":
+        for layer in model.layers:
+            layer.self_attention.core_attention.dropout = 0.0
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, 64))
+    without = experiment.load(TINY, [*SHAPE, "model.num_loops=2", f"model.attention={attention}"])
+    planned = {
+        c.model.dropout: cost.activation_bytes(c, tp=1, pp=1, dp=1, micro_batch=2)["total"]
+        for c in (cfg, without)
+    }
+    kept = measure.saved_activation_bytes(model, tokens)
+    assert planned[0.1] == pytest.approx(kept, rel=TOLERANCE)
+    # what dropout adds, on its own: the masks' elements exactly
+    added = kept - measure.saved_activation_bytes(build_model(without.model, 0).train(), tokens)
+    assert planned[0.1] - planned[0.0] == pytest.approx(added, rel=0.01)
+
+
 def real_counts(model_cfg) -> dict:
     with torch.device("meta"):
         model = build_model(model_cfg, seed=None, use_cpu_initialization=True)
