@@ -14,6 +14,7 @@ import importlib.util
 from data_prep.config import (
     DEFAULT_VOCAB,
     EOS,
+    WORDS_EOS,
     ExecutorConfig,
     FineWebConfig,
     PrepError,
@@ -81,16 +82,28 @@ def add_parsers(sub) -> list[argparse.ArgumentParser]:
     wt.add_argument(
         "--tokenizer",
         default=WikiTextConfig.tokenizer,
-        help="tokenizer.json path, hub name, or train:N (byte-level BPE, default "
-        f"{WikiTextConfig.tokenizer})",
+        help="tokenizer.json path, hub name, train:N (byte-level BPE) or words:N (the study's "
+        f"word-level vocabulary, e.g. words:20000); default {WikiTextConfig.tokenizer}",
     )
     wt.add_argument("--out", required=True)
-    wt.add_argument("--eos-token", default=WikiTextConfig.eos_token)
+    wt.add_argument(
+        "--layout",
+        choices=["articles", "stream"],
+        default=WikiTextConfig.layout,
+        help="articles: one document per article, each ending with EOS; stream: the study's, "
+        "non-empty lines joined by blank lines, one EOS at the end (default "
+        f"{WikiTextConfig.layout})",
+    )
+    wt.add_argument(
+        "--eos-token",
+        default=WikiTextConfig.eos_token,
+        help=f"the token that ends each document (default: {WORDS_EOS} for words:N, else {EOS})",
+    )
     wt.add_argument(
         "--max-doc-bytes",
         type=int,
         default=WikiTextConfig.max_doc_bytes,
-        help="larger single documents are dropped (and counted)",
+        help="larger single articles are dropped (and counted)",
     )
     _executor_options(wt)
 
@@ -109,7 +122,9 @@ def add_parsers(sub) -> list[argparse.ArgumentParser]:
         default=FineWebConfig.shard_size,
         help="sequences per tar shard",
     )
-    fw.add_argument("--eos-token", default=FineWebConfig.eos_token)
+    fw.add_argument(
+        "--eos-token", default=EOS, help=f"the token that ends each document (default {EOS})"
+    )
     fw.add_argument("--max-doc-bytes", type=int, default=FineWebConfig.max_doc_bytes)
     fw.add_argument(
         "--lang-model",

@@ -10,6 +10,7 @@ import json
 import re
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -21,11 +22,12 @@ from datatrove.utils.tokenization import PipelineStepWithTokenizer
 from tqdm import tqdm
 
 from data_prep.config import (  # noqa: F401  (EOS and PrepError re-exported for the corpora)
-    DEFAULT_VOCAB,
     EOS,
     ExecutorConfig,
     PrepError,
+    trained_tokenizer,
 )
+from megaloop.data.tokenizer import WORD_SPECIALS, special_tokens
 
 
 def sha256_file(path: Path) -> str:
@@ -156,22 +158,20 @@ class BadDocumentGuard(BaseFilter):
 
 def resolve_tokenizer(spec: str, out: Path, training_text=None) -> Path:
     """A tokenizer.json path for `spec`: a local file, a Hugging Face hub name (downloaded), or
-    `train:N` (a byte-level BPE of N tokens trained on `training_text`, saved as
-    out/tokenizer.json)."""
+    one trained on `training_text` and saved as out/tokenizer.json: `train:N` (a byte-level BPE
+    of N tokens) or `words:N` (the study's word-level vocabulary; `training_text` is then the
+    split's text in pieces cut at token boundaries)."""
     out.mkdir(parents=True, exist_ok=True)
-    if spec.startswith("train:"):
-        try:
-            size = int(spec.split(":", 1)[1])
-        except ValueError:
-            raise PrepError(
-                f"--tokenizer {spec!r}: use train:N with N an integer, e.g. train:{DEFAULT_VOCAB}"
-            ) from None
+    trained = trained_tokenizer(spec)
+    if trained:
         if training_text is None:
             raise PrepError(
                 f"--tokenizer {spec}: training a tokenizer needs the training split; "
                 f"give a source with wiki.train.raw or pass a tokenizer.json"
             )
-        return train_bpe(training_text, size, out / "tokenizer.json")
+        kind, size = trained
+        train = train_bpe if kind == "train" else train_words
+        return train(training_text, size, out / "tokenizer.json")
     if Path(spec).is_file():
         return Path(spec)
     if Path(spec).is_dir():
@@ -185,8 +185,8 @@ def resolve_tokenizer(spec: str, out: Path, training_text=None) -> Path:
     except Exception as e:
         raise PrepError(
             f"--tokenizer {spec!r} is not a file and could not be fetched from the "
-            f"Hugging Face hub ({type(e).__name__}); pass a tokenizer.json path or "
-            f"train:N"
+            f"Hugging Face hub ({type(e).__name__}); pass a tokenizer.json path, "
+            f"train:N or words:N"
         ) from None
 
 
@@ -203,6 +203,60 @@ def train_bpe(texts, vocab_size: int, path: Path) -> Path:
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer.save(str(path))
+    return path
+
+
+WORD_CLASSES = (r"\s+", r"[A-Za-z0-9_]+", r"[^\w\s]")
+WORD_PATTERN = "|".join(WORD_CLASSES)
+"""The study's tokens, in Python's `re`: whitespace runs, ASCII word runs, and single characters
+that are neither word nor space. A character none of them matches (é, ½: word characters outside
+[A-Za-z0-9_]) is dropped."""
+
+
+def _as_python_reads_it(alternative: str) -> str:
+    r"""One of WORD_CLASSES (a character class, maybe repeated) with its class spelled out as the
+    code points Python's `re` puts in it, in the regex syntax of `tokenizers` (\x{..} ranges).
+    That engine's Unicode tables disagree with Python's (½ and ² are \w to Python, Myanmar vowel
+    signs to it), so the pattern must not leave \w and \s to it."""
+    char_class = alternative.removesuffix("+")
+    ranges = []
+    for run in re.finditer(char_class + "+", "".join(map(chr, range(0x110000)))):
+        # surrogates never reach a tokenizer: its text is UTF-8
+        for lo, hi in (
+            (run.start(), min(run.end(), 0xD800)),
+            (max(run.start(), 0xE000), run.end()),
+        ):
+            if lo < hi:
+                ranges.append(f"\\x{{{lo:x}}}-\\x{{{hi - 1:x}}}")
+    return "[" + "".join(ranges) + "]" + alternative[len(char_class) :]
+
+
+def word_pre_tokenizer():
+    """The study's tokens as a `tokenizers` pre-tokenizer: the matches of WORD_PATTERN kept, the
+    rest removed, so that its tokens are `re.findall(WORD_PATTERN, text)` on any text."""
+    from tokenizers import Regex, pre_tokenizers
+
+    pattern = "|".join(_as_python_reads_it(a) for a in WORD_CLASSES)
+    return pre_tokenizers.Split(Regex(pattern), behavior="removed", invert=True)
+
+
+def train_words(pieces, size: int, path: Path) -> Path:
+    """The study's word-level tokenizer of a text given in `pieces` cut at token boundaries:
+    ids 0-3 for WORD_SPECIALS, then the tokens that occur at least twice, by descending count and
+    then the token, at most `size` ids in all; any other token encodes as <unk>. Decoding
+    concatenates the tokens (nothing added between them)."""
+    from tokenizers import Tokenizer, decoders, models
+
+    pre_tokenizer = word_pre_tokenizer()
+    counts = Counter()
+    for piece in pieces:  # split as the tokenizer splits, so that counts and encoding agree
+        counts.update(token for token, _ in pre_tokenizer.pre_tokenize_str(piece))
+    ranked = sorted((t for t, n in counts.items() if n >= 2), key=lambda t: (-counts[t], t))
+    vocab = {token: i for i, token in enumerate([*WORD_SPECIALS, *ranked][:size])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=WORD_SPECIALS[3]))
+    tokenizer.pre_tokenizer = pre_tokenizer
+    tokenizer.decoder = decoders.Fuse()
     tokenizer.save(str(path))
     return path
 
@@ -224,9 +278,10 @@ def eos_id(tokenizer_path: Path, eos: str = EOS) -> int:
     tok = load_tokenizer(tokenizer_path)
     token = tok.token_to_id(eos)
     if token is None:
+        own = special_tokens(tok).get("eos_token")
         raise PrepError(
             f"tokenizer {tokenizer_path} has no {eos!r} token to end documents with; "
-            f"pass --eos-token with one it has"
+            f"pass --eos-token with one it has" + (f" (its own: --eos-token {own})" if own else "")
         )
     return token
 
@@ -239,8 +294,9 @@ def token_dtype(vocab_size: int):
 
 
 class TokenizingStep(PipelineStepWithTokenizer):
-    """Tokenizes documents in batches (each followed by EOS) and counts documents and tokens on
-    a progress bar; subclasses decide where the tokens go."""
+    """Tokenizes documents in batches (each followed by EOS, but a piece of a longer text that
+    the next document goes on with: metadata eos=False) and counts documents and tokens on a
+    progress bar; subclasses decide where the tokens go."""
 
     def __init__(self, tokenizer_path: str, eos_token: str = EOS, batch_size: int = 256):
         super().__init__(tokenizer_path, eos_token)
@@ -256,7 +312,10 @@ class TokenizingStep(PipelineStepWithTokenizer):
             for batch in batched(data, self.batch_size):
                 with self.track_time(unit="batch"):
                     encoded = self.tokenizer.encode_batch([d.text for d in batch])
-                ids = [np.asarray(e.ids, dtype=np.int64) for e in encoded]
+                ids = [  # the tokenizer's post-processor appends the EOS
+                    np.asarray(e.ids if d.metadata.get("eos", True) else e.ids[:-1], np.int64)
+                    for d, e in zip(batch, encoded)
+                ]
                 docs += len(batch)
                 tokens += sum(len(i) for i in ids)
                 self.stat_update("documents", value=len(batch))

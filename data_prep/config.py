@@ -14,7 +14,12 @@ from typing import ClassVar, Literal
 
 DEFAULT_VOCAB = 20480
 EOS = "<|endoftext|>"
+WORDS_EOS = "<eos>"
+"""What ends a document under a words:N tokenizer (megaloop.data.tokenizer.WORD_SPECIALS)."""
 MAX_DOC_BYTES = 10 * 2**20
+TRAINED = {"train": (1, DEFAULT_VOCAB), "words": (5, 20000)}
+"""The tokenizers trained here (`KIND:N`): the least N of each (a words:N vocabulary holds its 4
+special tokens and at least one word) and the usual one (the study's 20,000 words)."""
 
 
 class PrepError(ValueError):
@@ -23,6 +28,20 @@ class PrepError(ValueError):
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def trained_tokenizer(spec: str) -> tuple[str, int] | None:
+    """(kind, N) of a `--tokenizer` trained here (train:N, words:N); None for a file or hub
+    name. A bad N is one PrepError naming the spec and the fix."""
+    kind, colon, size = spec.partition(":")
+    if kind not in TRAINED or not colon:
+        return None
+    least, usual = TRAINED[kind]
+    if not (size.isascii() and size.isdigit() and int(size) >= least):
+        raise PrepError(
+            f"--tokenizer {spec!r}: use {kind}:N with N an integer >= {least}, e.g. {kind}:{usual}"
+        )
+    return kind, int(size)
 
 
 @dataclass
@@ -58,12 +77,17 @@ class RecipeConfig:
     recipe: ClassVar[str]
     out: str
     tokenizer: str
-    eos_token: str = EOS
+    eos_token: str | None = None
+    """The token that ends each document; None: the tokenizer's own (<eos> for words:N,
+    <|endoftext|> otherwise)."""
     max_doc_bytes: int = MAX_DOC_BYTES
     """Larger single documents are dropped (and counted)."""
     execution: ExecutorConfig = field(default_factory=ExecutorConfig)
 
     def __post_init__(self) -> None:
+        trained = trained_tokenizer(self.tokenizer)
+        if self.eos_token is None:
+            self.eos_token = WORDS_EOS if trained and trained[0] == "words" else EOS
         if self.max_doc_bytes < 1:
             raise PrepError(f"--max-doc-bytes {self.max_doc_bytes}: use a positive number")
         if not self.eos_token:
@@ -88,9 +112,18 @@ class WikiTextConfig(RecipeConfig):
 
     recipe: ClassVar[str] = "wikitext103"
     tokenizer: str = f"train:{DEFAULT_VOCAB}"
-    """A tokenizer.json path, a hub name, or train:N (a byte-level BPE trained on the split)."""
+    """A tokenizer.json path, a hub name, train:N (a byte-level BPE trained on the split), or
+    words:N (the study's word-level vocabulary of the train split, at most N tokens)."""
     source: str = "Salesforce/wikitext"
     """A folder with wiki.{train,valid,test}.raw, or Salesforce/wikitext (the hub)."""
+    layout: Literal["articles", "stream"] = "articles"
+    """articles: one document per article, each ending with EOS. stream: the study's, the split's
+    non-empty lines joined by blank lines, one EOS at the very end (--max-doc-bytes unused)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.layout not in ("articles", "stream"):
+            raise PrepError(f"--layout {self.layout}: use articles or stream")
 
 
 @dataclass(kw_only=True)
@@ -109,9 +142,10 @@ class FineWebConfig(RecipeConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.tokenizer.startswith("train:"):
+        trained = trained_tokenizer(self.tokenizer)
+        if trained:
             raise PrepError(
-                "--tokenizer train:N is for WikiText; pass a tokenizer.json or hub name"
+                f"--tokenizer {trained[0]}:N is for WikiText; pass a tokenizer.json or hub name"
             )
         if self.seq_len < 1 or self.shard_size < 1:
             raise PrepError("--seq-len and --shard-size must be >= 1")

@@ -1,13 +1,18 @@
 """`megaloop prep wikitext103`: WikiText-103 → one megatron-core indexed dataset per split.
 
     megaloop prep wikitext103 --source DIR_OR_HUB --tokenizer train:20480 --out data/wt103
+    megaloop prep wikitext103 --source DIR --tokenizer words:20000 --layout stream --out data/study
 
 Source: a folder with any of wiki.train.raw, wiki.valid.raw, wiki.test.raw, or the Hugging Face
 dataset `Salesforce/wikitext` (config `wikitext-103-raw-v1`) where a hub is reachable.
-Documents are articles: the text from one top-level ` = Title = ` heading to the next, kept as
-is. Output: `{split}.bin/.idx` (uint16 when the vocabulary fits) and `{split}.manifest.json`,
-plus `tokenizer.json` when it was trained here (`train:N`, a byte-level BPE on the train split).
-A re-run resumes: finished splits are kept, finished datatrove tasks are skipped.
+Layout `articles`: a document per article, the text from one top-level ` = Title = ` heading to
+the next, kept as is, each ending with EOS. Layout `stream` (the study's): the split's non-empty
+lines joined by blank lines, one EOS at the very end, stored as pieces of ~1 MiB characters cut
+where a token ends. Output: `{split}.bin/.idx` (uint16 when the vocabulary fits) and
+`{split}.manifest.json`, plus `tokenizer.json` when it was trained here on the train split
+(`train:N`, a byte-level BPE of its articles; `words:N`, the study's word-level vocabulary of its
+stream). A re-run resumes: the trained tokenizer and finished splits are kept, finished
+datatrove tasks are skipped.
 """
 
 from __future__ import annotations
@@ -34,11 +39,18 @@ from data_prep.common import (
     token_dtype,
     write_manifest,
 )
-from data_prep.config import WikiTextConfig
+from data_prep.config import WikiTextConfig, trained_tokenizer
 
 SPLITS = ("train", "valid", "test")
 HUB_DATASET, HUB_CONFIG = "Salesforce/wikitext", "wikitext-103-raw-v1"
 HEADING = re.compile(r"^ = (?!=).*(?<!=) = $")
+PIECE_CHARS = 2**20
+"""Characters per document of the stream layout and per piece a words:N tokenizer counts: no
+call tokenizes the 540 MB train split at once."""
+CUT = re.compile(r"[!-~](?= )")
+r"""Where a piece may end: after an ASCII printable non-space character that a space follows. No
+token of the study's pattern spans it under any reading of \s and \w (the character is no space,
+the space no word character), nor one of GPT-2's, so the pieces' tokens are the whole text's."""
 
 
 def _blank(lines: list[str], i: int) -> bool:
@@ -68,11 +80,39 @@ def read_raw(path: Path) -> str:
     return path.read_bytes().decode("utf-8", errors="surrogateescape")
 
 
+def study_lines(path: Path) -> tuple[list[str], int]:
+    """The split's non-empty lines, each with its "\n" (the hub dataset's rows are the raw file's
+    lines, blank ones empty), and how many more were left out for bytes that are not UTF-8."""
+    with open(path, encoding="utf-8", errors="surrogateescape", newline="\n") as f:  # as read_raw
+        lines = [line for line in f if line.strip()]
+    kept = [line for line in lines if _is_utf8(line)]
+    return kept, len(lines) - len(kept)
+
+
+def stream_pieces(lines, chars: int):
+    """The study's text of a split, "\n\n".join(lines), in pieces of at least `chars`
+    characters (the last may be shorter), each ending at a CUT."""
+    parts, size = [], 0
+    for i, line in enumerate(lines):
+        parts.append("\n\n" + line if i else line)
+        size += len(parts[-1])
+        if size >= chars:
+            text, end = "".join(parts), 0
+            while cut := CUT.search(text, end + chars - 1):
+                yield text[end : cut.end()]
+                end = cut.end()
+            parts, size = [text[end:]], len(text) - end
+    if size:
+        yield "".join(parts)
+
+
 class WikiTextReader(PipelineStep):
     """Articles of one raw split file as datatrove Documents."""
 
     name = "📖 wikitext articles"
     type = "📖 - READER"
+    counts = ("non_utf8_documents",)
+    """What the manifest records of this step's stats."""
 
     def __init__(self, path: str, split: str):
         super().__init__()
@@ -95,6 +135,41 @@ class WikiTextReader(PipelineStep):
             self.stat_update("documents")
             title = article.strip().splitlines()[0].strip(" =") if article.strip() else ""
             yield Document(text=article, id=f"{self.split}-{i:06d}", metadata={"title": title})
+
+
+class WikiTextStream(PipelineStep):
+    """The study's text of one raw split file (its non-empty lines joined by blank lines) as
+    Documents of `chars` characters or so, only the last followed by EOS."""
+
+    name = "📖 wikitext stream"
+    type = "📖 - READER"
+    counts = ("lines", "non_utf8_lines")
+    """What the manifest records of this step's stats."""
+
+    def __init__(self, path: str, split: str, chars: int):
+        super().__init__()
+        self.path, self.split, self.chars = path, split, chars
+
+    def run(
+        self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1
+    ) -> DocumentsPipeline:
+        lines, bad = study_lines(Path(self.path))
+        self.stat_update("lines", value=len(lines))
+        if bad:
+            self.stat_update("non_utf8_lines", value=bad)
+            print(
+                f"megaloop prep: {self.path}: skipping {bad} {self.split} line(s): not valid UTF-8",
+                flush=True,
+            )
+        pieces = stream_pieces(lines, self.chars)
+        piece, i = next(pieces, None), 0
+        while piece is not None:
+            following = next(pieces, None)
+            self.stat_update("documents")
+            yield Document(
+                text=piece, id=f"{self.split}-{i:06d}", metadata={"eos": following is None}
+            )
+            piece, i = following, i + 1
 
 
 def fetch_from_hub(out: Path) -> Path:
@@ -140,20 +215,25 @@ def source_files(source: str, out: Path) -> dict[str, Path]:
     return files
 
 
+def training_text(cfg: WikiTextConfig, files: dict[str, Path]):
+    """What a tokenizer trained here learns from: the train split's articles (train:N) or its
+    study stream in pieces (words:N); None without a train split or a tokenizer to train."""
+    trained = trained_tokenizer(cfg.tokenizer)
+    if not trained or "train" not in files:
+        return None
+    if trained[0] == "words":
+        return stream_pieces(study_lines(files["train"])[0], PIECE_CHARS)
+    return (a for a in split_articles(read_raw(files["train"])) if _is_utf8(a) and a.strip())
+
+
 def prepare(cfg: WikiTextConfig) -> dict:
     """Prepare (or resume) each split found; the manifests of the splits finished by this run."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     files = source_files(cfg.source, out)
-    training_text = None
-    if cfg.tokenizer.startswith("train:") and "train" in files:
-        training_text = (
-            a for a in split_articles(read_raw(files["train"])) if _is_utf8(a) and a.strip()
-        )
-    if cfg.tokenizer.startswith("train:") and (out / "tokenizer.json").is_file():
-        tokenizer = out / "tokenizer.json"  # trained by an earlier run: resume with it
-    else:
-        tokenizer = resolve_tokenizer(cfg.tokenizer, out, training_text)
+    tokenizer = out / "tokenizer.json"
+    if not (trained_tokenizer(cfg.tokenizer) and tokenizer.is_file()):  # else: resume with it
+        tokenizer = resolve_tokenizer(cfg.tokenizer, out, training_text(cfg, files))
     vocab = load_tokenizer(tokenizer).get_vocab_size()
     eos_id(tokenizer, cfg.eos_token)
     dtype = token_dtype(vocab)
@@ -167,9 +247,12 @@ def prepare(cfg: WikiTextConfig) -> dict:
         manifest_path.unlink(missing_ok=True)
         start = time.perf_counter()
         logs = out / "logs" / split
+        if cfg.layout == "stream":  # the study's text exactly: nothing in it is dropped
+            reader = [WikiTextStream(str(path), split, PIECE_CHARS)]
+        else:
+            reader = [WikiTextReader(str(path), split), BadDocumentGuard(cfg.max_doc_bytes)]
         pipeline = [
-            WikiTextReader(str(path), split),
-            BadDocumentGuard(cfg.max_doc_bytes),
+            *reader,
             IndexedDatasetWriter(str(out), split, str(tokenizer), dtype.__name__, cfg.eos_token),
         ]
         if not run_pipeline(pipeline, logs, 1, cfg.execution):
@@ -195,7 +278,8 @@ def prepare(cfg: WikiTextConfig) -> dict:
             "dropped": {
                 k: stat(stats, "guard", f"dropped_{k}") for k in ("empty", "too_long", "binary")
             },
-            "non_utf8_documents": stat(stats, "wikitext articles", "non_utf8_documents"),
+            "layout": cfg.layout,
+            **{key: stat(stats, reader[0].name, key) for key in reader[0].counts},
             "dtype": dtype.__name__,
             "vocab_size": vocab,
             "eos_token": cfg.eos_token,

@@ -185,16 +185,18 @@ def save_tokenizer(spec: str, out: Path) -> None:
     """tokenizer.json (+ config) for AutoTokenizer: the run's own, or the byte tokenizer."""
     from transformers import PreTrainedTokenizerFast
 
-    from megaloop.data.tokenizer import BYTE_EOS, EOS, byte_level_tokenizer
+    from megaloop.data.tokenizer import BYTE_EOS, byte_level_tokenizer, special_tokens
 
     if spec == "bytes":
-        tok, eos = byte_level_tokenizer(), BYTE_EOS
+        tok, roles = byte_level_tokenizer(), {"eos_token": BYTE_EOS}
     else:
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_file(spec)
-        eos = EOS if tok.token_to_id(EOS) is not None else None
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos).save_pretrained(out)
+        roles = special_tokens(tok)  # a BPE's end of text; the word vocabulary's four
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, clean_up_tokenization_spaces=False, **roles
+    ).save_pretrained(out)
 
 
 def export(source: Path, out: Path) -> Path:

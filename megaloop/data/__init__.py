@@ -3,7 +3,8 @@
     synthetic   SyntheticConfig: built-in corpora (data/synthetic.py), a function of (seed, index)
     text        TextConfig: a UTF-8 text file (data/text.py)
     indexed     IndexedConfig: megatron-core indexed datasets via GPTDataset (data/indexed.py),
-                from `megaloop prep wikitext103`; `data.epochs` sets the training length
+                from `megaloop prep wikitext103`; `data.epochs` sets the training length,
+                `data.stride` reads the study's overlapping windows instead
     webdataset  WebDatasetConfig: packed sequences in tar shards (data/shards.py), from
                 `megaloop prep fineweb`
 
@@ -197,11 +198,22 @@ class IndexedConfig(_OnDisk):
     """Train for exactly this many passes over the training split (sets train.steps)."""
     cache_dir: str | None = None
     """Where GPTDataset caches its shuffle indices (default: beside the data)."""
+    stride: int | None = None
+    """The study's samples: windows of seq_len+1 tokens of the training split's documents back to
+    back, starting every `stride` tokens (overlapping below seq_len+1; the study: 128 at seq_len
+    256), each epoch in its own shuffled order. Null: megatron-core's GPTDataset."""
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
         check(
             self.epochs is None or self.epochs >= 1, prefix + "epochs", self.epochs, "must be >= 1"
+        )
+        check(
+            self.stride is None or 1 <= self.stride <= self.seq_len + 1,
+            prefix + "stride",
+            self.stride,
+            f"must lie in [1, data.seq_len+1={self.seq_len + 1}] (a longer stride skips tokens "
+            f"no window holds), or null for megatron-core's GPTDataset samples",
         )
 
     def check_files(self) -> None:
@@ -232,12 +244,13 @@ class IndexedConfig(_OnDisk):
             max(train_samples, 1),
             tokenizer,
             self.cache_dir,
+            self.stride,
         )
 
     def steps_for_epochs(self, global_batch_size: int) -> int:
         from megaloop.data.indexed import samples_for_epochs
 
-        samples = samples_for_epochs(self.path, self.seq_len, self.epochs)
+        samples = samples_for_epochs(self.path, self.seq_len, self.epochs, self.stride)
         check(
             samples >= global_batch_size,
             "data.epochs",

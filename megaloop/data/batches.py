@@ -1,5 +1,5 @@
 """What a step reads: this data-parallel rank's training micro-batches and the data position,
-and the validation split's windows.
+the validation split's windows, and the study's overlapping training windows.
 
 The position saved in checkpoints is the number of consumed samples (over all DP ranks), so a
 resumed run, in any layout, continues where the last one stopped.
@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+
+from megaloop.config import DataError
 
 
 class Windows:
@@ -36,6 +38,48 @@ class Windows:
 
     def batch(self, indices) -> torch.Tensor:
         return torch.from_numpy(np.stack([self[i] for i in indices]))
+
+
+def strided_windows(num_tokens: int, seq_len: int, stride: int) -> int:
+    """How many windows of seq_len+1 tokens start every `stride` tokens of a stream."""
+    return (num_tokens - seq_len - 1) // stride + 1 if num_tokens > seq_len else 0
+
+
+class StridedWindows:
+    """The study's training samples: window j is tokens[j·stride : j·stride + seq_len + 1]
+    (overlapping when stride <= seq_len), and sample i is window order(e)[i mod n] of epoch
+    e = i // n, each epoch a permutation drawn from (seed, e) alone, so any sample index is
+    reproducible (exact resume in any layout) and every epoch visits each window once."""
+
+    def __init__(
+        self,
+        read: Callable[[int, int], np.ndarray],
+        num_tokens: int,
+        seq_len: int,
+        stride: int,
+        seed: int,
+        name: str,
+    ):
+        self.read, self.seq_len, self.stride, self.seed = read, seq_len, stride, seed
+        self.windows = strided_windows(num_tokens, seq_len, stride)
+        if self.windows == 0:
+            raise DataError(
+                f"{name} holds {num_tokens} tokens, fewer than one training window of "
+                f"data.seq_len+1={seq_len + 1}; lower data.seq_len or prepare more text"
+            )
+        self._order: tuple[int, np.ndarray] | None = None
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The windows of `epoch` in the order it visits them (the last epoch's is kept)."""
+        if self._order is None or self._order[0] != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._order = epoch, rng.permutation(self.windows)
+        return self._order[1]
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        epoch, j = divmod(index, self.windows)
+        start = int(self.order(epoch)[j]) * self.stride
+        return np.asarray(self.read(start, self.seq_len + 1), dtype=np.int64)
 
 
 class Batches:

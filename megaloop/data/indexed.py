@@ -3,9 +3,11 @@
 Training goes through megatron-core's GPTDataset and its dataset builder: samples of seq_len+1
 tokens across document boundaries, shuffled as a function of (seed, epochs) only, so "4 epochs"
 means four passes over the training tokens and any sample index is reproducible (exact resume in
-any layout). Validation does not shuffle: it reads the valid prefix's documents back to back in
-the order they are stored, straight from megatron-core's IndexedDataset, and cuts that stream
-into windows in order (batches.Windows), the same for every seed and variant.
+any layout). With `data.stride` it reads the study's samples instead: overlapping windows of the
+documents back to back, shuffled per epoch (batches.StridedWindows). Validation does not
+shuffle: it reads the valid prefix's documents back to back in the order they are stored,
+straight from megatron-core's IndexedDataset, and cuts that stream into windows in order
+(batches.Windows), the same for every seed and variant.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megaloop.config import DataError
-from megaloop.data.batches import Batches, Windows
+from megaloop.data.batches import Batches, StridedWindows, Windows, strided_windows
 from megaloop.data.tokenizer import Tokenizer
 from megaloop.parallel import comm
 
@@ -128,14 +130,13 @@ def check_indexed(prefix: str, vocab_size: int | None = None) -> int:
     return tokens
 
 
-def samples_for_epochs(prefix: str, seq_len: int, epochs: int) -> int:
-    """Samples that make exactly `epochs` passes: GPTDataset needs num_samples*seq_len + 1
-    tokens, so this is the most that fits in `epochs` copies of the split."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    check_indexed(prefix)
-    dataset = IndexedDataset(prefix)  # keep it alive: its arrays are views of its mmap
-    tokens = int(np.sum(dataset.sequence_lengths))
+def samples_for_epochs(prefix: str, seq_len: int, epochs: int, stride: int | None = None) -> int:
+    """Samples that make exactly `epochs` passes: with a stride, `epochs` times its windows;
+    else the most GPTDataset fits in `epochs` copies of the split (it needs
+    num_samples*seq_len + 1 tokens)."""
+    tokens = check_indexed(prefix)
+    if stride is not None:
+        return epochs * strided_windows(tokens, seq_len, stride)
     return (epochs * tokens - 1) // seq_len
 
 
@@ -173,46 +174,20 @@ class IndexedData:
         num_train_samples: int,
         tokenizer: Tokenizer,
         cache_dir: str | None = None,
+        stride: int | None = None,
     ):
-        from megatron.core.datasets.blended_megatron_dataset_builder import (
-            BlendedMegatronDatasetBuilder,
-        )
-        from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-
-        self.seq_len, self.tokenizer = seq_len, tokenizer
+        self.seq_len, self.tokenizer, self.stride = seq_len, tokenizer, stride
         for prefix in dict.fromkeys([train_prefix, valid_prefix or train_prefix]):
             check_indexed(prefix)  # token ids against the model: experiment.build_trainer
-        eod = manifest(train_prefix).get("eos_id", tokenizer.eos_id)
-        config = GPTDatasetConfig(
-            random_seed=seed,
-            sequence_length=seq_len,
-            blend_per_split=[([train_prefix], None), None, None],
-            path_to_cache=cache_dir,
-            create_attention_mask=False,
-            reset_position_ids=False,
-            reset_attention_mask=False,
-            eod_mask_loss=False,
-            # what GPTDataset asks of a tokenizer (pad is unused: samples carry an extra token)
-            tokenizer=SimpleNamespace(
-                eod=eod,
-                pad=-1,
-                vocab_size=tokenizer.vocab_size,
-                unique_identifiers={"eod": eod, "vocab_size": tokenizer.vocab_size},
-            ),
-        )
-        rank0 = not dist.is_initialized() or dist.get_rank() == 0
-
-        def build():
-            return BlendedMegatronDatasetBuilder(
-                GPTDataset, [num_train_samples, None, None], lambda: True, config
-            ).build()[0]
-
-        # rank 0 writes the shuffle-index cache, then every rank reads it
-        if rank0:
-            self.train = build()
-        comm.barrier()
-        if not rank0:
-            self.train = build()
+        if stride is None:
+            self.train = gpt_dataset(
+                train_prefix, seq_len, seed, num_train_samples, tokenizer, cache_dir
+            )
+        else:
+            train = TokenStream(train_prefix)
+            self.train = StridedWindows(
+                train.read, train.num_tokens, seq_len, stride, seed, train_prefix
+            )
         # without a valid prefix, the training split's own windows (a smoke check, not held out)
         stream = TokenStream(valid_prefix or train_prefix)
         self.valid = Windows(stream.read, stream.num_tokens, seq_len, valid_prefix or train_prefix)
@@ -222,6 +197,8 @@ class IndexedData:
         return len(self.valid)
 
     def sample(self, index: int) -> np.ndarray:
+        if self.stride is not None:
+            return self.train[index]
         item = self.train[index]
         return torch.cat([item["tokens"], item["labels"][-1:]]).numpy()
 
@@ -232,3 +209,49 @@ class IndexedData:
 
     def batches(self, *args, **kwargs) -> Batches:
         return Batches(self, *args, **kwargs)
+
+
+def gpt_dataset(
+    prefix: str,
+    seq_len: int,
+    seed: int,
+    num_samples: int,
+    tokenizer: Tokenizer,
+    cache_dir: str | None,
+):
+    """megatron-core's GPTDataset of `num_samples` samples of the indexed dataset at `prefix`."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    eod = manifest(prefix).get("eos_id", tokenizer.eos_id)
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_len,
+        blend_per_split=[([prefix], None), None, None],
+        path_to_cache=cache_dir,
+        create_attention_mask=False,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        # what GPTDataset asks of a tokenizer (pad is unused: samples carry an extra token)
+        tokenizer=SimpleNamespace(
+            eod=eod,
+            pad=-1,
+            vocab_size=tokenizer.vocab_size,
+            unique_identifiers={"eod": eod, "vocab_size": tokenizer.vocab_size},
+        ),
+    )
+
+    def build():
+        return BlendedMegatronDatasetBuilder(
+            GPTDataset, [num_samples, None, None], lambda: True, config
+        ).build()[0]
+
+    # rank 0 writes the shuffle-index cache, then every rank reads it
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0:
+        dataset = build()
+    comm.barrier()
+    return dataset if rank0 else build()

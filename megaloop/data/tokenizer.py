@@ -1,5 +1,5 @@
 """Tokenizers: raw UTF-8 bytes (256 tokens, nothing to download) or a Hugging Face
-tokenizer.json."""
+tokenizer.json (a BPE, or the study's word-level vocabulary from `megaloop prep ... words:N`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,26 @@ import numpy as np
 from megaloop.config import DataError
 
 EOS = "<|endoftext|>"
+WORD_SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
+"""The study's special tokens, ids 0-3 of a words:N vocabulary (data_prep.common.train_words)."""
+ROLES = {
+    "eos_token": (EOS, WORD_SPECIALS[2]),
+    "bos_token": (WORD_SPECIALS[1],),
+    "pad_token": (WORD_SPECIALS[0],),
+    "unk_token": (WORD_SPECIALS[3],),
+}
+"""The names megaloop's preparations give each special token, by its role in transformers."""
+
+
+def special_tokens(tok) -> dict[str, str]:
+    """The special tokens a `tokenizers.Tokenizer` has, by role (eos_token, bos_token, pad_token,
+    unk_token), as transformers' PreTrainedTokenizerFast takes them."""
+    found = {}
+    for role, names in ROLES.items():
+        name = next((n for n in names if tok.token_to_id(n) is not None), None)
+        if name is not None:
+            found[role] = name
+    return found
 
 
 class Tokenizer:
@@ -50,7 +70,8 @@ class HFTokenizer(Tokenizer):
                 f"give the tokenizer.json the data was prepared with"
             ) from None
         self.vocab_size = self._tok.get_vocab_size()
-        self.eos_id = self._tok.token_to_id(EOS)
+        eos = special_tokens(self._tok).get("eos_token")
+        self.eos_id = None if eos is None else self._tok.token_to_id(eos)
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text).ids, dtype=np.int64)

@@ -46,7 +46,8 @@ OPTIONS = {
     "plan": ["config", "overrides", "--gpus", "--gpu-mem", "--tflops", "--mfu"]
     + ["--gpus-per-node", "--search"],
     "demo": ["--text", "--tokenizer", "--steps", "--out", "--seed", "--seeds"],
-    "prep wikitext103": ["--source", "--tokenizer", "--out", "--eos-token", "--max-doc-bytes"]
+    "prep wikitext103": ["--source", "--tokenizer", "--out", "--layout", "--eos-token"]
+    + ["--max-doc-bytes"]
     + PREP,
     "prep fineweb": ["--source", "--tokenizer", "--out", "--seq-len", "--shard-size"]
     + ["--eos-token", "--max-doc-bytes", "--lang-model", "--lang-threshold", *PREP],
