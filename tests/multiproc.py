@@ -13,7 +13,7 @@ from pathlib import Path
 
 from faults import SCRIPT as FAULTS
 from megaloop.train.metrics import read as read_metrics
-from support import TINY, env
+from support import ROOT, TINY, env
 
 # L=4, K=4, tiny widths: 10 steps of 4 micro-batches of 1 sequence, checkpoints at 5 and 10
 BASE = [
@@ -117,6 +117,22 @@ def train_here(run_dir: Path, overrides: list[str]) -> None:
         torch.set_num_threads(threads)
 
 
+def study_overrides() -> list[str]:
+    """The study preset's (configs/experiments/study/) model and optimizer settings on the tiny
+    shape: learned positions, PyTorch's initialisation, its norm epsilon, constant lr, decay of
+    every parameter; dropout off, which a parallel layout draws differently."""
+    from megaloop import experiment
+
+    study = experiment.load(ROOT / "configs/experiments/study/44m/per_loop_norm.yaml")
+    model = ("position_embedding", "init", "norm_eps", "tie_embeddings")
+    return [
+        "objective.kind=per_loop",
+        "model.dropout=0",
+        *(f"model.{k}={str(getattr(study.model, k)).lower()}" for k in model),
+        *(f"optim.{k}={str(v).lower()}" for k, v in study.optim.to_dict().items()),
+    ]
+
+
 OBJECTIVES = {
     "per_loop+penalty": ["objective.kind=per_loop", "objective.norm_penalty=0.01"],
     "exit_weighted": [
@@ -132,6 +148,7 @@ OBJECTIVES = {
         "model.loop_norm=shared",
         "model.tie_embeddings=false",
     ],
+    "study": study_overrides(),
 }
 
 

@@ -85,6 +85,15 @@ def test_zero3_checkpoint_consolidates_to_the_one_process_weights(reference_run,
         assert diff < 1e-5, (key, diff.item())
 
 
+def test_zero3_trains_the_study_preset_as_the_megatron_engine(reference_run, tmp_path):
+    """Learned positions (a table ZeRO-3 partitions too), PyTorch's initialisation, decay of
+    every parameter and a constant learning rate: the one-process megatron-engine curve."""
+    _, reference = reference_run("study")
+    nproc, overrides = ZERO["zero3-dp2"]
+    train(nproc, tmp_path, [*OBJECTIVES["study"], "engine=deepspeed", *overrides])
+    assert_same_curve(metrics(tmp_path), reference, 1e-5)
+
+
 def test_kill_9_then_resume_continues_exactly(ds_run, tmp_path):
     _, reference = ds_run("zero3-dp2")
     kill_9_then_resume(

@@ -63,7 +63,8 @@ def run(reference_run, tmp_path_factory):
         (objective, layout)
         for objective in OBJECTIVES
         for layout in LAYOUTS
-        if objective != "exit_mixture" or layout in ("tp2", "pp2", "tp2xpp2")
+        if objective not in ("exit_mixture", "study") or layout in ("tp2", "pp2", "tp2xpp2")
+        if objective != "study" or layout == "tp2xpp2"
     ],
 )
 def test_layout_equals_one_process(run, objective, layout, memory_report):
@@ -123,11 +124,12 @@ def copy_run(source, run_dir, drop_after: int):
             shutil.rmtree(folder)
 
 
-def test_reshard_tp2xpp2_checkpoint_into_one_process(run, tmp_path, capsys):
-    source, _ = run("exit_weighted", "tp2xpp2")
-    _, reference = run("exit_weighted")
+@pytest.mark.parametrize("objective", ["exit_weighted", "study"])
+def test_reshard_tp2xpp2_checkpoint_into_one_process(run, objective, tmp_path, capsys):
+    source, _ = run(objective, "tp2xpp2")
+    _, reference = run(objective)
     copy_run(source, tmp_path / "run", drop_after=5)
-    train_here(tmp_path / "run", OBJECTIVES["exit_weighted"])
+    train_here(tmp_path / "run", OBJECTIVES[objective])
     assert f"resumed from {tmp_path}/run/checkpoints/step_0000005" in capsys.readouterr().out
     assert_same_curve(metrics(tmp_path / "run"), reference, REL)
 

@@ -32,7 +32,7 @@ def test_data_kind_picks_a_section_with_only_its_keys():
     cfg = experiment.load(ROOT / "configs/experiments/wikitext103/44m/per_loop_norm.yaml")
     assert type(cfg.data) is IndexedConfig and cfg.data.epochs == 4
     assert set(cfg.to_dict()["data"]) == {
-        "kind", "seq_len", "tokenizer", "path", "valid_path", "epochs", "cache_dir"
+        "kind", "seq_len", "tokenizer", "path", "valid_path", "epochs", "cache_dir", "stride"
     }  # fmt: skip
     fineweb = ROOT / "configs/experiments/fineweb/1p4b_baseline.yaml"
     with pytest.raises(ConfigError, match="'data.path'.*data.kind=webdataset, not of data.kind"):
@@ -70,6 +70,77 @@ def test_ablation_table_has_one_file_per_row_for_both_sizes():
         for row in rows:
             cfg = experiment.load(ROOT / f"configs/experiments/wikitext103/{size}/{row}.yaml")
             assert (cfg.model.hidden_size, cfg.model.num_loops) == (d, 4)
+
+
+STUDY_ROWS = {
+    "terminal_norm",
+    "terminal_raw",
+    "per_loop_norm",
+    "per_loop_raw",
+    "final_norm",
+    "terminal_norm_penalty",
+    "per_loop_norm_penalty",
+    "exit_weighted",
+    "spectral_damping",
+    "spectral_damping_terminal",
+    "interloop_rmsnorm",
+}
+
+
+@pytest.mark.parametrize(
+    "size, d, batch, total", [("44m", 512, 64, 43_934_208), ("129m", 768, 32, 128_822_016)]
+)
+def test_the_study_preset_is_its_released_setup(size, d, batch, total):
+    """Each Table 2 row of configs/experiments/study/ on the released code's settings; a row
+    with a normalised readout and nothing added counts the released model's parameters."""
+    from megaloop.parallel.cost import parameter_counts
+
+    folder = ROOT / f"configs/experiments/study/{size}"
+    assert {p.stem for p in folder.glob("*.yaml")} == STUDY_ROWS
+    for row in STUDY_ROWS:
+        cfg = experiment.load(folder / f"{row}.yaml")
+        m, o = cfg.model, cfg.optim
+        assert (m.hidden_size, m.num_loops, m.ffn_size, m.vocab_size) == (d, 4, 4 * d, 20_000)
+        assert (m.position_embedding, m.max_seq_len, m.init, m.dropout) == (
+            "learned",
+            256,
+            "pytorch",
+            0.1,
+        )
+        assert (m.norm_eps, m.tie_embeddings) == (1e-6, True)
+        assert (o.lr, o.schedule, o.warmup_steps, o.beta1, o.beta2, o.eps) == (
+            3e-4,
+            "constant",
+            0,
+            0.9,
+            0.999,
+            1e-8,
+        )
+        assert (o.weight_decay, o.decay, o.clip_grad) == (0.01, "all", 1.0)
+        assert (cfg.data.seq_len, cfg.data.stride, cfg.data.epochs) == (256, 128, 4)
+        assert (cfg.train.global_batch_size, cfg.train.bf16) == (batch, True)
+        extra = m.readout != "norm" or m.recurrence != "none" or m.exit_gate
+        assert extra or parameter_counts(m)["total"] == total, row
+    assert experiment.load(folder / "exit_weighted.yaml").objective.entropy_beta == 0.1
+    penalty = experiment.load(folder / "per_loop_norm_penalty.yaml").objective
+    assert penalty.norm_penalty == 0.01
+
+
+def test_params_and_plan_run_on_the_study_rows():
+    from support import megaloop
+
+    out = megaloop("params", "configs/experiments/study/44m/per_loop_norm.yaml", cwd=ROOT)
+    assert out.returncode == 0 and "43,934,208" in out.stdout, out.stderr
+    out = megaloop(
+        "plan",
+        "configs/experiments/study/129m/per_loop_raw.yaml",
+        "--gpus",
+        "1",
+        "--gpu-mem",
+        "80",
+        cwd=ROOT,
+    )
+    assert out.returncode == 0 and "fits in" in out.stdout, out.stdout + out.stderr
 
 
 BAD = [
