@@ -1,0 +1,697 @@
+"""The study's Table 2 at CPU scale, in the study's released setup (run it as bench/study_mini).
+
+    bench/study_mini               every Table 2 row x seeds 0, 1, 2, then depth, halt and
+                                   diagnose --dtype bf16 of every final checkpoint; rewrites
+                                   docs/study_mini/ (report.md, study_mini.json, PNGs)
+    SMOKE=1 bench/study_mini OUT   two rows, two seeds, a few steps: the same flow in minutes
+
+1. Data: the WikiText-103 test text is linked as the training split and the validation text as
+   itself (never copied into the repo); `megaloop prep wikitext103 --tokenizer words:20000
+   --layout stream` makes the study's tokens: its word-level tokenizer trained on the training
+   text, each split one stream of its non-empty lines.
+2. Training: each row of configs/experiments/study/44m/ (the study's setup: PyTorch's default
+   initialisation, learned positions, dropout 0.1, AdamW at a constant 3e-4 with weight decay
+   0.01 on every parameter, bf16 autocast, windows with a stride) at the miniature shape of
+   MINIATURE, through `megaloop train`, two runs at a time with one thread each. Finished runs
+   are skipped, so a rerun resumes.
+3. Measurements of every final checkpoint on the validation text: `depth`, `halt` and
+   `diagnose --dtype bf16` (the study's precision).
+4. The report: the final-loop hidden norm in the study's unit (the mean over tokens of the
+   per-token L2 norm, sqrt(d) times the mean per-token RMS that megaloop logs) and in RMS, per
+   row over seeds (mean ± std, min, max), its growth over training, the final-loop perplexity;
+   the norm and raw readouts side by side under per-loop CE with their ratio per seed; a verdict
+   per row of Table 2 by the rules in VERDICTS, fixed before the run; then `megaloop report`'s
+   tables of the measurements.
+
+Environment: REPRO_SOURCE, a folder holding wiki.test.raw and wiki.valid.raw (default
+../shared/data/wikitext-103 beside the repository); STUDY_WORK, the scratch folder (default
+runs/study_mini); PYTHON, the interpreter with megaloop installed (default: this one).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+ROWS_DIR = ROOT / "configs/experiments/study/44m"
+SMOKE = bool(os.environ.get("SMOKE"))
+SEEDS = (0, 1) if SMOKE else (0, 1, 2)
+STEPS = 6 if SMOKE else 200
+"""Optimizer steps of every run (our choice: 3,200 windows, 0.4 epochs of the training text;
+sized so that this bench and bench/drift_drivers fit 3 hours on 2 CPU cores; at this shape the
+norm readout's state grows ten-fold within the first 50)."""
+ROWS = (
+    ("per_loop_norm", "per_loop_raw")
+    if SMOKE
+    else (
+        "terminal_norm",
+        "terminal_raw",
+        "per_loop_norm",
+        "per_loop_raw",
+        "final_norm",
+        "terminal_norm_penalty",
+        "per_loop_norm_penalty",
+        "exit_weighted",
+        "spectral_damping_terminal",
+        "interloop_rmsnorm",
+    )
+)
+"""The study's Table 2 conditions. Damping: the terminal-CE row (the study compares it with
+terminal + RMSNorm; configs/experiments/study/44m/spectral_damping.yaml is the per-loop one)."""
+WIDTH = 32 if SMOKE else 96
+MINIATURE = [
+    f"model.hidden_size={WIDTH}",
+    "model.num_heads=4",
+    f"model.num_layers={1 if SMOKE else 2}",
+    f"model.max_seq_len={32 if SMOKE else 128}",
+    f"data.seq_len={32 if SMOKE else 128}",
+    f"data.stride={16 if SMOKE else 64}",
+    "data.epochs=null",
+    "train.micro_batch_size=16",
+    "train.global_batch_size=16",
+    "train.log_every=1",
+    f"train.eval_every={3 if SMOKE else 50}",
+    f"train.eval_batches={2 if SMOKE else 16}",
+    "wandb.mode=disabled",
+]
+"""The miniature (our choice): the study's 44M rows at d=96, 2 layers of 4 heads (the study's
+K=4), windows of 128 tokens every 64 (its 256 every 128, halved), 16 windows a step (a quarter
+of its 64), STEPS steps; validation on the first 256 windows (32,768 tokens) of the validation
+text every 50 steps. The vocabulary is the tokenizer's own size (the study's rule on the
+training text)."""
+MEASURE = {
+    "depth": {"loops": [1, 2, 3, 4, 8], "sequences": 8 if SMOKE else 64},
+    "halt": {"calib": 8 if SMOKE else 64, "bench": 8 if SMOKE else 64},
+    "diagnose": {"tokens": 256 if SMOKE else 2048, "rollout": 6 if SMOKE else 30},
+}
+SEQ_LEN = 32 if SMOKE else 128
+FACTOR = 5.0
+EXIT_UNHEALTHY = 65
+"""`megaloop train`'s exit when a loss went non-finite: a diverged run is a result."""
+"""A comparison counts in a verdict when it holds by this factor in every seed (our choice, the
+same bar as docs/drift_regime's)."""
+
+
+@dataclass
+class Job:
+    """One training run of `steps` steps: `config` at the miniature (unless `miniature` is
+    false) with `data_overrides` and `overrides`, into WORK/runs/`name`/seed`seed`."""
+
+    name: str
+    config: Path
+    seed: int
+    overrides: tuple[str, ...] = ()
+    data_overrides: list[str] = field(default_factory=list)
+    steps: int = STEPS
+    miniature: bool = True
+
+    def run_dir(self, work: Path) -> Path:
+        return work / "runs" / self.name / f"seed{self.seed}"
+
+
+def run(cmd: list, **kwargs) -> None:
+    print("+", " ".join(map(str, cmd)), flush=True)
+    subprocess.run(cmd, check=True, **kwargs)
+
+
+def prepare(work: Path, source: Path, python: str) -> tuple[Path, int]:
+    """The study's tokens of the linked texts; returns the data folder and the vocabulary."""
+    for name in ("wiki.test.raw", "wiki.valid.raw"):
+        if not (source / name).is_file():
+            sys.exit(
+                f"study_mini: {source / name} is missing; set REPRO_SOURCE to a folder with "
+                f"wiki.test.raw (trained on) and wiki.valid.raw (evaluated on)"
+            )
+    links = work / "source"
+    links.mkdir(parents=True, exist_ok=True)
+    for link, target in (("wiki.train.raw", "wiki.test.raw"), ("wiki.valid.raw", "wiki.valid.raw")):
+        path = links / link
+        if path.is_symlink() or path.exists():
+            path.unlink()
+        path.symlink_to((source / target).resolve())
+    data = work / "data"
+    run(
+        [
+            python,
+            "-m",
+            "megaloop",
+            "prep",
+            "wikitext103",
+            "--source",
+            str(links),
+            "--tokenizer",
+            "words:20000",
+            "--layout",
+            "stream",
+            "--out",
+            str(data),
+        ]
+    )
+    vocab = json.loads((data / "train.manifest.json").read_text())["vocab_size"]
+    return data, vocab
+
+
+def data_overrides(data: Path, vocab: int) -> list[str]:
+    return [
+        f"data.path={data / 'train'}",
+        f"data.valid_path={data / 'valid'}",
+        f"model.vocab_size={vocab}",
+    ]
+
+
+def train(work: Path, jobs: list[Job], python: str) -> None:
+    """Every job not finished yet, two at a time with one thread each."""
+    from megaloop.train.metrics import finished
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    todo = [j for j in jobs if not finished(j.run_dir(work), j.steps)]
+    lock = threading.Lock()
+    print(f"study_mini: {len(jobs) - len(todo)} of {len(jobs)} runs finished; training {len(todo)}")
+
+    def one(job: Job) -> int:
+        log = work / "logs" / f"{job.name}-seed{job.seed}.log".replace("/", "-")
+        log.parent.mkdir(parents=True, exist_ok=True)
+        start = time.time()
+        with open(log, "w") as f:
+            code = subprocess.run(
+                [
+                    python,
+                    "-m",
+                    "megaloop",
+                    "train",
+                    str(job.config),
+                    *(MINIATURE if job.miniature else []),
+                    *job.data_overrides,
+                    *job.overrides,
+                    f"train.steps={job.steps}",
+                    f"train.save_every={job.steps}",
+                    f"train.seed={job.seed}",
+                    f"train.dir={job.run_dir(work)}",
+                ],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env=env,
+            ).returncode
+        seconds = time.time() - start
+        with lock:  # the two lanes' records in one file
+            record = work / "seconds.json"
+            spent = json.loads(record.read_text()) if record.is_file() else {}
+            spent[str(job.run_dir(work).relative_to(work))] = round(seconds, 1)
+            record.write_text(json.dumps(spent, indent=1))
+        print(f"trained {job.name} seed {job.seed} in {seconds:.0f} s: exit {code} (log {log})")
+        return code
+
+    with ThreadPoolExecutor(2) as pool:
+        codes = list(pool.map(one, todo))
+    if any(code not in (0, EXIT_UNHEALTHY) for code in codes):
+        sys.exit("study_mini: some runs failed; see the logs above")
+
+
+def measure(work: Path, run_dirs: list[Path], python: str) -> None:
+    """depth, halt and diagnose of each run not measured yet, in a process of its own, two at a
+    time."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    valid = str(work / "source/wiki.valid.raw")
+
+    def one(run_dir: Path) -> None:
+        out = work / "measure" / run_dir.relative_to(work / "runs")
+        if (out / "diagnose.json").is_file():
+            return
+        subprocess.run(
+            [python, str(Path(__file__)), "--measure", str(run_dir), str(out), valid],
+            check=True,
+            env=env,
+            stdout=subprocess.DEVNULL,
+        )
+        print(f"measured {run_dir.relative_to(work)}", flush=True)
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(one, run_dirs))
+
+
+def measure_one(run_dir: Path, out: Path, data: Path) -> None:
+    from megaloop import _cpu_compat
+
+    _cpu_compat.apply()
+    from megaloop.evaluation import depth, diagnostics, halting
+    from megaloop.evaluation.settings import DepthSettings, DiagnoseSettings, HaltSettings
+
+    depth.run(
+        DepthSettings(
+            model=run_dir,
+            data=data,
+            loops=MEASURE["depth"]["loops"],
+            sequences=MEASURE["depth"]["sequences"],
+            seq_len=SEQ_LEN,
+            dtype="float32",
+            out=out,
+        )
+    )
+    halting.run(
+        HaltSettings(
+            model=run_dir,
+            data=data,
+            k_max=4,
+            rho=1.01,
+            calib=MEASURE["halt"]["calib"],
+            bench=MEASURE["halt"]["bench"],
+            batch_size=8,
+            seq_len=SEQ_LEN,
+            out=out,
+        )
+    )
+    diagnostics.run(
+        DiagnoseSettings(
+            model=run_dir,
+            data=data,
+            tokens=MEASURE["diagnose"]["tokens"],
+            seq_len=SEQ_LEN,
+            rollout=MEASURE["diagnose"]["rollout"],
+            dtype="bfloat16",
+            out=out,
+        )
+    )
+
+
+# -- what a run's records say -----------------------------------------------------------------
+
+
+def trajectory(run_dir: Path, until: int | None = None) -> dict:
+    """A run's final-loop norms over training: the training batches' (every logged step,
+    dropout on) and the validation windows' (every eval, dropout off), as mean per-token L2 =
+    sqrt(d)·RMS, and its last validation record (up to step `until`, when given)."""
+    from megaloop.train.metrics import read
+
+    m = read(run_dir)
+    if until is not None:
+        m["steps"] = [r for r in m["steps"] if r["step"] <= until]
+        m["evals"] = [r for r in m["evals"] if r["step"] <= until]
+    root_d = math.sqrt(m["config"]["model"]["hidden_size"])
+    out = {
+        "train_steps": [r["step"] for r in m["steps"]],
+        "train_l2": [root_d * r["hidden_rms"][-1] for r in m["steps"]],
+        "train_l2_loops": [[root_d * x for x in r["hidden_rms"]] for r in m["steps"]],
+        "eval_steps": [r["step"] for r in m["evals"]],
+        "eval_l2": [root_d * r["hidden_rms"][-1] for r in m["evals"]],
+    }
+    if not m["evals"]:  # stopped (non-finite) before its first validation
+        return {**out, "final_rms": None, "final_l2": None, "final_ppl": None}
+    final = m["evals"][-1]
+    return {
+        **out,
+        "final_l2_loops": [root_d * x for x in final["hidden_rms"]],
+        "final_rms": final["hidden_rms"][-1],
+        "final_l2": root_d * final["hidden_rms"][-1],
+        "final_ppl": math.exp(min(final["ce"][-1], 700.0)),
+        "final_ppl_loops": [math.exp(min(c, 700.0)) for c in final["ce"]],
+        "valid_tokens": final["valid_tokens"],
+    }
+
+
+def stats(values: list[float]) -> dict:
+    v = np.asarray(values, dtype=float)
+    return {
+        "mean": float(v.mean()),
+        "std": float(v.std(ddof=1)) if len(v) > 1 else 0.0,
+        "min": float(v.min()),
+        "max": float(v.max()),
+    }
+
+
+def at_step(t: dict, step: int) -> float | None:
+    """The training batch's final-loop L2 at `step`, or None when it was not logged."""
+    steps = t["train_steps"]
+    return t["train_l2"][steps.index(step)] if step in steps else None
+
+
+# -- the verdicts -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A row's claim in the study, as a ratio of final-loop norms per seed: `row`'s over
+    `other`'s should be >= FACTOR (`above`) or <= 1/FACTOR; every seed past the bar the same
+    way is "reproduced", past it the other way "reversed", anything else "not reproduced"."""
+
+    row: str
+    other: str
+    above: bool
+    says: str
+
+
+CLAIMS = (
+    Claim(
+        "per_loop_norm",
+        "per_loop_raw",
+        True,
+        "per-loop CE through RMSNorm still drifts far above raw (39,207 at 44M; raw in the tens)",
+    ),
+    Claim(
+        "terminal_norm",
+        "terminal_raw",
+        True,
+        "terminal CE through RMSNorm drifts far above raw",
+    ),
+    Claim(
+        "per_loop_raw",
+        "per_loop_norm",
+        False,
+        "raw readouts keep norms in the tens, under per-loop CE",
+    ),
+    Claim(
+        "terminal_raw",
+        "terminal_norm",
+        False,
+        "raw readouts keep norms in the tens, under terminal CE",
+    ),
+    Claim(
+        "per_loop_norm_penalty",
+        "per_loop_norm",
+        False,
+        "the norm penalty collapses norms to 17-27 with the same RMSNorm readout (per-loop)",
+    ),
+    Claim(
+        "terminal_norm_penalty",
+        "terminal_norm",
+        False,
+        "the norm penalty collapses norms to 17-27 with the same RMSNorm readout (terminal)",
+    ),
+    Claim(
+        "final_norm",
+        "per_loop_norm",
+        False,
+        "final-only norm controls scale: raw intermediate exits, a normalised final one",
+    ),
+    Claim(
+        "exit_weighted",
+        "per_loop_raw",
+        True,
+        "exit-weighted CE keeps the drift: norms in the thousands (6,470 ± 2,233 at 44M)",
+    ),
+    Claim(
+        "spectral_damping_terminal",
+        "terminal_raw",
+        True,
+        "spectral damping remains far above raw readouts (2,432 ± 238 at 44M)",
+    ),
+    Claim(
+        "interloop_rmsnorm",
+        "per_loop_norm",
+        False,
+        "inter-loop RMSNorm caps the scale entering each loop",
+    ),
+)
+"""The study's Table 2 claims about final-loop norms (its text and appendix), fixed before the
+run. The damping row's second claim, below terminal + RMSNorm, is checked in `damping_below`."""
+
+
+def verdict(ratios: list[float], above: bool) -> str:
+    if not ratios:
+        return "not run"
+    hit = all(r >= FACTOR for r in ratios) if above else all(r <= 1 / FACTOR for r in ratios)
+    flip = all(r <= 1 / FACTOR for r in ratios) if above else all(r >= FACTOR for r in ratios)
+    return "reproduced" if hit else "reversed" if flip else "not reproduced"
+
+
+def ratios(trajectories: dict, row: str, other: str) -> list[float]:
+    """row's final-loop L2 over other's, seed by seed (the seeds both have)."""
+    a, b = trajectories.get(row, {}), trajectories.get(other, {})
+    return [a[s]["final_l2"] / b[s]["final_l2"] for s in sorted(a) if s in b]
+
+
+def damping_below(trajectories: dict) -> dict:
+    """The damping row's other claim: below terminal + RMSNorm (by any margin, every seed)."""
+    r = ratios(trajectories, "spectral_damping_terminal", "terminal_norm")
+    if not r:
+        return {"ratios": r, "verdict": "not run"}
+    below, above = all(x < 1 for x in r), all(x > 1 for x in r)
+    return {
+        "ratios": r,
+        "verdict": "reproduced" if below else "reversed" if above else "not reproduced",
+    }
+
+
+# -- the report -------------------------------------------------------------------------------
+
+
+def fmt(x: float | None, digits: int = 3) -> str:
+    if x is None:
+        return "–"
+    if x != 0 and (abs(x) >= 1e4 or abs(x) < 1e-2):
+        return f"{x:.2e}"
+    return f"{x:,.{digits}g}" if abs(x) >= 1 else f"{x:.{digits}g}"
+
+
+def spread(s: dict) -> str:
+    return f"{fmt(s['mean'])} ± {fmt(s['std'])} [{fmt(s['min'])}, {fmt(s['max'])}]"
+
+
+def summarize(trajectories: dict) -> dict:
+    """Per row: final-loop L2 and RMS, PPL at K, and L2 at steps 1, 50, 100 and the last, over
+    seeds; the claims' ratios and verdicts."""
+    rows = {}
+    marks = sorted({1, 50, 100, STEPS} if not SMOKE else {1, STEPS})
+    for row, by_seed in trajectories.items():
+        runs = list(by_seed.values())
+        rows[row] = {
+            "seeds": sorted(by_seed),
+            "final_l2": stats([t["final_l2"] for t in runs]),
+            "final_rms": stats([t["final_rms"] for t in runs]),
+            "final_ppl": stats([t["final_ppl"] for t in runs]),
+            "final_l2_loops": [stats(list(v)) for v in zip(*(t["final_l2_loops"] for t in runs))],
+            "train_l2_at": {
+                str(s): stats([v for t in runs if (v := at_step(t, s)) is not None])
+                for s in marks
+                if any(at_step(t, s) is not None for t in runs)
+            },
+        }
+    claims = []
+    for c in CLAIMS:
+        r = ratios(trajectories, c.row, c.other)
+        claims.append({**vars(c), "ratios": r, "verdict": verdict(r, c.above)})
+    below = damping_below(trajectories)
+    return {"rows": rows, "claims": claims, "damping_below_terminal_norm": below}
+
+
+def write_report(info: dict, out: Path) -> None:
+    rows, claims = info["summary"]["rows"], info["summary"]["claims"]
+    d = info["width"]
+    lines = [
+        "# The study's Table 2 at CPU scale, in its released setup",
+        "",
+        f"Written by `bench/study_mini` ({'SMOKE' if info['smoke'] else 'full run'}, "
+        f"{info['total_minutes']} minutes on {info['cpus']} CPUs). Every row of "
+        "configs/experiments/study/44m/ at the miniature shape: "
+        f"d={d}, {info['layers']} layers, K=4, {info['vocab']:,}-token word vocabulary (the "
+        "study's rule on the WikiText-103 test text), windows of "
+        f"{info['seq_len']} tokens every {info['stride']}, 16 a step, {info['steps']} steps, "
+        f"seeds {', '.join(map(str, info['seeds']))}; the study's initialisation, positions, "
+        "dropout, optimizer and bf16 autocast. Norms are the final loop's, in the study's unit: "
+        f"the mean over tokens of the per-token L2 norm (= √d · mean per-token RMS, √d = "
+        f"{math.sqrt(d):.2f}). Values: mean ± std [min, max] over seeds.",
+        "",
+        "## Final-loop hidden norm and perplexity (Table 2)",
+        "",
+        "Final validation record (the first "
+        f"{info['valid_tokens']:,} tokens of the validation text, dropout off).",
+        "",
+        "| row | seeds | final-loop L2 | final-loop RMS | PPL at K=4 |",
+        "|---|---|---|---|---|",
+    ]
+    for row, r in rows.items():
+        lines.append(
+            f"| {row} | {len(r['seeds'])} | {spread(r['final_l2'])} | {spread(r['final_rms'])} "
+            f"| {spread(r['final_ppl'])} |"
+        )
+    marks = sorted({int(s) for r in rows.values() for s in r["train_l2_at"]})
+    lines += [
+        "",
+        "## Growth over training",
+        "",
+        "Final-loop L2 of the training batch (dropout on) at steps "
+        + ", ".join(map(str, marks))
+        + " (mean over seeds [min, max]); growth.png draws every step.",
+        "",
+        "| row | " + " | ".join(f"step {s}" for s in marks) + " |",
+        "|---|" + "---|" * len(marks),
+    ]
+    for row, r in rows.items():
+        cells = []
+        for s in marks:
+            v = r["train_l2_at"].get(str(s))
+            cells.append(
+                "–" if v is None else f"{fmt(v['mean'])} [{fmt(v['min'])}, {fmt(v['max'])}]"
+            )
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "## Per loop (validation)",
+        "",
+        "| row | " + " | ".join(f"L2 k={k}" for k in range(1, 5)) + " |",
+        "|---|" + "---|" * 4,
+    ]
+    for row, r in rows.items():
+        lines.append(f"| {row} | " + " | ".join(fmt(s["mean"]) for s in r["final_l2_loops"]) + " |")
+    pair = next((c for c in claims if c["row"] == "per_loop_norm"), None)
+    if pair and pair["ratios"]:
+        n, raw = rows["per_loop_norm"], rows["per_loop_raw"]
+        rs = pair["ratios"]
+        lines += [
+            "",
+            "## Norm and raw readouts under per-loop CE",
+            "",
+            "| | per_loop_norm | per_loop_raw | ratio norm / raw |",
+            "|---|---|---|---|",
+            f"| final-loop L2 | {spread(n['final_l2'])} | {spread(raw['final_l2'])} | "
+            f"{fmt(float(np.mean(rs)))} [{fmt(min(rs))}, {fmt(max(rs))}] (per seed: "
+            + ", ".join(fmt(x) for x in rs)
+            + ") |",
+            f"| PPL at K=4 | {spread(n['final_ppl'])} | {spread(raw['final_ppl'])} | |",
+        ]
+    lines += [
+        "",
+        "## Verdicts",
+        "",
+        f"A claim is a ratio of final-loop norms, seed by seed: **reproduced** when every seed "
+        f"passes the bar ({FACTOR:g}× the way the study says), **reversed** when every seed "
+        f"passes it the other way, **not reproduced** otherwise. The rules were fixed before the "
+        "run (bench/study_mini.py, CLAIMS).",
+        "",
+        "| row | the study says | ratio to | per seed | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    for c in claims:
+        lines.append(
+            f"| {c['row']} | {c['says']} | {c['other']} | "
+            + (", ".join(fmt(x) for x in c["ratios"]) or "–")
+            + f" | **{c['verdict']}** |"
+        )
+    damp = info["summary"]["damping_below_terminal_norm"]
+    lines.append(
+        "| spectral_damping_terminal | lowers norms relative to terminal + RMSNorm | "
+        "terminal_norm (< 1) | "
+        + (", ".join(fmt(x) for x in damp["ratios"]) or "–")
+        + f" | **{damp['verdict']}** |"
+    )
+    lines += [
+        "",
+        "![growth](growth.png)",
+        "",
+        "The measurements (depth, halt, diagnose --dtype bf16 of every final checkpoint) follow, "
+        "in `megaloop report`'s tables: [measurements/report.md](measurements/report.md).",
+        "",
+    ]
+    (out / "report.md").write_text("\n".join(lines))
+
+
+def plot(trajectories: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(trajectories)
+    cols = 5 if len(rows) > 4 else len(rows)
+    n = math.ceil(len(rows) / cols)
+    fig, axes = plt.subplots(n, cols, figsize=(3.2 * cols, 2.6 * n), sharey=True, squeeze=False)
+    for ax, row in zip(axes.flat, rows):
+        for seed, t in sorted(trajectories[row].items()):
+            ax.plot(t["train_steps"], t["train_l2"], lw=0.8, label=f"seed {seed}")
+            ax.plot(t["eval_steps"], t["eval_l2"], "k.", ms=3)
+        ax.set_yscale("log")
+        ax.set_title(row, fontsize=9)
+        ax.set_xlabel("step")
+    for ax in axes.flat[len(rows) :]:
+        ax.axis("off")
+    axes.flat[0].set_ylabel("final-loop L2 (mean per token)")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle("final-loop hidden norm over training: lines training batches, dots validation")
+    fig.tight_layout()
+    fig.savefig(out / "growth.png", dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--measure"]:
+        measure_one(*map(Path, sys.argv[2:5]))
+        return
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "docs/study_mini"
+    work = Path(os.environ.get("STUDY_WORK", ROOT / "runs/study_mini")).resolve()
+    source = Path(os.environ.get("REPRO_SOURCE", ROOT.parent / "shared/data/wikitext-103"))
+    python = os.environ.get("PYTHON", sys.executable)
+    out.mkdir(parents=True, exist_ok=True)
+    clock = {"start": time.time()}
+    data, vocab = prepare(work, source, python)
+    clock["prepared"] = time.time()
+    given = data_overrides(data, vocab)
+    jobs = [
+        Job(f"study/{row}", ROWS_DIR / f"{row}.yaml", seed, data_overrides=given)
+        for row in ROWS
+        for seed in SEEDS
+    ]
+    train(work, jobs, python)
+    clock["trained"] = time.time()
+    measure(work, [j.run_dir(work) for j in jobs], python)
+    clock["measured"] = time.time()
+    runs, measured = work / "runs" / "study", work / "measure" / "study"
+    run(
+        [
+            python,
+            "-m",
+            "megaloop",
+            "report",
+            str(runs),
+            str(measured),
+            "--out",
+            str(out / "measurements"),
+        ]
+    )
+    trajectories = {
+        row: {seed: trajectory(work / "runs" / "study" / row / f"seed{seed}") for seed in SEEDS}
+        for row in ROWS
+    }
+    clock["reported"] = time.time()
+    info = {
+        "smoke": SMOKE,
+        "seeds": list(SEEDS),
+        "rows": list(ROWS),
+        "steps": STEPS,
+        "width": WIDTH,
+        "layers": 1 if SMOKE else 2,
+        "seq_len": SEQ_LEN,
+        "stride": 16 if SMOKE else 64,
+        "vocab": vocab,
+        "valid_tokens": next(iter(next(iter(trajectories.values())).values()))["valid_tokens"],
+        "miniature": MINIATURE,
+        "measure": MEASURE,
+        "cpus": os.cpu_count(),
+        "minutes": {
+            f"{a}_to_{b}": round((clock[b] - clock[a]) / 60, 1)
+            for a, b in zip(clock, list(clock)[1:])
+        },
+        "total_minutes": round((clock["reported"] - clock["start"]) / 60, 1),
+        "summary": summarize(trajectories),
+        "trajectories": {
+            row: {str(seed): t for seed, t in by_seed.items()}
+            for row, by_seed in trajectories.items()
+        },
+    }
+    (out / "study_mini.json").write_text(json.dumps(info, indent=1) + "\n")
+    write_report(info, out)
+    plot(trajectories, out)
+    print(f"study_mini: {info['minutes']}; report in {out}")
+
+
+if __name__ == "__main__":
+    main()
