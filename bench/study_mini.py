@@ -14,8 +14,8 @@
    0.01 on every parameter, bf16 autocast, windows with a stride) at the miniature shape of
    MINIATURE, through `megaloop train`, two runs at a time with one thread each. Finished runs
    are skipped, so a rerun resumes.
-3. Measurements of every final checkpoint on the validation text: `depth`, `halt` and
-   `diagnose --dtype bf16` (the study's precision).
+3. Measurements of every final checkpoint on the validation split's token stream: `depth`,
+   `halt` and `diagnose --dtype bf16` (the study's precision).
 4. The report: the final-loop hidden norm in the study's unit (the mean over tokens of the
    per-token L2 norm, sqrt(d) times the mean per-token RMS that megaloop logs) and in RMS, per
    row over seeds (mean ± std, min, max), its growth over training, the final-loop perplexity;
@@ -219,10 +219,10 @@ def train(work: Path, jobs: list[Job], python: str) -> None:
 
 
 def measure(work: Path, run_dirs: list[Path], python: str) -> None:
-    """depth, halt and diagnose of each run not measured yet, in a process of its own, two at a
-    time."""
+    """depth, halt and diagnose of each run not measured yet on the prepared validation split
+    (the study's token stream), in a process of its own, two at a time."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    valid = str(work / "source/wiki.valid.raw")
+    valid = str(work / "data/valid")
 
     def one(run_dir: Path) -> None:
         out = work / "measure" / run_dir.relative_to(work / "runs")

@@ -22,6 +22,9 @@ PROGRAMS = ("megaloop", "torchrun", "make", "python", "bash", "srun", "sbatch")
 RUN = {
     "megaloop --help": [],
     "megaloop params configs/model/129m.yaml": [],
+    "megaloop params configs/experiments/study/44m/per_loop_norm.yaml": [],
+    "megaloop params configs/experiments/study/129m/per_loop_norm.yaml": [],
+    "megaloop plan configs/experiments/study/129m/per_loop_norm.yaml --gpus 1 --gpu-mem 80": [],
     "megaloop plan configs/experiments/fineweb/1p4b_42b_tokens.yaml --gpus 128 --gpu-mem 80 "
     "--search": [],
     "megaloop train configs/experiments/tiny.yaml train.dir=runs/tiny train.steps=200": [
@@ -91,6 +94,13 @@ SKIP = {
     "megaloop import ouro path/to/Ouro-1.4B runs/ouro-1p4b": "Ouro-1.4B's weights from the hub (tests/unit/test_ouro.py imports a generated Ouro folder)",
     "megaloop train configs/experiments/fineweb/1p4b_baseline.yaml train.init_from=runs/ouro-1p4b": "a 1.4B model (tests/unit/test_ouro.py trains from an import)",
     "megaloop export runs/fineweb/1p4b_baseline/seed0 runs/1p4b-ouro --format ouro": "a 1.4B run (tests/unit/test_ouro.py exports a small one in Ouro's format)",
+    "megaloop prep wikitext103 --source Salesforce/wikitext --tokenizer words:20000 --layout stream --out data/wikitext103_study": "WikiText-103 from the hub (tests/unit/test_study_data.py prepares generated text the same way)",
+    "megaloop sweep configs/experiments/study/44m/*.yaml --seeds 0,1,2 --executor slurm --nodes 1 --gpus-per-node 1 --partition gpu": "a Slurm cluster with GPUs (tests/cluster/test_slurm.py)",
+    "megaloop sweep configs/experiments/study/129m/*.yaml --seeds 0,1,2 --executor slurm --nodes 1 --gpus-per-node 1 --partition gpu": "a Slurm cluster with GPUs (tests/cluster/test_slurm.py)",
+    'megaloop depth "$run" --data data/wikitext103_study/valid --loops 1,2,3,4,8 --out "$run/measure"': "the study's runs (bench/study_mini measures its miniature so; tests/multiprocess/test_study_mini.py)",
+    'megaloop halt "$run" --data data/wikitext103_study/valid --out "$run/measure"': "the study's runs (bench/study_mini)",
+    'megaloop diagnose "$run" --data data/wikitext103_study/valid --dtype bf16 --out "$run/measure"': "the study's runs (bench/study_mini)",
+    "megaloop report runs/study/44m --out reports/study-44m": "the study's runs (bench/study_mini reports its miniature)",
 }
 
 

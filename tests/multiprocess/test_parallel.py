@@ -116,6 +116,16 @@ def test_untied_w_out_at_tp2xpp2_equals_one_process(readout, tmp_path):
     assert all(r["params"] == params_per_rank(model, 2, 2, 1) for r in last_stage)
 
 
+def test_the_study_preset_with_dropout_trains_at_tp2xpp2(run, tmp_path):
+    """Dropout draws other masks in another layout, so no curve to equal: the run trains (finite,
+    its loss falls) and differs from the same run without dropout."""
+    _, without = run("study", "tp2xpp2")
+    train(4, tmp_path, [*OBJECTIVES["study"], "model.dropout=0.1", *LAYOUTS["tp2xpp2"][1]])
+    losses = [r["loss"] for r in metrics(tmp_path)["steps"]]
+    assert len(losses) == 10 and losses[-1] < losses[0]
+    assert losses[1:] != [r["loss"] for r in without["steps"]][1:]
+
+
 def copy_run(source, run_dir, drop_after: int):
     """A copy of a finished run without its checkpoints after step `drop_after`."""
     shutil.copytree(source, run_dir)

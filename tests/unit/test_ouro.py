@@ -334,6 +334,16 @@ def test_export_in_ouros_format_refuses_another_architecture(reference_run, tmp_
     assert not (tmp_path / "ouro").exists()
 
 
+def test_ouros_architecture_has_rotary_positions():
+    from megaloop.model import ModelConfig
+    from megaloop.ouro import why_not_ouro
+
+    ouro = dict(layer_norms="sandwich", loop_norm="shared", exit_gate=True)
+    assert why_not_ouro(ModelConfig(**ouro)) is None
+    learned = why_not_ouro(ModelConfig(**ouro, position_embedding="learned"))
+    assert "model.position_embedding='learned'" in learned and "'rope'" in learned
+
+
 @pytest.mark.multiprocess
 def test_train_20_steps_from_an_import_at_tp2xpp2(imported, tmp_path):
     _, ckpt = imported
