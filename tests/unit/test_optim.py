@@ -7,6 +7,7 @@ from safetensors.torch import load_file
 
 from megaloop import experiment
 from megaloop.model import ModelConfig, build_model
+from megaloop.train.metrics import read as read_metrics
 from megaloop.train.optim import OptimConfig
 
 LR, WD, STEPS = 1e-2, 0.5, 3
@@ -164,3 +165,31 @@ def test_both_engines_follow_megatron_cores_schedule(schedule, warmup):
         assert lrs[warmup:] == [o.lr] * (steps - warmup)
     else:
         assert lrs[-1] < lrs[warmup] == o.lr
+
+
+def test_a_constant_schedule_does_not_depend_on_the_runs_length(tmp_path):
+    """bench/drift_drivers reads bench/study_mini's runs at an earlier step as runs of that
+    length: under a constant learning rate (and dropout drawn from the seed) they are the same
+    run, record for record; a cosine schedule is not."""
+
+    def run(steps: int, schedule: str) -> list:
+        cfg = experiment.load(
+            "experiments/tiny",
+            [
+                f"train.dir={tmp_path / f'{schedule}{steps}'}",
+                f"train.steps={steps}",
+                "train.log_every=1",
+                "train.eval_every=3",
+                "train.eval_batches=1",
+                f"train.save_every={steps}",
+                "model.dropout=0.1",
+                "optim.warmup_steps=0",
+                f"optim.schedule={schedule}",
+            ],
+        )
+        experiment.build_trainer(cfg).fit()
+        m = read_metrics(tmp_path / f"{schedule}{steps}")
+        return [r["loss"] for r in m["steps"][:3]] + [m["evals"][0]["ce"]]
+
+    assert run(3, "constant") == run(6, "constant")
+    assert run(3, "cosine") != run(6, "cosine")
