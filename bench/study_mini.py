@@ -4,6 +4,8 @@
                                    diagnose --dtype bf16 of every final checkpoint; rewrites
                                    docs/study_mini/ (report.md, study_mini.json, PNGs)
     SMOKE=1 bench/study_mini OUT   two rows, two seeds, a few steps: the same flow in minutes
+    bench/study_mini --report [OUT]  rewrites OUT's report.md and growth.png from its
+                                   study_mini.json alone (trains and measures nothing)
 
 1. Data: the WikiText-103 test text is linked as the training split and the validation text as
    itself (never copied into the repo); `megaloop prep wikitext103 --tokenizer words:20000
@@ -205,10 +207,7 @@ def train(work: Path, jobs: list[Job], python: str) -> None:
             ).returncode
         seconds = time.time() - start
         with lock:  # the two lanes' records in one file
-            record = work / "seconds.json"
-            spent = json.loads(record.read_text()) if record.is_file() else {}
-            spent[str(job.run_dir(work).relative_to(work))] = round(seconds, 1)
-            record.write_text(json.dumps(spent, indent=1))
+            spent(work, str(job.run_dir(work).relative_to(work)), seconds)
         print(f"trained {job.name} seed {job.seed} in {seconds:.0f} s: exit {code} (log {log})")
         return code
 
@@ -216,6 +215,17 @@ def train(work: Path, jobs: list[Job], python: str) -> None:
         codes = list(pool.map(one, todo))
     if any(code not in (0, EXIT_UNHEALTHY) for code in codes):
         sys.exit("study_mini: some runs failed; see the logs above")
+
+
+def spent(work: Path, what: str | None = None, seconds: float = 0.0) -> dict[str, float]:
+    """WORK/seconds.json: the seconds each run (and the measurements) took, kept across
+    invocations (a resumed bench's own clock knows only its part); `what` adds one."""
+    record = work / "seconds.json"
+    taken = json.loads(record.read_text()) if record.is_file() else {}
+    if what is not None:
+        taken[what] = round(seconds, 1)
+        record.write_text(json.dumps(taken, indent=1))
+    return taken
 
 
 def measure(work: Path, run_dirs: list[Path], python: str) -> None:
@@ -484,14 +494,40 @@ def summarize(trajectories: dict) -> dict:
     return {"rows": rows, "claims": claims, "damping_below_terminal_norm": below}
 
 
+def write_json(path: Path, info: dict) -> None:
+    """`info` as JSON, floats to 6 significant digits and lists of numbers on one line: the
+    per-step trajectories stay diffable without a line per number."""
+
+    def rounded(o):
+        if isinstance(o, float):
+            return float(f"{o:.6g}")
+        if isinstance(o, dict):
+            return {k: rounded(v) for k, v in o.items()}
+        if isinstance(o, list):
+            return [rounded(v) for v in o]
+        return o
+
+    def dumps(o, depth: int = 0) -> str:
+        pad, end = " " * (depth + 1), "\n" + " " * depth
+        if isinstance(o, dict) and o:
+            items = (f"{pad}{json.dumps(k)}: {dumps(v, depth + 1)}" for k, v in o.items())
+            return "{\n" + ",\n".join(items) + end + "}"
+        if isinstance(o, list) and any(isinstance(v, (dict, list)) for v in o):
+            return "[\n" + ",\n".join(pad + dumps(v, depth + 1) for v in o) + end + "]"
+        return json.dumps(o)
+
+    path.write_text(dumps(rounded(info)) + "\n")
+
+
 def write_report(info: dict, out: Path) -> None:
     rows, claims = info["summary"]["rows"], info["summary"]["claims"]
     d = info["width"]
     lines = [
         "# The study's Table 2 at CPU scale, in its released setup",
         "",
-        f"Written by `bench/study_mini` ({'SMOKE' if info['smoke'] else 'full run'}, "
-        f"{info['total_minutes']} minutes on {info['cpus']} CPUs). Every row of "
+        f"Written by `bench/study_mini` ({'SMOKE' if info['smoke'] else 'full run'} on "
+        f"{info['cpus']} CPUs: {info['run_minutes']} minutes of training runs, two at a time, "
+        f"and {info['measure_minutes']} of measurements). Every row of "
         "configs/experiments/study/44m/ at the miniature shape: "
         f"d={d}, {info['layers']} layers, K=4, {info['vocab']:,}-token word vocabulary (the "
         "study's rule on the WikiText-103 test text), windows of "
@@ -626,6 +662,13 @@ def main() -> None:
     if sys.argv[1:2] == ["--measure"]:
         measure_one(*map(Path, sys.argv[2:5]))
         return
+    if sys.argv[1:2] == ["--report"]:
+        out = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "docs/study_mini"
+        info = json.loads((out / "study_mini.json").read_text())
+        write_report(info, out)
+        plot(info["trajectories"], out)
+        print(f"study_mini: report.md and growth.png rewritten from {out / 'study_mini.json'}")
+        return
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "docs/study_mini"
     work = Path(os.environ.get("STUDY_WORK", ROOT / "runs/study_mini")).resolve()
     source = Path(os.environ.get("REPRO_SOURCE", ROOT.parent / "shared/data/wikitext-103"))
@@ -644,19 +687,11 @@ def main() -> None:
     clock["trained"] = time.time()
     measure(work, [j.run_dir(work) for j in jobs], python)
     clock["measured"] = time.time()
-    runs, measured = work / "runs" / "study", work / "measure" / "study"
-    run(
-        [
-            python,
-            "-m",
-            "megaloop",
-            "report",
-            str(runs),
-            str(measured),
-            "--out",
-            str(out / "measurements"),
-        ]
-    )
+    if clock["measured"] - clock["trained"] > 60:  # it measured, not only skipped
+        spent(work, "measure", clock["measured"] - clock["trained"])
+    # paths relative to the scratch folder: the committed report names no machine's paths
+    report = [python, "-m", "megaloop", "report", "runs/study", "measure/study"]
+    run([*report, "--out", str(out.resolve() / "measurements")], cwd=work)
     trajectories = {
         row: {seed: trajectory(work / "runs" / "study" / row / f"seed{seed}") for seed in SEEDS}
         for row in ROWS
@@ -681,13 +716,17 @@ def main() -> None:
             for a, b in zip(clock, list(clock)[1:])
         },
         "total_minutes": round((clock["reported"] - clock["start"]) / 60, 1),
+        "run_minutes": round(
+            sum(v for k, v in spent(work).items() if k.startswith("runs/study/")) / 60, 1
+        ),
+        "measure_minutes": round(spent(work).get("measure", 0.0) / 60, 1),
         "summary": summarize(trajectories),
         "trajectories": {
             row: {str(seed): t for seed, t in by_seed.items()}
             for row, by_seed in trajectories.items()
         },
     }
-    (out / "study_mini.json").write_text(json.dumps(info, indent=1) + "\n")
+    write_json(out / "study_mini.json", info)
     write_report(info, out)
     plot(trajectories, out)
     print(f"study_mini: {info['minutes']}; report in {out}")
