@@ -84,7 +84,6 @@ SKIP = {
     "make test-fast": "this test suite, less the multi-process and Slurm tests",
     "megaloop train configs/experiments/wikitext103/44m/per_loop_norm.yaml train.seed=1": "a 44M model on prepared WikiText-103 (bench/repro_mini trains the miniature)",
     "megaloop sweep configs/experiments/wikitext103/44m/*.yaml --seeds 0,1,2": "33 full runs (tests/unit/test_sweep.py sweeps the tiny config)",
-    "megaloop sweep configs/experiments/wikitext103/44m_drift/*.yaml --seeds 0,1,2": "6 full runs (tests/unit/test_sweep.py sweeps the tiny config)",
     "megaloop sweep configs/experiments/wikitext103/44m/*.yaml --seeds 0,1,2 --executor slurm --nodes 1 --gpus-per-node 8 --partition gpu --time 1-00:00:00": "a Slurm cluster with GPUs (tests/cluster/test_slurm.py submits sweeps to a local cluster)",
     "megaloop sweep configs/experiments/fineweb/1p4b_{baseline,no_readout_norm}.yaml --seeds 0 --executor slurm --nodes 2 --gpus-per-node 8 --partition gpu": "a Slurm cluster with GPUs (tests/cluster/test_slurm.py)",
     "megaloop prep fineweb --source HuggingFaceFW/fineweb/sample/10BT --tokenizer tokenizer.json --seq-len 4096 --out data/fineweb --executor slurm --partition cpu": "FineWeb from the hub, on a Slurm cluster (tests/unit/test_data.py and tests/cluster/test_slurm.py prepare generated JSONL, locally and as a Slurm job)",
