@@ -1,14 +1,18 @@
-"""Checkpoint safety on one process: a directory whose checkpoints are all unreadable stops
-with each one named (it never trains from step 0 beside them), and pruning counts only
-loadable checkpoints (a corrupt one never pushes out a good one)."""
+"""Checkpoint safety on one process: a resumed run continues exactly where it stopped, a
+directory whose checkpoints are all unreadable stops with each one named (it never trains from
+step 0 beside them), and pruning counts only loadable checkpoints (a corrupt one never pushes
+out a good one)."""
 
 from pathlib import Path
 
 import pytest
+import torch
 
 from megaloop import experiment
 from megaloop.config import ConfigError
 from megaloop.train import checkpoint
+from megaloop.train.callbacks import Callback
+from megaloop.train.preemption import Preempted
 from multiproc import metrics as read_metrics
 from support import TINY
 
@@ -110,3 +114,89 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     out = train(1, run, ["train.save_every=2"])
     assert f"resumed from {root}/step_0000002" in out.stdout
     assert [s["step"] for s in read_metrics(run)["steps"]] == list(range(1, 11))
+
+
+class PreemptAfter(Callback):
+    """Asks for a preemption after step `step` (the PREEMPT file Slurm's warning writes): the
+    trainer saves that step and raises Preempted."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def post_step(self, trainer, record: dict) -> None:
+        if trainer.step == self.step:
+            (trainer.run_dir / "PREEMPT").touch()
+
+
+class StateAt(Callback):
+    """The data position and AdamW's moments once the trainer stands at step `step`: after
+    that step of a run, or right after a resume from it."""
+
+    def __init__(self, step: int):
+        self.step, self.consumed_samples, self.moments = step, None, None
+
+    def pre_train(self, trainer) -> None:
+        self.take(trainer)
+
+    def post_step(self, trainer, record: dict) -> None:
+        self.take(trainer)
+
+    def take(self, trainer) -> None:
+        if trainer.step != self.step:
+            return
+        self.consumed_samples = trainer.batches.consumed_samples
+        self.moments = {}  # (optimizer, group, index) -> (exp_avg, exp_avg_sq)
+        for i, opt in enumerate(trainer.engine.optimizer.chained_optimizers):
+            for g, group in enumerate(opt.optimizer.param_groups):
+                for n, param in enumerate(group["params"]):
+                    state = opt.optimizer.state[param]
+                    self.moments[i, g, n] = (
+                        state["exp_avg"].clone(),
+                        state["exp_avg_sq"].clone(),
+                    )
+
+
+def test_a_resumed_run_continues_bit_exactly(tmp_path):
+    """4 steps straight against 2 steps, preempted (checkpoint), resumed for 2 more: the same
+    4 losses to the bit, and at the resume the data position and AdamW's moments of every
+    parameter are those of the straight run after step 2 (a resume that restarted the data at
+    sample 0 or left the optimizer's state unloaded would train on from other ones)."""
+
+    def trainer(run: Path, *callbacks: Callback):
+        overrides = [
+            f"train.dir={run}",
+            "train.steps=4",  # both halves: the learning-rate schedule spans the same 4 steps
+            "train.log_every=1",
+            "train.eval_batches=1",
+            "data.seq_len=32",
+            "wandb.mode=disabled",
+        ]
+        built = experiment.build_trainer(experiment.load(TINY, overrides))
+        for callback in callbacks:
+            built.add_callback(callback)
+        return built
+
+    straight = StateAt(2)
+    straight_eval = trainer(tmp_path / "straight", straight).fit()
+    run = tmp_path / "resumed"
+    with pytest.raises(Preempted):
+        trainer(run, PreemptAfter(2)).fit()
+    assert checkpoint.find_latest(run / "checkpoints").name == "step_0000002"
+    resumed = StateAt(2)
+    resumed_eval = trainer(run, resumed).fit()
+
+    assert straight.consumed_samples == 2 * 16  # train.global_batch_size=16
+    assert resumed.consumed_samples == straight.consumed_samples
+    assert resumed.moments.keys() == straight.moments.keys() and straight.moments
+    assert all(m.any() for pair in straight.moments.values() for m in pair)  # not all zeros
+    for key, (exp_avg, exp_avg_sq) in straight.moments.items():
+        assert torch.equal(resumed.moments[key][0], exp_avg), f"exp_avg of parameter {key}"
+        assert torch.equal(resumed.moments[key][1], exp_avg_sq), f"exp_avg_sq of parameter {key}"
+
+    losses = {
+        name: [(r["step"], r["loss"]) for r in read_metrics(tmp_path / name)["steps"]]
+        for name in ("straight", "resumed")
+    }
+    assert [step for step, _ in losses["straight"]] == [1, 2, 3, 4]
+    assert losses["resumed"] == losses["straight"]  # ==: bit-equal floats (JSON round-trips)
+    assert resumed_eval == straight_eval
