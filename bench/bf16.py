@@ -2,25 +2,28 @@
 stated tolerance, and the step-time ratio, each precision in processes of its own, alternated.
 
     .venv/bin/python bench/bf16.py [--config configs/experiments/tiny.yaml] [--steps 30]
-        [--pairs 3] [--tolerance 0.02] [key=value ...]
+        [--pairs 3] [--tolerance 0.02] [--json PATH] [key=value ...]
 
 Both sides train `config` from the same seed on the same synthetic data (a function of seed and
 sample index) for `steps` steps; only `train.bf16` differs (autocast of the forward pass;
 parameters, gradients, optimizer and the CE stay fp32). Every process of a side must give the
 same curve (one thread, deterministic), so the curves compared are the first pair's.
 
-Tolerance: per step |loss_bf16 - loss_fp32| <= 2% of loss_fp32. bf16 keeps 8 significant bits,
-a relative rounding of 2^-8 = 0.4% per matmul output; a loss averages thousands of tokens, so
-independent roundings cancel, and what remains is the drift of two trajectories that differ by
-those roundings at every step. 2% is five bf16 roundings: a curve that stays within it trains
-the same; an autocast bug (a matmul out of range, a CE taken in bf16, a missed cast) shows
-as a gap of tens of percent. The step time is the median over steps after `--warmup`. On a CPU
-without native bf16 arithmetic (AVX-512 BF16 or AMX) bf16 autocast is usually slower than fp32
-(casts around every matmul); with it, and on a GPU, faster.
+Tolerance: per step |loss_bf16 - loss_fp32| <= 2% of loss_fp32; past it the script prints FAIL
+and exits 1. bf16 keeps 8 significant bits, a relative rounding of 2^-8 = 0.4% per matmul
+output; a loss averages thousands of tokens, so independent roundings cancel, and what remains
+is the drift of two trajectories that differ by those roundings at every step. 2% is five bf16
+roundings: a curve that stays within it trains the same; an autocast bug (a matmul out of range,
+a CE taken in bf16, a missed cast) shows as a gap of tens of percent. The step time is the
+median over steps after `--warmup`. On a CPU without native bf16 arithmetic (AVX-512 BF16 or
+AMX) bf16 autocast is usually slower than fp32 (casts around every matmul); with it, and on a
+GPU, faster.
 """
 
 import argparse
+import json
 import statistics
+import sys
 import tempfile
 import time
 
@@ -61,6 +64,9 @@ def main():
         type=float,
         default=0.02,
         help="largest |Δloss| per step, as a fraction of the fp32 loss",
+    )
+    p.add_argument(
+        "--json", metavar="PATH", help="also write both curves, the per-step Δ and the verdict here"
     )
     p.add_argument("--smoke", action="store_true", help="tiny shapes, one pair, three steps")
     p.add_argument("--side", choices=["fp32", "bf16"], help=argparse.SUPPRESS)
@@ -133,6 +139,22 @@ def main():
         f"(median of per-pair ratios, min..max {low:.3f}..{high:.3f}; "
         f"{'CPU' if not torch.cuda.is_available() else torch.cuda.get_device_name()})"
     )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "loss_fp32": fp32,
+                    "loss_bf16": bf16,
+                    "delta": diffs,
+                    "relative": rel,
+                    "tolerance": args.tolerance,
+                    "verdict": verdict,
+                },
+                f,
+                indent=1,
+            )
+    if verdict == "FAIL":
+        sys.exit(1)
 
 
 if __name__ == "__main__":

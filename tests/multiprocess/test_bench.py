@@ -1,8 +1,9 @@
 """Every benchmark script runs end to end at tiny shapes, and what it prints is sane: its figures
 agree with each other and with what the test computes on its own (token, FLOP and document
 counts, the sign test behind a verdict, equal losses where a script promises them), and every
-verdict it prints is the passing one. Timings themselves are never checked, nor a verdict that
-depends on them: they depend on the machine and its load. (bench/gpu.sh has a test of its own.)
+verdict it prints is the passing one (bf16.py's is also run past a tolerance, to see it fail).
+Timings themselves are never checked, nor a verdict that depends on them: they depend on the
+machine and its load. (bench/gpu.sh has a test of its own.)
 """
 
 import json
@@ -31,8 +32,16 @@ TORCHRUN_2 = [
 ]
 
 
-def run(script: str, *args: str, smoke: bool = True, launcher=None, timeout: int = 300) -> str:
-    """`bench/SCRIPT [--smoke] ARGS` from the repository root, one thread a process; its stdout."""
+def run(
+    script: str,
+    *args: str,
+    smoke: bool = True,
+    launcher=None,
+    timeout: int = 300,
+    exit_code: int = 0,
+) -> str:
+    """`bench/SCRIPT [--smoke] ARGS` from the repository root, one thread a process; its stdout
+    (it must exit with `exit_code`)."""
     proc = subprocess.run(
         [
             *(launcher or [sys.executable]),
@@ -46,7 +55,7 @@ def run(script: str, *args: str, smoke: bool = True, launcher=None, timeout: int
         timeout=timeout,
         env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"},
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == exit_code, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
 
@@ -190,9 +199,15 @@ BF16_SMALL = [  # bf16.py's --smoke shapes; run without --smoke, which allows on
 ]
 
 
-def test_bf16_smoke():
+def test_bf16_smoke(tmp_path):
     # two processes a side, so that "curves identical" compares two runs of each precision
-    out = run("bf16.py", "--pairs", "2", "--steps", "3", "--warmup", "1", *BF16_SMALL, smoke=False)
+    written = tmp_path / "bf16.json"
+    out = run(
+        "bf16.py",
+        *("--pairs", "2", "--steps", "3", "--warmup", "1", "--json", str(written)),
+        *BF16_SMALL,
+        smoke=False,
+    )
     rows = table_rows(out)
     assert [r[0] for r in rows] == ["1", "2", "3"], out
     rel = []
@@ -208,6 +223,29 @@ def test_bf16_smoke():
     assert max(rel) <= 2.0
     assert "curves identical across each side's 2 processes: yes" in out
     ratio(out, "bf16 / fp32")
+    # the bf16 side ran under autocast: its curve is not the fp32 one (the table's 4 decimals can
+    # round a gap of bf16 roundings to +0.0000, the JSON keeps it whole)
+    curves = json.loads(written.read_text())
+    assert all(rounded(d, float(r[3]), 4) for d, r in zip(curves["delta"], rows)), curves
+    assert any(b != a for a, b in zip(curves["loss_fp32"], curves["loss_bf16"])), curves
+
+
+def test_bf16_fails_a_step_past_its_tolerance(tmp_path):
+    """The verdict can fail: a tolerance below the gap bf16's roundings leave (about 2e-5 of the
+    loss at these shapes) prints FAIL and exits 1."""
+    written = tmp_path / "bf16.json"
+    out = run(
+        "bf16.py",
+        *("--pairs", "1", "--steps", "3", "--warmup", "1", "--json", str(written)),
+        *("--tolerance", "1e-6"),
+        *BF16_SMALL,
+        smoke=False,
+        exit_code=1,
+    )
+    curves = json.loads(written.read_text())
+    gap = max(abs(b - a) / a for a, b in zip(curves["loss_fp32"], curves["loss_bf16"]))
+    assert gap > 1e-6, curves  # the run's own gap is past the tolerance it was given
+    assert re.search(r"; tolerance 0\.0001% a step: FAIL$", out, re.M), out
 
 
 # -- the other scripts ------------------------------------------------------------------------

@@ -1,12 +1,14 @@
 """The looped model: variable depth, the clamp, recurrence modes, and the K=1 baseline."""
 
 import dataclasses
+from typing import get_args
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from conftest import build
+from megaloop.model.modes import RecurrenceMode
 from megaloop.model.semantics import rms
 
 
@@ -58,6 +60,55 @@ def test_recurrence_modes_feed_back_what_they_say(tiny_cfg, mode, shape):
         torch.testing.assert_close(fed, 0.5 * h)
         assert model.recurrence.damping_logit.requires_grad
         assert model.recurrence.damping_logit.numel() == (1 if shape == "scalar" else 32)
+
+
+def rmsnorm_by_hand(h, weight, eps):
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def fed_back_by_hand(model, h):
+    """What loop k+1 should receive from H_k, written out from the model's parameters: R(H_k),
+    or under loop_norm=shared the shared norm's N(H_k)."""
+    eps = model.cfg.norm_eps
+    if model.cfg.loop_norm == "shared":
+        return rmsnorm_by_hand(h, model.loop_norm.weight, eps)
+    return {
+        "none": lambda: h,
+        "rmsnorm": lambda: rmsnorm_by_hand(h, model.recurrence.norm.weight, eps),
+        "damping": lambda: h * torch.sigmoid(model.recurrence.damping_logit),
+    }[model.cfg.recurrence]()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        *({"recurrence": mode} for mode in get_args(RecurrenceMode)),
+        {"recurrence": "damping", "damping_shape": "scalar"},
+        {"loop_norm": "shared"},
+    ],
+    ids=lambda change: ",".join(f"{k}={v}" for k, v in change.items()),
+)
+def test_the_forward_feeds_each_loop_r_of_the_last_loops_output(tiny_cfg, change):
+    """The shared stack's input at loop k+1 is R(H_k) (N(H_k) under loop_norm=shared): the
+    training forward applies the recurrence, not only owns it. Its parameters start away from
+    the identity (norm weights and damping logits in [0.5, 1.5]), so a skipped R shows."""
+    model = build(dataclasses.replace(tiny_cfg, **change))
+    feedback = [*model.recurrence.parameters()]
+    if model.loop_norm is not None:
+        feedback += model.loop_norm.parameters()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in feedback:
+            p.copy_(torch.empty_like(p).uniform_(0.5, 1.5, generator=g))
+    entered = []  # the first layer of the stack runs once a loop
+    model.layers[0].register_forward_pre_hook(lambda layer, args: entered.append(args[0].clone()))
+    x = tokens(tiny_cfg)
+    with torch.no_grad():
+        out = model(x, labels=x)
+    assert len(entered) == tiny_cfg.num_loops
+    for k in range(1, tiny_cfg.num_loops):
+        expected = fed_back_by_hand(model, out.hidden[k - 1])
+        torch.testing.assert_close(entered[k], expected, rtol=1e-6, atol=1e-7)
 
 
 def test_exit_gate_gives_one_lambda_per_token_and_loop(tiny_cfg):
