@@ -18,7 +18,8 @@ The per-token fixed cost (embedding, readout, cache bookkeeping, Python) is stat
 squares fit over the fixed-K runs of each batch size: seconds per token t(K) = f + c·K. An
 exiting run's predicted speed-up over fixed K_max is then (f + c·K_max) / (f + c·mean loops);
 the gate's per-loop λ and the margin's per-loop readout are not in the prediction, so they show
-in the ratio measured / predicted.
+in the ratio measured / predicted. Each run records the KV slots its cache held per layer
+(`kv_slots_per_layer`, counted on the cache: K, or 1 under `share`).
 """
 
 from __future__ import annotations
@@ -107,7 +108,9 @@ def measure(model, rows, settings, spec: dict, sync: Callable) -> tuple[float, d
             logits, seconds = decode(model, rows, settings.prompt, cache, loops, sync)
     ce = harness.token_ce(logits, rows[:, settings.prompt + 1 :]).mean().item()
     b, steps = rows.shape[0], rows.shape[1] - 1 - settings.prompt
-    record = {**spec, "batch_size": b}
+    # counted on the cache, not read from spec["kv"]: what the decode really held
+    slots = len(cache.layers if fixed else cache.keys) // model.config.num_hidden_layers
+    record = {**spec, "batch_size": b, "kv_slots_per_layer": slots}
     if fixed:
         return seconds, {
             **record,

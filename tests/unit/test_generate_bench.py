@@ -21,7 +21,7 @@ THRESHOLDS = (0.0005, 0.5, NEVER)
 """Per rule on the tiny model: margin exits at different loops at 0.0005 (its margins are tiny)
 and never at 0.5; gate exits at loop 1 at 0.0005 and at different loops at 0.5; neither at 1000."""
 KEYS = ("exit", "threshold", "kv", "batch_size", "tokens_per_s", "mean_loops", "ce")
-KEYS += ("loop_applications",)
+KEYS += ("loop_applications", "kv_slots_per_layer")
 
 
 def saved_export(folder, **model):
@@ -86,6 +86,18 @@ def test_copy_and_share_apply_the_stack_k_per_prompt_token_plus_each_exit(bench)
             assert r["loop_applications"] == k_max * PROMPT * b + round(exits), r
         elif r["kv"] == "recompute":
             assert r["loop_applications"] >= k_max * PROMPT * b + round(r["mean_loops"] * b * steps)
+
+
+def test_each_run_records_the_kv_slots_its_cache_held(bench):
+    """Counted on each run's cache, so a run named `share` that decoded another policy shows:
+    one slot a layer under `share`, one a loop and layer under `copy`, `recompute` and fixed K."""
+    _, _, result = bench
+    k_max = result["k_max"]
+    held = {(r["kv"], r["batching"], r["loops"], r["kv_slots_per_layer"]) for r in result["runs"]}
+    fixed = {(None, "sync", k, k) for k in range(1, k_max + 1)}
+    exiting = {("share", "sync", k_max, 1), ("share", "async", k_max, 1)}
+    exiting |= {("copy", "sync", k_max, k_max), ("copy", "async", k_max, k_max)}
+    assert held == fixed | exiting | {("recompute", "sync", k_max, k_max)}
 
 
 def test_recompute_ce_is_the_no_cache_forward_with_the_same_exits(bench):

@@ -2,6 +2,7 @@
 after k, under each exit rule and KV policy, at batch 1 and 8, on megaloop's own readouts and on
 an Ouro-architecture model (sandwich norms, shared loop norm, exit gate)."""
 
+from contextlib import contextmanager
 from typing import get_args
 
 import pytest
@@ -16,6 +17,7 @@ from support import MODELS, exit_model, greedy, prompts, teacher_forced
 
 NEVER = {"gate": 1.01, "margin": float("inf")}
 AT_ONE = {"gate": 0.0, "margin": 0.0}
+BATCH, PROMPT, NEW = 8, 6, 8
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -25,6 +27,39 @@ def model(request):
 
 def ce(logits, tokens) -> float:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).item()
+
+
+def decode(model, policy: str, decoder: str, rule: str = "gate"):
+    """Greedy decoding of NEW tokens after prompts(BATCH, PROMPT), at the rule's middle threshold,
+    by the synchronous decoder (generate: one token a forward, loop k run by the rows still
+    open) or the depth-asynchronous one (each row at its own loop): the LoopCache and the exit
+    loops [BATCH, NEW - 1] of the tokens fed after the prompt (the last new token is not fed),
+    which sit at cache positions PROMPT, PROMPT + 1, ..."""
+    prompt = prompts(BATCH, PROMPT)
+    fields = dict(early_exit=rule, exit_threshold=model.middle[rule])
+    if decoder == "sync":
+        cache = LoopCache(policy)
+        greedy(model, prompt, NEW, cache, **fields)
+        return cache, torch.cat(cache.exit_loops[1:], 1)
+    with configured(model, **fields):
+        out = model.decode_async(prompt, NEW, kv_policy=policy)
+    return out.cache, out.exit_loops
+
+
+@contextmanager
+def stack_inputs(model):
+    """A one-item list: how many token positions have entered the stack's first layer (one a
+    token a loop), counted by a hook, apart from the cache's own counters."""
+    counted = [0]
+
+    def count(layer, args):
+        counted[0] += args[0].shape[0] * args[0].shape[1]
+
+    handle = model.layers[0].register_forward_pre_hook(count)
+    try:
+        yield counted
+    finally:
+        handle.remove()
 
 
 @pytest.mark.parametrize("policy", ["copy", "recompute"])
@@ -67,6 +102,49 @@ def test_counted_loop_applications_are_the_sum_of_exits(model, rule, policy):
         assert cache.loop_applications == exits
     assert 1 <= int(prefill.min()) and int(prefill.max()) <= K
     assert cache.bytes_per_token() == model.cache_bytes_per_token(policy)
+
+
+@pytest.mark.parametrize("decoder", ["sync", "async"])
+@pytest.mark.parametrize("policy", ["copy", "share"])
+@pytest.mark.parametrize("rule", ["gate", "margin"])
+def test_a_token_runs_no_loop_after_its_exit(model, rule, policy, decoder):
+    """Counted where the stack is entered, not by the cache: the prompt runs at full depth
+    (PROMPT·K a row) and each fed token its exit loop's loops, no more: BATCH·PROMPT·K + Σ exit
+    loops, where running every loop would be BATCH·(PROMPT + NEW - 1)·K."""
+    K = model.config.num_loops
+    with stack_inputs(model) as counted:
+        cache, exits = decode(model, policy, decoder, rule)
+    assert int((exits < K).sum()) >= exits.numel() // 4, exits  # early exits do happen
+    assert counted[0] == BATCH * PROMPT * K + int(exits.sum())
+    assert cache.loop_applications == counted[0]
+
+
+@pytest.mark.parametrize("decoder", ["sync", "async"])
+@pytest.mark.parametrize("policy", ["copy", "share"])
+def test_the_cache_holds_what_its_kv_policy_says(model, policy, decoder):
+    """On the cache's tensors after a decode with early exits. `share`: one slot a layer (not
+    one a loop and layer), a prompt token's holding its last loop's keys and values (the
+    fixed-K forward's loop K). `copy`: a slot a loop and layer, a prompt token's own at every
+    loop (the fixed-K forward's), and a fed token that exits at loop e < K has loop e's keys and
+    values in every deeper loop's slot."""
+    K, L = model.config.num_loops, model.config.num_hidden_layers
+    cache, exits = decode(model, policy, decoder)
+    assert int((exits < K).sum()) >= exits.numel() // 4, exits
+    loops = 1 if policy == "share" else K
+    assert len(cache.keys) == len(cache.values) == loops * L
+    with torch.no_grad():
+        fixed = model(prompts(BATCH, PROMPT), use_cache=True).past_key_values.layers
+    for i, layer in enumerate(fixed[-loops * L :]):
+        assert torch.equal(cache.keys[i][:, :, :PROMPT], layer.keys), i
+        assert torch.equal(cache.values[i][:, :, :PROMPT], layer.values), i
+    if policy == "copy":
+        slots = [torch.stack(t).unflatten(0, (K, L)) for t in (cache.keys, cache.values)]
+        for row, col in (exits < K).nonzero().tolist():
+            e = int(exits[row, col])
+            for kv in slots:
+                token = kv[:, :, row, :, PROMPT + col]  # [K, L, kv_heads, head_dim]
+                assert bool(token[e - 1].abs().sum() > 0)
+                assert torch.equal(token[e:], token[e - 1 : e].expand_as(token[e:])), (row, col)
 
 
 @pytest.mark.parametrize("rule", ["gate", "margin"])
