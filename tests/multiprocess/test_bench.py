@@ -3,7 +3,8 @@ agree with each other and with what the test computes on its own (token, FLOP an
 counts, the sign test behind a verdict, equal losses where a script promises them), and every
 verdict it prints is the passing one (bf16.py's is also run past a tolerance, to see it fail).
 Timings themselves are never checked, nor a verdict that depends on them: they depend on the
-machine and its load. (bench/gpu.sh has a test of its own.)
+machine and its load. (bench/gpu.sh has a test of its own; bench/gpu_wheels.sh's is in
+tests/unit/test_bench_scripts.py.)
 """
 
 import json
@@ -12,11 +13,12 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 
 from megaloop.train.metrics import read as read_metrics
-from support import ROOT, article, web_documents, wikitext
+from support import ROOT, article, miniature_source, web_documents, wikitext
 
 pytestmark = pytest.mark.multiprocess
 
@@ -480,3 +482,70 @@ def test_metrics_log_smoke():
         a, r = (float(x.replace(",", "")) for x in (append, rewrite))
         assert a > 0 and r > 0 and float(ratio) == pytest.approx(a / r, rel=0.05, abs=1e-4), out
     assert re.search(r"one call at 200 records / at 10: append " + FLOAT + r"x \(goal <= 2\)", out)
+
+
+def test_generate_mini_smoke(tmp_path):
+    """SMOKE=1 bench/generate_mini: its exit-gate model trained and exported at a toy size, then
+    every run of `bench generate` at batch 1 and 8 recorded, each with the KV slots its policy
+    holds, its speed and CE finite and consistent with its own timings and with fixed K_max."""
+    env = {**os.environ, "SMOKE": "1", "PYTHON": sys.executable, "WANDB_MODE": "disabled"}
+    script, work, out = str(ROOT / "bench/generate_mini"), tmp_path / "work", tmp_path / "out"
+    # refused before any work: no OUT (SMOKE never writes docs/generation/), no source text
+    env["GEN_WORK"], env["REPRO_SOURCE"] = str(work), str(tmp_path / "missing")
+    for args, message in (([], "needs an OUT folder"), ([str(out)], "set REPRO_SOURCE")):
+        proc = subprocess.run([script, *args], capture_output=True, text=True, env=env, timeout=60)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert not work.exists() and not out.exists()
+
+    source = miniature_source(tmp_path, seed=5)
+    env["REPRO_SOURCE"] = str(source)
+    proc = subprocess.run([script, str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (work / "source/wiki.valid.raw").resolve() == (source / "wiki.valid.raw").resolve()
+    trained = read_metrics(work / "run")["config"]
+    assert trained["objective"]["kind"] == "exit_weighted" and trained["model"]["exit_gate"]
+    assert trained["model"]["hidden_size"] == 32 and trained["train"]["steps"] == 4
+    assert (work / "run/checkpoints/step_0000004").is_dir()
+    exported = json.loads((work / "hf/config.json").read_text())
+    assert exported["exit_gate"] and exported["hidden_size"] == 32
+
+    result = json.loads((out / "generate.json").read_text())
+    assert (out / "generate.png").is_file()
+    assert result["model"]["path"] == str(work / "hf")
+    assert result["data"] == str(work / "source/wiki.valid.raw")
+    settings, k_max, decoded = result["settings"], result["k_max"], result["decoded_tokens_per_row"]
+    assert k_max == 4 and settings["rules"] == ["gate", "margin"]  # the gate was trained
+    assert settings["batch_sizes"] == [1, 8] and settings["repeats"] == 2
+    assert result["seq_len"] == 16 and decoded == 16 - result["prompt_tokens"]
+    runs = result["runs"]
+    fixed = {(r["batch_size"], r["loops"]) for r in runs if r["exit"] == "fixed"}
+    assert fixed == {(b, k) for b in (1, 8) for k in range(1, k_max + 1)}
+    groups = Counter(
+        (r["batch_size"], r["exit"], r["kv"], r["batching"]) for r in runs if r["exit"] != "fixed"
+    )
+    # async decodes copy and share only, and only with more than one row
+    assert groups == {
+        (b, rule, kv, batching): 4  # the default thresholds, four per rule
+        for b in (1, 8)
+        for rule in ("gate", "margin")
+        for kv in ("copy", "share", "recompute")
+        for batching in ("sync", "async")
+        if batching == "sync" or (b > 1 and kv != "recompute")
+    }
+    for b in (1, 8):
+        base = next(
+            r for r in runs if r["batch_size"] == b and r["exit"] == "fixed" and r["loops"] == k_max
+        )
+        assert base["ce_vs_fixed_kmax"] == 0 and base["speedup"] == pytest.approx(1)
+        for r in (r for r in runs if r["batch_size"] == b):
+            slots = r["loops"] if r["exit"] == "fixed" else 1 if r["kv"] == "share" else k_max
+            assert r["kv_slots_per_layer"] == slots, r
+            assert len(r["seconds"]) == 2 and all(s > 0 for s in r["seconds"]), r
+            assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0, r
+            assert r["tokens_per_s"] == pytest.approx(b * decoded / min(r["seconds"]))
+            assert math.isfinite(r["ce"]) and 0 < r["ce"] < 2 * math.log(exported["vocab_size"])
+            assert r["ce_vs_fixed_kmax"] == pytest.approx(r["ce"] - base["ce"], abs=1e-9)
+            assert 1 <= r["mean_loops"] <= k_max, r
+    report = (out / "generate.md").read_text()
+    assert len(re.findall(r"^\| [18] \| ", report, re.M)) == len(runs)
+    assert f"# bench generate: {work / 'hf'}" in report
