@@ -41,8 +41,8 @@ PYTEST := HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q
 IN_PROCESS := -n auto --dist loadfile -m "not multiprocess and not slurm"
 
 test: $(STAMP) slurm lint
-	$(PYTEST) $(IN_PROCESS) --durations=10
-	$(PYTEST) -m "multiprocess or slurm" --durations=25
+	$(PYTEST) $(IN_PROCESS) --durations=15
+	$(PYTEST) -m "multiprocess or slurm" --durations=15
 
 # ruff (lint and format) and the import contracts of pyproject.toml (docs/architecture.md).
 lint: $(STAMP)

@@ -100,6 +100,7 @@ SKIP = {
     'megaloop halt "$run" --data data/wikitext103_study/valid --out "$run/measure"': "the study's runs (bench/study_mini)",
     'megaloop diagnose "$run" --data data/wikitext103_study/valid --dtype bf16 --out "$run/measure"': "the study's runs (bench/study_mini)",
     "megaloop report runs/study/44m --out reports/study-44m": "the study's runs (bench/study_mini reports its miniature)",
+    "python tests/mutants/run.py": "minutes of test runs over every mutant; not a CI step (docs/testing.md)",
 }
 
 
