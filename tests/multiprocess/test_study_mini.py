@@ -15,9 +15,13 @@ from megaloop.train.metrics import read
 from support import ROOT, miniature_source
 
 
-def bench(name: str, out, env) -> None:
+def bench(name: str, out, env, *flags: str) -> None:
     proc = subprocess.run(
-        [str(ROOT / "bench" / name), str(out)], capture_output=True, text=True, env=env, timeout=900
+        [str(ROOT / "bench" / name), *flags, str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -67,6 +71,11 @@ def test_smoke_runs_of_study_mini_and_drift_drivers(tmp_path):
     report = (study / "report.md").read_text()
     assert "| per_loop_norm | 2 |" in report and "## Verdicts" in report
     assert (study / "growth.png").is_file() and (study / "measurements/report.md").is_file()
+    # --report rewrites the report from the JSON alone: the same text, once the runs are gone
+    (study / "growth.png").unlink()
+    (study / "report.md").rename(study / "report.first.md")
+    bench("study_mini", study, {**env, "STUDY_WORK": str(tmp_path / "gone")}, "--report")
+    assert (study / "report.md").read_text() == report and (study / "growth.png").is_file()
 
     drivers = tmp_path / "drivers"
     bench("drift_drivers", drivers, env)
