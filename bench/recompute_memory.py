@@ -27,12 +27,7 @@ OPTIONS = ("none", "selective", "full", "loop")
 
 def build(cfg, device: str) -> LoopedLM:
     with torch.device(device):
-        model = build_model(
-            cfg.model,
-            0,
-            recompute=cfg.train.recompute,
-            use_cpu_initialization=device == "cpu",
-        )
+        model = build_model(cfg.model, 0, recompute=cfg.train.recompute)
     return model.train()
 
 

@@ -281,7 +281,8 @@ def import_ouro(src: Path, out: Path) -> Path:
     seq_len = min(ExperimentConfig().data.seq_len, model.max_seq_len)
     cfg = ExperimentConfig.from_dict({"model": model.to_dict(), "data": {"seq_len": seq_len}})
     state = from_ouro(tensors, model)
-    module = build_model(model, seed=None)
+    with torch.device("cpu"):
+        module = build_model(model, seed=None)
     missing, unexpected = module.load_state_dict(state, strict=False)
     missing = [m for m in missing if "_extra_state" not in m]
     if missing or unexpected:

@@ -75,5 +75,6 @@ def init_weights(model, seed: int) -> None:
         if getattr(param, "tensor_model_parallel", False):
             shape[param.partition_dim] *= tp
         full_name = model.global_name(name)
-        full = initial_value(full_name, tuple(shape), model.cfg, seed)
+        with torch.device("cpu"):  # CPU generators: the same draws whatever the model's device
+            full = initial_value(full_name, tuple(shape), model.cfg, seed)
         param.copy_(local_shard(full, param, full_name, model.config.gated_linear_unit))

@@ -297,7 +297,8 @@ def build_model(
     """The one way a LoopedLM is made: the whole model on one device, or (given the stage's
     place and megatron-core's parallel sizes in `transformer_overrides`) one pipeline stage,
     built already tensor-parallel sharded. Initialised from `seed` the same way in every layout
-    (megaloop.model.init); `seed=None` leaves it for weights loaded next."""
+    (megaloop.model.init); `seed=None` leaves it for weights loaded next. It is built on the
+    current default device: `with torch.device("cuda"): build_model(...)` for a GPU."""
     from megaloop.model.init import init_weights
     from megaloop.model.specs import recompute_config, transformer_config
 

@@ -169,7 +169,9 @@ def transformer_config(model, **overrides) -> TransformerConfig:
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        # megatron-core puts its weights on the current CUDA device unless told the CPU: follow
+        # the device the model is built under (`with torch.device(...)`), as torch's own modules do
+        use_cpu_initialization=torch.get_default_device().type != "cuda",
         params_dtype=torch.float32,
         cuda_graph_scope=[],  # no CUDA graphs; megatron-core's default "full" is deprecated
     )

@@ -110,12 +110,14 @@ class DeepSpeedEngine:
         self.objective = cfg.objective
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.stage = cfg.deepspeed.zero_stage
-        self.module = build_model(
-            cfg.model,
-            cfg.train.seed,
-            recompute=cfg.train.recompute,
-            tensor_model_parallel_size=cfg.parallel.tp,
-        )
+        self.device = comm.device()
+        with self.device:  # the rank's GPU under NCCL (comm.device), else the CPU
+            self.module = build_model(
+                cfg.model,
+                cfg.train.seed,
+                recompute=cfg.train.recompute,
+                tensor_model_parallel_size=cfg.parallel.tp,
+            )
         self.config = self.module.config
         named = list(self.module.named_parameters())
         decay = [p for n, p in named if cfg.optim.decays(n, p)]
@@ -159,6 +161,7 @@ class DeepSpeedEngine:
         lr = self.optimizer.param_groups[0]["lr"]
         outputs = []
         for i, batch in enumerate(microbatches):
+            batch = batch.to(self.device, non_blocking=True)
             out = self.ds(
                 batch[:, :-1], labels=batch[:, 1:], keep_logits=self.objective.needs_logits
             )
@@ -182,6 +185,7 @@ class DeepSpeedEngine:
         assert forward_only, "training goes through train_step"
         outputs = []
         for batch in microbatches:
+            batch = batch.to(self.device, non_blocking=True)
             out = self.ds(
                 batch[:, :-1],
                 labels=batch[:, 1:],

@@ -69,22 +69,24 @@ class MegatronEngine:
         pipelined = par.pp > 1
         K, L = model_cfg.num_loops, model_cfg.num_layers
         per_rank = L // par.pp
-        self.module = build_model(
-            model_cfg,
-            cfg.train.seed,
-            recompute=cfg.train.recompute,
-            pre_process=self.pp_rank == 0,
-            post_process=self.pp_rank == par.pp - 1,
-            layer_ids=range(self.pp_rank * per_rank, (self.pp_rank + 1) * per_rank),
-            vp_stage=0 if pipelined else None,
-            tensor_model_parallel_size=par.tp,
-            pipeline_model_parallel_size=par.pp,
-            # the ring is K·L layer applications: K virtual stages of L/PP layers per rank
-            virtual_pipeline_model_parallel_size=K if pipelined else None,
-            num_layers=K * L if pipelined else L,
-            pipeline_dtype=torch.float32,
-            batch_p2p_comm=False,
-        )
+        self.device = comm.device()
+        with self.device:  # the rank's GPU under NCCL (comm.device), else the CPU
+            self.module = build_model(
+                model_cfg,
+                cfg.train.seed,
+                recompute=cfg.train.recompute,
+                pre_process=self.pp_rank == 0,
+                post_process=self.pp_rank == par.pp - 1,
+                layer_ids=range(self.pp_rank * per_rank, (self.pp_rank + 1) * per_rank),
+                vp_stage=0 if pipelined else None,
+                tensor_model_parallel_size=par.tp,
+                pipeline_model_parallel_size=par.pp,
+                # the ring is K·L layer applications: K virtual stages of L/PP layers per rank
+                virtual_pipeline_model_parallel_size=K if pipelined else None,
+                num_layers=K * L if pipelined else L,
+                pipeline_dtype=torch.float32,
+                batch_p2p_comm=False,
+            )
         self.config = self.module.config
         self.ddp = DistributedDataParallel(
             self.config,
@@ -178,7 +180,7 @@ class MegatronEngine:
         )
 
     def _whole_step(self, data_iterator, model, num_loops=None):
-        batch = next(data_iterator)
+        batch = next(data_iterator).to(self.device, non_blocking=True)
         with self.autocast():
             out = model(
                 batch[:, :-1],
@@ -193,7 +195,7 @@ class MegatronEngine:
         return loss, {"loss": loss.detach().clone(), **terms}
 
     def _pipelined_step(self, data_iterator, chunk):
-        batch = next(data_iterator)
+        batch = next(data_iterator).to(self.device, non_blocking=True)
         with self.autocast():
             out = chunk(batch[:, :-1], batch[:, 1:])
         return out, partial(self._loss_of_chunk, chunk)
@@ -312,7 +314,8 @@ class MegatronEngine:
 
 def consolidated_state(folder, cfg, layout: dict) -> dict[str, torch.Tensor]:
     """The whole model's tensors from a megatron checkpoint of any layout (one process)."""
-    module = build_model(cfg.model, seed=None)
+    with torch.device("cpu"):
+        module = build_model(cfg.model, seed=None)
     with untrusted(folder):
         loaded = dist_checkpointing.load({"model": module.sharded_state_dict()}, str(folder))
     module.load_state_dict(loaded["model"])
