@@ -52,18 +52,19 @@ def steps_logged(run_dir: Path) -> list:
     return data["steps"] if data else []
 
 
-def worker_of(run_dir: Path) -> int:
-    """The training process (torchrun's child, with LOCAL_RANK in its environment): SIGUSR1 to
-    torchrun's agent itself would kill it, as the signal's default action."""
+def worker_of(agent: int) -> int:
+    """The training process: torchrun's child. SIGUSR1 to torchrun's agent itself would kill it,
+    as the signal's default action. Found by parent, not by environment: a LOCAL_RANK that the
+    caller's own environment carries (DeepSpeed's one-process default sets one) reaches the agent
+    too."""
     for proc in Path("/proc").iterdir():
         try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            environ = (proc / "environ").read_bytes().split(b"\0")
+            stat = (proc / "stat").read_text()
         except (OSError, ValueError):
             continue
-        if f"train.dir={run_dir}" in cmdline and any(e.startswith(b"LOCAL_RANK=") for e in environ):
+        if int(stat.rsplit(")", 1)[1].split()[1]) == agent:  # the field after the state: ppid
             return int(proc.name)
-    raise RuntimeError(f"no worker process of the run in {run_dir}")
+    raise RuntimeError(f"no worker process under torchrun (pid {agent})")
 
 
 def main() -> int:
@@ -106,7 +107,7 @@ def main() -> int:
                     f"the run ended or stalled before step {args.at}: {args.out / 'preempted.log'}"
                 )
             time.sleep(0.2)
-        os.kill(worker_of(held), signal.SIGUSR1)
+        os.kill(worker_of(run.pid), signal.SIGUSR1)
         first = run.wait(args.timeout)
     text = (args.out / "preempted.log").read_text()
     if f"preempted at step {args.at}" not in text:
