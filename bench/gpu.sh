@@ -10,21 +10,21 @@
 #   bash bench/gpu.sh [OUT]      (OUT: figures and steps.tsv; default runs/gpu)
 #   SMOKE=1 bash bench/gpu.sh    (the same flow, tiny shapes, on a CPU with gloo: ~2 min, 2 cores)
 #
-# Steps on the H200, each under its own limit (s). The estimate is the planner's compute at 30%
-# MFU (`megaloop plan CONFIG --gpus 1 --gpu-mem 139 --mfu 0.3`, one micro-batch a step) plus
-# what no planner counts: process starts, CUDA/NCCL init, model builds, checkpoint I/O.
-#   step              what                                                      est  limit
-#   install           offline pip install of WHEELS into a temporary site dir     5     30
-#   kit               imports, torch/CUDA/NCCL versions, one NCCL all_reduce     20     45
-#   preempt_resume    tiny config, 3 torchrun launches: 20 steps, SIGUSR1 at 10  45     90
-#   recompute_memory  d=1024 L=4 seq 2,048 V=49,152, K=1,4 x 4 options, bf16    25     60
-#   mfu_129m          13 steps at K=4 (0.098 s) and at K=1 (0.025 s), 2 builds  25     60
-#   mfu_1p4b          8 steps at K=4 (0.201 s) and at K=1 (0.050 s), 2 builds   40     75
-#   fixed_k           1.4B: 1 step, 16 GiB checkpoint, export (5.3 GiB), then  100    120
-#                     67 batches of 2 x 2,048 at K=1..4 (0.42 s a batch, all K)
-#   total                                                                      260    480
-# So the run takes ~4.5 min by the estimate and at most 8 (+5 s a step to kill), inside one
-# device call (10 min). Each step's seconds land in OUT/steps.tsv to resize the next call.
+# Steps on the H200, each under its own limit (s). The first call (2026-12-04, docs/benchmarks.md
+# "GPU (H200)") measured the seconds below; fixed_k ran past its first limit (120 s) after its
+# training step, somewhere in the 1.4B checkpoint (16 GiB), the export or the timed batches.
+#   step              what                                                 measured  limit
+#   install           offline pip install of WHEELS into a temporary site dir     0     30
+#   kit               imports, torch/CUDA/NCCL versions, one NCCL all_reduce     38     45
+#   preempt_resume    tiny config, 3 torchrun launches: 20 steps, SIGUSR1 at 10  102    150
+#   recompute_memory  d=1024 L=4 seq 2,048 V=49,152, K=1,4 x 4 options, bf16    32     50
+#   mfu_129m          13 steps at K=4 (0.26 s) and at K=1 (0.07 s), 2 builds     24     45
+#   mfu_1p4b          8 steps at K=4 (0.51 s) and at K=1 (0.19 s), 2 builds      48     70
+#   fixed_k           1.4B: 1 step, 16 GiB checkpoint, export (5.3 GiB), then  >120    240
+#                     35 batches of 2 x 2,048 at K=1..4
+#   total                                                                     >364    630
+# So the run takes ~7 min and at most 10.5 (+5 s a step to kill): the device call's 10 minutes
+# cut only a fixed_k that runs to its limit, and every figure before it is already in OUT.
 # OUT gets 8 files (a device call returns at most 8): steps.tsv, kit.md (install and kit), one
 # .md per step, fixed_k.json. The device call: carry [".whl"], `bash bench/gpu.sh $OUT`.
 # Environment:
@@ -40,8 +40,8 @@ OUT=${1:-runs/gpu}
 PY=${PY:-python3}
 WHEELS=${WHEELS:-.whl}
 ALL_STEPS="preempt_resume recompute_memory mfu_129m mfu_1p4b fixed_k"
-declare -A default_limit=([preempt_resume]=90 [recompute_memory]=60 [mfu_129m]=60
-                          [mfu_1p4b]=75 [fixed_k]=120)
+declare -A default_limit=([preempt_resume]=150 [recompute_memory]=50 [mfu_129m]=45
+                          [mfu_1p4b]=70 [fixed_k]=240)
 STEPS=${STEPS:-$ALL_STEPS}
 for s in $STEPS; do
   if [ -z "${default_limit[$s]:-}" ]; then
@@ -154,9 +154,9 @@ step_mfu_1p4b() {
 }
 
 # fixed K: the 1.4B shape after one step (throughput does not depend on the weights), exported,
-# on random tokens of its vocabulary; the study's batch 2 x 2,048, 64 timed batches (not 128)
+# on random tokens of its vocabulary; the study's batch 2 x 2,048, 32 timed batches (not 128)
 step_fixed_k() {
-  local b=2 t=2048 n=64 w=3
+  local b=2 t=2048 n=32 w=3
   [ -n "$SMOKE" ] && b=1 t=32 n=2 w=1
   # synthetic tokens: the fineweb (webdataset) keys are dropped (null), as the kind switch needs
   # shellcheck disable=SC2046
