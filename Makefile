@@ -36,13 +36,16 @@ slurm:
 
 PYTEST := HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q
 # The in-process tests spread over the cores (pytest-xdist, one thread each; a file's tests stay
-# on one worker, with its fixtures), then the multi-process and Slurm tests one at a time: their
-# ranks already take the cores. --durations: the log names where the suite's time goes.
+# on one worker, with its fixtures). `make test` adds to that pass the multi-process tests whose
+# processes run one after another (marker one_at_a_time) and the Slurm tests (a cluster that
+# mostly waits on its scheduler), then runs the other multi-process tests one at a time: their
+# ranks take the cores by themselves. --durations: the log names where the suite's time goes.
 IN_PROCESS := -n auto --dist loadfile -m "not multiprocess and not slurm"
+SHARED := -n auto --dist loadfile -m "not multiprocess or one_at_a_time"
 
 test: $(STAMP) slurm lint
-	$(PYTEST) $(IN_PROCESS) --durations=15
-	$(PYTEST) -m "multiprocess or slurm" --durations=15
+	$(PYTEST) $(SHARED) --durations=15
+	$(PYTEST) -m "multiprocess and not one_at_a_time" --durations=15
 
 # ruff (lint and format) and the import contracts of pyproject.toml (docs/architecture.md).
 lint: $(STAMP)

@@ -201,6 +201,7 @@ BF16_SMALL = [  # bf16.py's --smoke shapes; run without --smoke, which allows on
 ]
 
 
+@pytest.mark.one_at_a_time
 def test_bf16_smoke(tmp_path):
     # two processes a side, so that "curves identical" compares two runs of each precision
     written = tmp_path / "bf16.json"
@@ -232,6 +233,7 @@ def test_bf16_smoke(tmp_path):
     assert any(b != a for a, b in zip(curves["loss_fp32"], curves["loss_bf16"])), curves
 
 
+@pytest.mark.one_at_a_time
 def test_bf16_fails_a_step_past_its_tolerance(tmp_path):
     """The verdict can fail: a tolerance below the gap bf16's roundings leave (about 2e-5 of the
     loss at these shapes) prints FAIL and exits 1."""
@@ -253,6 +255,7 @@ def test_bf16_fails_a_step_past_its_tolerance(tmp_path):
 # -- the other scripts ------------------------------------------------------------------------
 
 
+@pytest.mark.one_at_a_time
 def test_attention_smoke():
     out = run(
         "attention.py",
@@ -292,6 +295,7 @@ def test_engines_smoke(tmp_path):
         assert low - 0.005 <= float(vs) <= high + 0.005, rows
 
 
+@pytest.mark.one_at_a_time
 def test_mfu_smoke():
     """FLOPs per token recovered from the printed TFLOP/s and tokens/s equal the planner's
     count at each K; the step and MFU columns follow from the printed figures."""
@@ -336,6 +340,7 @@ def test_mfu_smoke():
     assert float(rows[0][6].rstrip("x")) == pytest.approx(tps["1"] / tps["4"], rel=0.01, abs=0.006)
 
 
+@pytest.mark.one_at_a_time
 def test_recompute_memory_smoke():
     """Memory counted, not timed: it grows with K for every option, recompute keeps less than
     none (loop least: one tensor a loop against full's one a layer), the ratio column is the
@@ -367,6 +372,7 @@ def test_recompute_memory_smoke():
         assert values == sorted(set(values)), (option, values)  # strictly more at each K
 
 
+@pytest.mark.one_at_a_time
 def test_preempt_resume_smoke(tmp_path):
     """The round trip's two loss curves are equal at every step, the table is what the two
     runs logged, and the verdict is PASS."""
@@ -396,6 +402,7 @@ def test_preempt_resume_smoke(tmp_path):
     )
 
 
+@pytest.mark.one_at_a_time
 def test_prep_throughput_smoke(tmp_path):
     """On a tiny corpus made here in the layout the script reads (--data): the documents and
     tokens it reports are the articles and their tokens counted here, the web documents read
@@ -471,6 +478,7 @@ def test_prep_throughput_smoke(tmp_path):
             assert sum(int(r.rsplit(" ", 1)[1]) for r in reasons.split(", ")) == int(total)
 
 
+@pytest.mark.one_at_a_time
 def test_metrics_log_smoke():
     """One log call's cost at each size, both sides: a table row per size and the growth line
     (which side grows is the benchmark's to report, not this test's)."""

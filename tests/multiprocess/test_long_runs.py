@@ -62,6 +62,7 @@ def consolidated(run_dir, tmp_path, name):
     return load_file(out / "model.safetensors")
 
 
+@pytest.mark.one_at_a_time
 def test_a_second_run_on_a_live_run_directory_stops_before_any_compute(tmp_path):
     train_here(tmp_path / "undisturbed", OVERRIDES)
     run_dir = tmp_path / "run"
@@ -90,6 +91,7 @@ def test_a_second_run_on_a_live_run_directory_stops_before_any_compute(tmp_path)
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
+@pytest.mark.one_at_a_time
 def test_after_kill_9_of_the_holder_a_relaunch_proceeds(tmp_path):
     run_dir = tmp_path / "run"
     first = start(run_dir, faults=["--pause-at-step", "3"])
@@ -106,6 +108,7 @@ def test_after_kill_9_of_the_holder_a_relaunch_proceeds(tmp_path):
     assert [r["step"] for r in records["steps"]] == list(range(1, 11))  # step 3 logged once
 
 
+@pytest.mark.one_at_a_time
 def test_wandb_ids_are_per_run_directory_and_kept_on_resume(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     other = tmp_path / "other.yaml"
@@ -150,6 +153,7 @@ def test_progress_lines_off_a_terminal_and_no_known_warnings(tmp_path):
     assert len(warned) == len(set(warned)), warned
 
 
+@pytest.mark.one_at_a_time
 def test_ctrl_c_saves_exits_75_and_the_relaunch_continues(tmp_path):
     train_here(tmp_path / "undisturbed", OVERRIDES)
     run_dir = tmp_path / "run"
@@ -165,6 +169,7 @@ def test_ctrl_c_saves_exits_75_and_the_relaunch_continues(tmp_path):
     assert_same_curve(metrics(run_dir), metrics(tmp_path / "undisturbed"), 1e-12)
 
 
+@pytest.mark.one_at_a_time
 def test_a_second_ctrl_c_aborts_at_once(tmp_path):
     run_dir = tmp_path / "run"
     proc = start(run_dir, faults=["--pause-at-step", "3"])
