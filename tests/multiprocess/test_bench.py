@@ -41,9 +41,10 @@ def run(
     launcher=None,
     timeout: int = 300,
     exit_code: int = 0,
+    env: dict | None = None,
 ) -> str:
-    """`bench/SCRIPT [--smoke] ARGS` from the repository root, one thread a process; its stdout
-    (it must exit with `exit_code`)."""
+    """`bench/SCRIPT [--smoke] ARGS` from the repository root, one thread a process, `env` added
+    to the environment; its stdout (it must exit with `exit_code`)."""
     proc = subprocess.run(
         [
             *(launcher or [sys.executable]),
@@ -55,7 +56,7 @@ def run(
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", **(env or {})},
     )
     assert proc.returncode == exit_code, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
@@ -375,7 +376,9 @@ def test_recompute_memory_smoke():
 @pytest.mark.one_at_a_time
 def test_preempt_resume_smoke(tmp_path):
     """The round trip's two loss curves are equal at every step, the table is what the two
-    runs logged, and the verdict is PASS."""
+    runs logged, and the verdict is PASS. The caller's environment holds a LOCAL_RANK (as
+    DeepSpeed's one-process default leaves one): the signal still goes to the worker, not to
+    torchrun's agent."""
     out = run(
         "preempt_resume.py",
         str(tmp_path),
@@ -383,6 +386,7 @@ def test_preempt_resume_smoke(tmp_path):
         *("model.hidden_size=32", "model.num_layers=1", "data.seq_len=16"),
         *("train.micro_batch_size=2", "train.global_batch_size=2"),
         smoke=False,
+        env={"LOCAL_RANK": "0"},
     )
     rows = table_rows(out)
     assert [r[0] for r in rows] == ["1", "2", "3", "4"], out
