@@ -326,7 +326,7 @@ def main() -> None:
     data, vocab = study_mini.prepare(work, source, python)
     bpe = repro_mini.prepare(work / "bpe", source, python)
     todo = jobs(work, study_mini.data_overrides(data, vocab)) + onset_jobs(bpe)
-    study_mini.train(work, todo, python)
+    study_mini.train(work, todo)
     runs = {cell: {} for cell in CELLS}
     for readout in READOUTS:  # the study's own cell: bench/study_mini's runs
         runs["study"][readout] = {

@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +48,7 @@ from megaloop.train.metrics import read as read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import repro_mini  # noqa: E402  (the miniature's data preparation)
+import workers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ROOT / "configs/experiments/drift_regime/base.yaml"
@@ -134,8 +134,8 @@ def variant(cell: Cell, suffix: str, extra: tuple[str, ...], **kwargs) -> Cell:
 
 
 class Bench:
-    def __init__(self, work: Path, data: Path, python: str, budget_min: float):
-        self.work, self.data, self.python = work, data, python
+    def __init__(self, work: Path, data: Path, budget_min: float):
+        self.work, self.data = work, data
         self.start, self.budget_s = time.time(), budget_min * 60
         self.seconds_file = work / "run_seconds.json"
         self.seconds: dict[str, float] = (
@@ -156,9 +156,8 @@ class Bench:
         return metrics.finished(self.run_dir(run), run.cell.steps)
 
     def train(self, runs: list[Run]) -> None:
-        """Each run not yet finished, two at a time, one thread each; failures are recorded (a
-        diverged run is a result), not raised."""
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+        """Each run not yet finished, in the two workers; failures are recorded (a diverged run
+        is a result), not raised."""
 
         def one(run: Run) -> None:
             if self.finished(run):
@@ -166,10 +165,7 @@ class Bench:
             log = self.work / "logs" / f"{run.name.replace('/', '-')}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
             began = time.time()
-            cmd = [
-                self.python,
-                "-m",
-                "megaloop",
+            argv = [
                 "train",
                 str(BASE),
                 f"train.dir={self.run_dir(run)}",
@@ -181,8 +177,7 @@ class Bench:
                 *run.cell.overrides,
                 *(SMOKE_SHAPE if SMOKE else []),
             ]
-            with open(log, "w") as f:
-                code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+            code = workers.megaloop(argv, log)
             self.seconds[run.name] = time.time() - began
             self.seconds_file.write_text(json.dumps(self.seconds, indent=1))
             self.worked()
@@ -192,7 +187,7 @@ class Bench:
                 flush=True,
             )
 
-        with ThreadPoolExecutor(2) as pool:
+        with ThreadPoolExecutor(workers.LANES) as pool:
             list(pool.map(one, sorted(runs, key=lambda r: -r.cell.steps)))
 
     def worked(self) -> None:
@@ -222,19 +217,17 @@ class Bench:
         return (self.work / "measure" / run.name / "diagnose-bf16" / "diagnose.json").is_file()
 
     def measure(self, runs: list[Run]) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        valid = str(self.work / "source/wiki.valid.raw")
+        valid = self.work / "source/wiki.valid.raw"
 
         def one(run: Run) -> None:
             out = self.work / "measure" / run.name
             if self.measured(run):
                 return
-            cmd = [self.python, __file__, "--measure", str(self.run_dir(run)), str(out), valid]
-            subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+            workers.call(measure_one, self.run_dir(run), out, valid)
             self.worked()
             print(f"[{self.minutes():5.1f} min] measured {run.name}", flush=True)
 
-        with ThreadPoolExecutor(2) as pool:
+        with ThreadPoolExecutor(workers.LANES) as pool:
             list(pool.map(one, runs))
 
 
@@ -743,9 +736,6 @@ def extra_work(bench: Bench, best: Cell, least: Cell) -> tuple[Cell, list[dict],
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--measure"]:
-        measure_one(*map(Path, sys.argv[2:5]))
-        return
     if sys.argv[1:2] == ["--report"]:
         out = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "docs/drift_regime"
         info = json.loads((out / "drift_regime.json").read_text())
@@ -760,7 +750,7 @@ def main() -> None:
     python = os.environ.get("PYTHON", sys.executable)
     budget = float(os.environ.get("DRIFT_BUDGET_MIN", 30 if SMOKE else 120))
     data = repro_mini.prepare(work, source, python)
-    bench = Bench(work, data, python, budget)
+    bench = Bench(work, data, budget)
 
     cells = grid()
     bench.train([Run(c, r, s) for c in cells for r in READOUTS for s in c.seeds])

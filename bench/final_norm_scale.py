@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,6 +33,7 @@ from megaloop.train import metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import repro_mini  # noqa: E402  (the miniature's data and settings)
+import workers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs/experiments/repro_mini/final_norm.yaml"
@@ -44,8 +44,7 @@ WINDOWS = 8 if SMOKE else 160
 TEMPERATURES = np.logspace(-0.5, 1.0, 31)
 
 
-def train(work: Path, data: Path, python: str) -> dict[str, Path]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+def train(work: Path, data: Path) -> dict[str, Path]:
     runs = {
         f"{name}/seed{seed}": (work / "runs" / name / f"seed{seed}", overrides, seed)
         for name, overrides in VARIANTS.items()
@@ -56,14 +55,16 @@ def train(work: Path, data: Path, python: str) -> dict[str, Path]:
         name, (run_dir, overrides, seed) = item
         if metrics.finished(run_dir):  # a run stopped midway resumes instead
             return
-        cmd = [python, "-m", "megaloop", "train", str(CONFIG), f"train.dir={run_dir}"]
-        cmd += [f"train.seed={seed}", f"data.path={data / 'train'}"]
-        cmd += [f"data.valid_path={data / 'valid'}", "wandb.mode=disabled", *overrides]
-        cmd += repro_mini.SMOKE_SHAPE if SMOKE else []
-        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+        argv = ["train", CONFIG, f"train.dir={run_dir}", f"train.seed={seed}"]
+        argv += [f"data.path={data / 'train'}", f"data.valid_path={data / 'valid'}"]
+        argv += ["wandb.mode=disabled", *overrides, *(repro_mini.SMOKE_SHAPE if SMOKE else [])]
+        log = work / "logs" / f"{name.replace('/', '-')}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        if code := workers.megaloop(argv, log):
+            sys.exit(f"final_norm_scale: training {name} exited {code}; see {log}")
         print(f"trained {name}", flush=True)
 
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(workers.LANES) as pool:
         list(pool.map(one, runs.items()))
     return {name: run_dir for name, (run_dir, _, _) in runs.items()}
 
@@ -132,21 +133,16 @@ def markdown(results: dict) -> str:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--measure"]:
-        print(json.dumps(measure(Path(sys.argv[2]), Path(sys.argv[3]))))
-        return
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "docs/repro_mini"
     work = Path(os.environ.get("FINAL_NORM_WORK", ROOT / "runs/final_norm_scale")).resolve()
     source = Path(os.environ.get("REPRO_SOURCE", ROOT.parent / "shared/data/wikitext-103"))
     python = os.environ.get("PYTHON", sys.executable)
     data = repro_mini.prepare(work, source, python)
-    runs = train(work, data, python)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    results = {}
-    for name, run_dir in runs.items():
-        cmd = [python, __file__, "--measure", str(run_dir), str(work / "source/wiki.valid.raw")]
-        proc = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
-        results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    runs = train(work, data)
+    text = work / "source/wiki.valid.raw"
+    with ThreadPoolExecutor(workers.LANES) as pool:
+        measured = pool.map(lambda run_dir: workers.call(measure, run_dir, text), runs.values())
+        results = dict(zip(runs, measured))
     out.mkdir(parents=True, exist_ok=True)
     (out / "final_norm_scale.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "final_norm_scale.md").write_text(markdown(results))

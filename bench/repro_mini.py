@@ -8,10 +8,11 @@
    validation text as wiki.valid.raw (never copied into the repo), and `megaloop prep
    wikitext103` trains a byte-level BPE on the training text and writes indexed datasets.
 2. Training: every configs/experiments/repro_mini/*.yaml variant x seeds 0 and 1 (the
-   no-weight-decay pair, trained twice as long, seed 0 only) through `megaloop sweep` (finished
-   runs are skipped, so a rerun resumes), two runs at a time with one thread each.
+   no-weight-decay pair, trained twice as long, seed 0 only) as `megaloop sweep` runs them
+   (finished runs are skipped, so a rerun resumes), two at a time in the two worker processes
+   of bench/workers.py, one thread each.
 3. Measurements on the validation text: `megaloop depth`, `halt` and `diagnose` of every run
-   (in-process, two runs at a time), then `megaloop report` of everything into OUT.
+   (in the workers, two runs at a time), then `megaloop report` of everything into OUT.
 
 Environment: REPRO_SOURCE, a folder holding wiki.test.raw and wiki.valid.raw (default:
 ../shared/data/wikitext-103 beside the repository); REPRO_WORK, the scratch folder (default
@@ -27,6 +28,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import workers
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs/experiments/repro_mini"
@@ -102,9 +105,8 @@ def variants() -> list[Path]:
     return [CONFIGS / f"{name}.yaml" for name in names]
 
 
-def train(work: Path, data: Path, python: str) -> None:
-    """Each variant x seed through `megaloop sweep` (skips finished runs), two at a time."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+def train(work: Path, data: Path) -> None:
+    """Each variant x seed as `megaloop sweep` runs it (finished runs skipped), two at a time."""
     overrides = [
         f"data.path={data / 'train'}",
         f"data.valid_path={data / 'valid'}",
@@ -121,51 +123,38 @@ def train(work: Path, data: Path, python: str) -> None:
         config, seed = job
         log = work / "logs" / f"{config.stem}-seed{seed}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "w") as f:
-            code = subprocess.run(
-                [
-                    python,
-                    "-m",
-                    "megaloop",
-                    "sweep",
-                    str(config),
-                    "--seeds",
-                    str(seed),
-                    "--root",
-                    str(work / "runs"),
-                    *overrides,
-                ],
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                env=env,
-            ).returncode
+        code = workers.call(sweep_one, config, seed, work / "runs", overrides, log=log)
         print(f"trained {config.stem} seed {seed}: exit {code} (log {log})", flush=True)
         return code
 
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(workers.LANES) as pool:
         codes = list(pool.map(one, jobs))
     if any(codes):
         sys.exit("repro_mini: some runs failed; see the logs above")
 
 
-def measure(work: Path, python: str) -> list[Path]:
-    """depth, halt and diagnose of every run, each run in a process of its own, two at a time."""
+def sweep_one(config: Path, seed: int, root: Path, overrides: list[str]) -> int:
+    """`megaloop sweep CONFIG --seeds SEED --root ROOT OVERRIDES` in this process (a worker)."""
+    from megaloop import sweep
+
+    (run,) = sweep.plan([str(config)], [seed], overrides, root)
+    if sweep.finished(run):
+        return 0
+    return workers.command(["train", run.config, *run.overrides])
+
+
+def measure(work: Path) -> list[Path]:
+    """depth, halt and diagnose of every run, in the workers, two runs at a time."""
     runs = sorted(p.parent for p in (work / "runs").rglob("metrics.json*"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    valid = str(work / "source/wiki.valid.raw")
+    valid = work / "source/wiki.valid.raw"
 
     def one(run_dir: Path) -> Path:
         out = work / "measure" / run_dir.relative_to(work / "runs")
-        subprocess.run(
-            [python, str(Path(__file__)), "--measure", str(run_dir), str(out), valid],
-            check=True,
-            env=env,
-            stdout=subprocess.DEVNULL,
-        )
+        workers.call(measure_one, run_dir, out, valid)
         print(f"measured {run_dir.relative_to(work)}", flush=True)
         return out
 
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(workers.LANES) as pool:
         return list(pool.map(one, runs))
 
 
@@ -214,9 +203,6 @@ def measure_one(run_dir: Path, out: Path, data: Path) -> None:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--measure"]:
-        measure_one(*map(Path, sys.argv[2:5]))
-        return
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "docs/repro_mini"
     work = Path(os.environ.get("REPRO_WORK", ROOT / "runs/repro_mini")).resolve()
     source = Path(os.environ.get("REPRO_SOURCE", ROOT.parent / "shared/data/wikitext-103"))
@@ -224,9 +210,9 @@ def main() -> None:
     clock = {"start": time.time()}
     data = prepare(work, source, python)
     clock["prepared"] = time.time()
-    train(work, data, python)
+    train(work, data)
     clock["trained"] = time.time()
-    measure(work, python)
+    measure(work)
     clock["measured"] = time.time()
     run(
         [

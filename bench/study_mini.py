@@ -14,7 +14,7 @@
 2. Training: each row of configs/experiments/study/44m/ (the study's setup: PyTorch's default
    initialisation, learned positions, dropout 0.1, AdamW at a constant 3e-4 with weight decay
    0.01 on every parameter, bf16 autocast, windows with a stride) at the miniature shape of
-   MINIATURE, through `megaloop train`, two runs at a time with one thread each. Finished runs
+   MINIATURE, through `megaloop train` in two worker processes (bench/workers.py). Finished runs
    are skipped, so a rerun resumes.
 3. Measurements of every final checkpoint on the validation split's token stream: `depth`,
    `halt` and `diagnose --dtype bf16` (the study's precision).
@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import workers
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS_DIR = ROOT / "configs/experiments/study/44m"
@@ -172,11 +173,10 @@ def data_overrides(data: Path, vocab: int) -> list[str]:
     ]
 
 
-def train(work: Path, jobs: list[Job], python: str) -> None:
-    """Every job not finished yet, two at a time with one thread each."""
+def train(work: Path, jobs: list[Job]) -> None:
+    """Every job not finished yet, in the two workers."""
     from megaloop.train.metrics import finished
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     todo = [j for j in jobs if not finished(j.run_dir(work), j.steps)]
     lock = threading.Lock()
     print(f"study_mini: {len(jobs) - len(todo)} of {len(jobs)} runs finished; training {len(todo)}")
@@ -185,33 +185,25 @@ def train(work: Path, jobs: list[Job], python: str) -> None:
         log = work / "logs" / f"{job.name}-seed{job.seed}.log".replace("/", "-")
         log.parent.mkdir(parents=True, exist_ok=True)
         start = time.time()
-        with open(log, "w") as f:
-            code = subprocess.run(
-                [
-                    python,
-                    "-m",
-                    "megaloop",
-                    "train",
-                    str(job.config),
-                    *(MINIATURE if job.miniature else []),
-                    *job.data_overrides,
-                    *job.overrides,
-                    f"train.steps={job.steps}",
-                    f"train.save_every={job.steps}",
-                    f"train.seed={job.seed}",
-                    f"train.dir={job.run_dir(work)}",
-                ],
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                env=env,
-            ).returncode
+        argv = [
+            "train",
+            job.config,
+            *(MINIATURE if job.miniature else []),
+            *job.data_overrides,
+            *job.overrides,
+            f"train.steps={job.steps}",
+            f"train.save_every={job.steps}",
+            f"train.seed={job.seed}",
+            f"train.dir={job.run_dir(work)}",
+        ]
+        code = workers.megaloop(argv, log)
         seconds = time.time() - start
         with lock:  # the two lanes' records in one file
             spent(work, str(job.run_dir(work).relative_to(work)), seconds)
         print(f"trained {job.name} seed {job.seed} in {seconds:.0f} s: exit {code} (log {log})")
         return code
 
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(workers.LANES) as pool:
         codes = list(pool.map(one, todo))
     if any(code not in (0, EXIT_UNHEALTHY) for code in codes):
         sys.exit("study_mini: some runs failed; see the logs above")
@@ -228,25 +220,19 @@ def spent(work: Path, what: str | None = None, seconds: float = 0.0) -> dict[str
     return taken
 
 
-def measure(work: Path, run_dirs: list[Path], python: str) -> None:
+def measure(work: Path, run_dirs: list[Path]) -> None:
     """depth, halt and diagnose of each run not measured yet on the prepared validation split
-    (the study's token stream), in a process of its own, two at a time."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    valid = str(work / "data/valid")
+    (the study's token stream), in the two workers."""
+    valid = work / "data/valid"
 
     def one(run_dir: Path) -> None:
         out = work / "measure" / run_dir.relative_to(work / "runs")
         if (out / "diagnose.json").is_file():
             return
-        subprocess.run(
-            [python, str(Path(__file__)), "--measure", str(run_dir), str(out), valid],
-            check=True,
-            env=env,
-            stdout=subprocess.DEVNULL,
-        )
+        workers.call(measure_one, run_dir, out, valid)
         print(f"measured {run_dir.relative_to(work)}", flush=True)
 
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(workers.LANES) as pool:
         list(pool.map(one, run_dirs))
 
 
@@ -659,9 +645,6 @@ def plot(trajectories: dict, out: Path) -> None:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--measure"]:
-        measure_one(*map(Path, sys.argv[2:5]))
-        return
     if sys.argv[1:2] == ["--report"]:
         out = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "docs/study_mini"
         info = json.loads((out / "study_mini.json").read_text())
@@ -683,9 +666,9 @@ def main() -> None:
         for row in ROWS
         for seed in SEEDS
     ]
-    train(work, jobs, python)
+    train(work, jobs)
     clock["trained"] = time.time()
-    measure(work, [j.run_dir(work) for j in jobs], python)
+    measure(work, [j.run_dir(work) for j in jobs])
     clock["measured"] = time.time()
     if clock["measured"] - clock["trained"] > 60:  # it measured, not only skipped
         spent(work, "measure", clock["measured"] - clock["trained"])

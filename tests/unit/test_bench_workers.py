@@ -1,0 +1,63 @@
+"""bench/workers.py: a run trained in a worker that already trained another gives the numbers of a
+run in a process of its own, bit for bit (the bench smokes and full runs rely on it), and a
+failure comes back as an exit code or an error naming its log, not as a hung or dead bench."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from multiproc import BASE, OBJECTIVES, command, env, metrics
+from support import ROOT, TINY
+
+sys.path.insert(0, str(ROOT / "bench"))
+import workers  # noqa: E402
+
+
+@pytest.fixture
+def one_worker(monkeypatch):
+    monkeypatch.setattr(workers, "LANES", 1)
+    monkeypatch.setattr(workers, "_pool", None)
+    yield
+    workers._pool.shutdown()
+
+
+def records(run_dir) -> list:
+    m = metrics(run_dir)
+    return [(r["step"], r["loss"], r["hidden_rms"]) for r in m["steps"] + m["evals"]]
+
+
+def fail(message: str) -> None:
+    raise ValueError(message)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.one_at_a_time  # one worker, then one process: never two busy at once
+def test_a_run_in_a_used_worker_equals_a_run_in_a_fresh_process(tmp_path, one_worker):
+    pid = workers.call(os.getpid)
+    # the first run leaves what a run can leave behind: another objective, seed and dropout
+    first = ["train", TINY, *BASE, f"train.dir={tmp_path / 'first'}", "train.seed=3"]
+    first += [*OBJECTIVES["exit_weighted"], "model.dropout=0.1", "train.steps=4"]
+    assert workers.megaloop(first, tmp_path / "first.log") == 0
+    compared = [*OBJECTIVES["study"], "model.dropout=0.1", "train.seed=1"]
+    argv = ["train", TINY, *BASE, f"train.dir={tmp_path / 'worker'}", *compared]
+    assert workers.megaloop(argv, tmp_path / "worker.log") == 0
+    assert workers.call(os.getpid) == pid, "both runs were to share one worker process"
+    assert "valid_ce" in (tmp_path / "worker.log").read_text()  # its output went to its log
+
+    subprocess.run(command(1, tmp_path / "fresh", compared), check=True, env=env(), timeout=300)
+    assert records(tmp_path / "worker") == records(tmp_path / "fresh")
+    assert len(records(tmp_path / "fresh")) > 10
+
+
+@pytest.mark.multiprocess
+@pytest.mark.one_at_a_time
+def test_failures_come_back_as_exit_codes_and_errors(tmp_path, one_worker):
+    log = tmp_path / "bad.log"
+    assert workers.megaloop(["train", TINY, "model.num_loops=0"], log) == 2
+    assert "model.num_loops" in log.read_text()
+    with pytest.raises(RuntimeError, match=f"raised ValueError: no data; see {log}"):
+        workers.call(fail, "no data", log=log)
+    assert "Traceback" in log.read_text()
+    assert workers.call(abs, -3) == 3  # the worker survived both
