@@ -497,6 +497,7 @@ def test_metrics_log_smoke():
     assert re.search(r"one call at 200 records / at 10: append " + FLOAT + r"x \(goal <= 2\)", out)
 
 
+@pytest.mark.one_at_a_time  # its commands one after another, one thread each under SMOKE
 def test_generate_mini_smoke(tmp_path):
     """SMOKE=1 bench/generate_mini: its exit-gate model trained and exported at a toy size, then
     every run of `bench generate` at batch 1 and 8 recorded, each with the KV slots its policy
