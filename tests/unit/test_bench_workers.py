@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from megaloop.parallel import distributed
 from multiproc import BASE, OBJECTIVES, command, env, metrics
 from support import ROOT, TINY
 
@@ -40,6 +41,7 @@ def test_a_run_in_a_used_worker_equals_a_run_in_a_fresh_process(tmp_path, one_wo
     first = ["train", TINY, *BASE, f"train.dir={tmp_path / 'first'}", "train.seed=3"]
     first += [*OBJECTIVES["exit_weighted"], "model.dropout=0.1", "train.steps=4"]
     assert workers.megaloop(first, tmp_path / "first.log") == 0
+    workers.call(distributed.init, 7)  # as a measurement does, which does not tear it down
     compared = [*OBJECTIVES["study"], "model.dropout=0.1", "train.seed=1"]
     argv = ["train", TINY, *BASE, f"train.dir={tmp_path / 'worker'}", *compared]
     assert workers.megaloop(argv, tmp_path / "worker.log") == 0
