@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import miniature
 import workers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,43 +57,9 @@ SEQ_LEN = 32 if SMOKE else 128
 """Measurement windows: the models' training context (the study's slice harness used 256)."""
 
 
-def run(cmd: list, **kwargs) -> None:
-    print("+", " ".join(map(str, cmd)), flush=True)
-    subprocess.run(cmd, check=True, **kwargs)
-
-
 def prepare(work: Path, source: Path, python: str) -> Path:
-    """Link the texts, prepare indexed data with a BPE trained on the training text."""
-    for name in ("wiki.test.raw", "wiki.valid.raw"):
-        if not (source / name).is_file():
-            sys.exit(
-                f"repro_mini: {source / name} is missing; set REPRO_SOURCE to a folder with "
-                f"wiki.test.raw (trained on) and wiki.valid.raw (evaluated on)"
-            )
-    links = work / "source"
-    links.mkdir(parents=True, exist_ok=True)
-    for link, target in (("wiki.train.raw", "wiki.test.raw"), ("wiki.valid.raw", "wiki.valid.raw")):
-        path = links / link
-        if path.is_symlink() or path.exists():
-            path.unlink()
-        path.symlink_to((source / target).resolve())
-    data = work / "data"
-    run(
-        [
-            python,
-            "-m",
-            "megaloop",
-            "prep",
-            "wikitext103",
-            "--source",
-            str(links),
-            "--tokenizer",
-            f"train:{VOCAB}",
-            "--out",
-            str(data),
-        ]
-    )
-    return data
+    """The linked texts in indexed datasets, with a BPE trained on the training text."""
+    return miniature.prepare("repro_mini", work, source, python, "--tokenizer", f"train:{VOCAB}")
 
 
 def variants() -> list[Path]:
@@ -159,47 +125,7 @@ def measure(work: Path) -> list[Path]:
 
 
 def measure_one(run_dir: Path, out: Path, data: Path) -> None:
-    from megaloop import _cpu_compat
-
-    _cpu_compat.apply()
-    from megaloop.evaluation import depth, diagnostics, halting
-    from megaloop.evaluation.settings import DepthSettings, DiagnoseSettings, HaltSettings
-
-    depth.run(
-        DepthSettings(
-            model=run_dir,
-            data=data,
-            loops=MEASURE["depth"]["loops"],
-            sequences=MEASURE["depth"]["sequences"],
-            seq_len=SEQ_LEN,
-            dtype="float32",
-            out=out,
-        )
-    )
-    halting.run(
-        HaltSettings(
-            model=run_dir,
-            data=data,
-            k_max=4,
-            rho=1.01,
-            calib=MEASURE["halt"]["calib"],
-            bench=MEASURE["halt"]["bench"],
-            batch_size=8,
-            seq_len=SEQ_LEN,
-            out=out,
-        )
-    )
-    diagnostics.run(
-        DiagnoseSettings(
-            model=run_dir,
-            data=data,
-            tokens=MEASURE["diagnose"]["tokens"],
-            seq_len=SEQ_LEN,
-            rollout=MEASURE["diagnose"]["rollout"],
-            dtype="float32",
-            out=out,
-        )
-    )
+    miniature.measure(run_dir, out, data, MEASURE, SEQ_LEN, "float32")
 
 
 def main() -> None:
@@ -214,7 +140,7 @@ def main() -> None:
     clock["trained"] = time.time()
     measure(work)
     clock["measured"] = time.time()
-    run(
+    miniature.run(
         [
             python,
             "-m",

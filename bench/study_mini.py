@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -43,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import miniature
 import numpy as np
 import workers
 
@@ -123,44 +123,10 @@ class Job:
         return work / "runs" / self.name / f"seed{self.seed}"
 
 
-def run(cmd: list, **kwargs) -> None:
-    print("+", " ".join(map(str, cmd)), flush=True)
-    subprocess.run(cmd, check=True, **kwargs)
-
-
 def prepare(work: Path, source: Path, python: str) -> tuple[Path, int]:
     """The study's tokens of the linked texts; returns the data folder and the vocabulary."""
-    for name in ("wiki.test.raw", "wiki.valid.raw"):
-        if not (source / name).is_file():
-            sys.exit(
-                f"study_mini: {source / name} is missing; set REPRO_SOURCE to a folder with "
-                f"wiki.test.raw (trained on) and wiki.valid.raw (evaluated on)"
-            )
-    links = work / "source"
-    links.mkdir(parents=True, exist_ok=True)
-    for link, target in (("wiki.train.raw", "wiki.test.raw"), ("wiki.valid.raw", "wiki.valid.raw")):
-        path = links / link
-        if path.is_symlink() or path.exists():
-            path.unlink()
-        path.symlink_to((source / target).resolve())
-    data = work / "data"
-    run(
-        [
-            python,
-            "-m",
-            "megaloop",
-            "prep",
-            "wikitext103",
-            "--source",
-            str(links),
-            "--tokenizer",
-            "words:20000",
-            "--layout",
-            "stream",
-            "--out",
-            str(data),
-        ]
-    )
+    options = ("--tokenizer", "words:20000", "--layout", "stream")
+    data = miniature.prepare("study_mini", work, source, python, *options)
     vocab = json.loads((data / "train.manifest.json").read_text())["vocab_size"]
     return data, vocab
 
@@ -237,47 +203,7 @@ def measure(work: Path, run_dirs: list[Path]) -> None:
 
 
 def measure_one(run_dir: Path, out: Path, data: Path) -> None:
-    from megaloop import _cpu_compat
-
-    _cpu_compat.apply()
-    from megaloop.evaluation import depth, diagnostics, halting
-    from megaloop.evaluation.settings import DepthSettings, DiagnoseSettings, HaltSettings
-
-    depth.run(
-        DepthSettings(
-            model=run_dir,
-            data=data,
-            loops=MEASURE["depth"]["loops"],
-            sequences=MEASURE["depth"]["sequences"],
-            seq_len=SEQ_LEN,
-            dtype="float32",
-            out=out,
-        )
-    )
-    halting.run(
-        HaltSettings(
-            model=run_dir,
-            data=data,
-            k_max=4,
-            rho=1.01,
-            calib=MEASURE["halt"]["calib"],
-            bench=MEASURE["halt"]["bench"],
-            batch_size=8,
-            seq_len=SEQ_LEN,
-            out=out,
-        )
-    )
-    diagnostics.run(
-        DiagnoseSettings(
-            model=run_dir,
-            data=data,
-            tokens=MEASURE["diagnose"]["tokens"],
-            seq_len=SEQ_LEN,
-            rollout=MEASURE["diagnose"]["rollout"],
-            dtype="bfloat16",
-            out=out,
-        )
-    )
+    miniature.measure(run_dir, out, data, MEASURE, SEQ_LEN, "bfloat16")
 
 
 # -- what a run's records say -----------------------------------------------------------------
@@ -674,7 +600,7 @@ def main() -> None:
         spent(work, "measure", clock["measured"] - clock["trained"])
     # paths relative to the scratch folder: the committed report names no machine's paths
     report = [python, "-m", "megaloop", "report", "runs/study", "measure/study"]
-    run([*report, "--out", str(out.resolve() / "measurements")], cwd=work)
+    miniature.run([*report, "--out", str(out.resolve() / "measurements")], cwd=work)
     trajectories = {
         row: {seed: trajectory(work / "runs" / "study" / row / f"seed{seed}") for seed in SEEDS}
         for row in ROWS
