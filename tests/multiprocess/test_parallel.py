@@ -158,10 +158,8 @@ def test_reshard_one_process_checkpoint_into_pp2(run, tmp_path):
 
 
 def test_kill_9_then_resume_continues_exactly(run, tmp_path):
-    _, reference = run("per_loop+penalty", "pp2")
-    kill_9_then_resume(
-        tmp_path / "run", [*OBJECTIVES["per_loop+penalty"], "parallel.pp=2"], reference
-    )
+    _, reference = run("exit_weighted", "pp2")
+    kill_9_then_resume(tmp_path / "run", [*OBJECTIVES["exit_weighted"], "parallel.pp=2"], reference)
 
 
 def test_corrupt_or_partial_checkpoints_are_reported_and_skipped(run, tmp_path, capsys):

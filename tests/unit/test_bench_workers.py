@@ -1,15 +1,14 @@
 """bench/workers.py: a run trained in a worker that already trained another gives the numbers of a
-run in a process of its own, bit for bit (the bench smokes and full runs rely on it), and a
+fresh one-process run, bit for bit (the bench smokes and full runs rely on it), and a
 failure comes back as an exit code or an error naming its log, not as a hung or dead bench."""
 
 import os
-import subprocess
 import sys
 
 import pytest
 
 from megaloop.parallel import distributed
-from multiproc import BASE, OBJECTIVES, command, env, metrics
+from multiproc import BASE, OBJECTIVES, metrics, train_here
 from support import ROOT, TINY
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -35,7 +34,7 @@ def fail(message: str) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.one_at_a_time  # one worker, then one process: never two busy at once
-def test_a_run_in_a_used_worker_equals_a_run_in_a_fresh_process(tmp_path, one_worker):
+def test_a_run_in_a_used_worker_equals_a_one_process_run(tmp_path, one_worker):
     pid = workers.call(os.getpid)
     # the first run leaves what a run can leave behind: another objective, seed and dropout
     first = ["train", TINY, *BASE, f"train.dir={tmp_path / 'first'}", "train.seed=3"]
@@ -48,7 +47,7 @@ def test_a_run_in_a_used_worker_equals_a_run_in_a_fresh_process(tmp_path, one_wo
     assert workers.call(os.getpid) == pid, "both runs were to share one worker process"
     assert "valid_ce" in (tmp_path / "worker.log").read_text()  # its output went to its log
 
-    subprocess.run(command(1, tmp_path / "fresh", compared), check=True, env=env(), timeout=300)
+    train_here(tmp_path / "fresh", compared)  # equals a one-process torchrun run bit for bit
     assert records(tmp_path / "worker") == records(tmp_path / "fresh")
     assert len(records(tmp_path / "fresh")) > 10
 
