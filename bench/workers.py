@@ -4,7 +4,8 @@ A bench grid is many short runs; started one process a run, each paid the import
 megatron-core again (about 5 s of CPU here, more than a toy run trains). The two workers pay it
 once, run one thing at a time with one thread each (two cores, two lanes) and leave nothing
 behind between calls: the world of each run is torn down as `megaloop train` tears it down.
-A run gives the same numbers here as in a process of its own (tests/unit/test_bench_workers.py).
+A run gives the same numbers here as a one-process run, bit for bit
+(tests/unit/test_bench_workers.py).
 
 The bench hands its workers its own arguments and gets back plain values: nothing read from a
 file crosses the pipe.
