@@ -6,6 +6,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from megaloop.parallel import distributed
 from multiproc import BASE, OBJECTIVES, metrics, train_here
@@ -62,3 +63,4 @@ def test_failures_come_back_as_exit_codes_and_errors(tmp_path, one_worker):
         workers.call(fail, "no data", log=log)
     assert "Traceback" in log.read_text()
     assert workers.call(abs, -3) == 3  # the worker survived both
+    assert workers.call(torch.get_num_threads) == 1  # two lanes, one core each
