@@ -4,8 +4,9 @@ The folder loads anywhere transformers does, with no megaloop or megatron-core i
 
     AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True, num_loops=8)
 
-The code is megaloop/model/{configuration,modeling}_megaloop.py and the semantics.py they import
-(the one definition of the loop the training model uses too), copied in, with the sha256 of each
+The code is megaloop/model/{configuration,modeling}_megaloop.py, the decoding.py and semantics.py
+they import (semantics.py is the one definition of the loop the training model uses too) and
+modes.py, copied in, with the sha256 of each
 recorded in config.json ("megaloop_code"; config.json is written last, so a folder without it is
 not a finished export); megaloop itself loads an export only when its code is that record and
 this megaloop's own (megaloop.evaluation.exported). The weights are the
@@ -31,6 +32,7 @@ AUTO_MAP = {
 CODE_FILES = (
     "configuration_megaloop.py",
     "modeling_megaloop.py",
+    "decoding.py",
     "semantics.py",
     "modes.py",
 )

@@ -75,7 +75,7 @@ def decode(model, rows: torch.Tensor, prompt: int, cache, loops: int, sync: Call
 def decode_async(model, rows: torch.Tensor, prompt: int, cache, sync: Callable):
     """The DepthAsyncDecoder after the same untimed prefill: logits [B, steps, V], the wall
     seconds of the decode, and the decoder (its exit loops and stack applications)."""
-    from megaloop.model.modeling_megaloop import DepthAsyncDecoder
+    from megaloop.model.decoding import DepthAsyncDecoder
 
     with torch.no_grad():
         model(rows[:, :prompt], past_key_values=cache, use_cache=True)
@@ -94,7 +94,7 @@ def measure(model, rows, settings, spec: dict, sync: Callable) -> tuple[float, d
     K_max at most): the wall seconds and the run's record without its tokens/s."""
     from transformers import DynamicCache
 
-    from megaloop.model.modeling_megaloop import LoopCache
+    from megaloop.model.decoding import LoopCache
 
     fixed, loops = spec["exit"] == "fixed", spec["loops"]
     fields = {"early_exit": "none"} if fixed else {"early_exit": spec["exit"]}

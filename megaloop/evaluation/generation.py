@@ -32,7 +32,7 @@ from megaloop.evaluation.exported import (
     placement,
 )
 from megaloop.evaluation.settings import GenerateSettings
-from megaloop.model.modeling_megaloop import LoopCache
+from megaloop.model.decoding import LoopCache
 
 
 def mark(depth: int) -> str:

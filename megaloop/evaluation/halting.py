@@ -26,7 +26,7 @@ import torch
 from megaloop.evaluation import harness
 from megaloop.evaluation.exported import EvalError
 from megaloop.evaluation.settings import HaltSettings, Rule
-from megaloop.model.semantics import Survival, exits, top1_margin
+from megaloop.model.semantics import Loops, Survival, each_loop, exits, top1_margin
 
 
 def exit_loops(scores: np.ndarray, threshold: float | None) -> np.ndarray:
@@ -133,45 +133,66 @@ def dynamic_depth(
     model, batch: torch.Tensor, k_max: int, rule: Rule, threshold: float | None
 ) -> tuple[float, int, list[int], list[int]]:
     """One batch with dynamic batching: summed CE, loop×token forward steps, each sequence's
-    exit loop and (gate rule) each token's exit loop."""
+    exit loop and (gate rule) each token's exit loop. A sequence leaves the batch once it
+    halts: at its margin's exit (`margin`), or once every token has exited (`gate`; a token is
+    read out at its own exit)."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
     h, rope = model.embed(inputs)
-    rows = torch.arange(len(inputs), device=inputs.device)
-    seq_exit, token_exit = [0] * len(inputs), []
-    total_ce, steps, survival, exited = 0.0, 0, Survival(), None
-    for k in range(1, k_max + 1):
-        h = model.loop(h, k, rope)
-        steps += h.shape[0] * h.shape[1]
-        if rule == "margin":
-            logits = model.readout(h, k)
-            halt = reaches(sequence_margin(logits), threshold, k == k_max)
-            if halt.any():
-                total_ce += (
-                    harness.token_ce(logits[halt], targets[rows[halt]]).double().sum().item()
-                )
-        else:
-            survival.step(model.exit_probability(h).squeeze(-1))
-            cumulative = survival.cumulative()
-            exited = torch.zeros_like(cumulative, dtype=torch.bool) if exited is None else exited
-            new = reaches(cumulative, threshold, k == k_max) & ~exited
-            if new.any():  # only the tokens that exit here are read out
-                logits = model.readout(h[new], k)
-                total_ce += (
-                    harness.token_ce(logits[None], targets[rows][new][None]).double().sum().item()
-                )
-                token_exit += [k] * int(new.sum())
-            exited = exited | new
-            halt = exited.all(1)
-        for r in rows[halt].tolist():
-            seq_exit[r] = k
+    run = DynamicBatch(model, rule, threshold, k_max, h, targets)
+    each_loop(run.loops, lambda: run.loop(rope))
+    return run.total_ce, run.steps, run.seq_exit, run.token_exit
+
+
+class DynamicBatch:
+    """`dynamic_depth`'s state, loop by loop: the sequences still running and what the ones
+    that halted have read out."""
+
+    def __init__(self, model, rule: Rule, threshold, k_max: int, h, targets):
+        self.model, self.rule, self.threshold, self.k_max = model, rule, threshold, k_max
+        self.h, self.targets = h, targets
+        self.loops = Loops(model, k_max)
+        self.rows = torch.arange(len(h), device=h.device)
+        self.seq_exit, self.token_exit = [0] * len(h), []
+        self.total_ce, self.steps, self.survival, self.exited = 0.0, 0, Survival(), None
+
+    def loop(self, rope) -> bool:
+        """Loop k for the running sequences; whether any still runs after it."""
+        k = self.loops.loop
+        h = self.h = self.model.step(self.h, self.loops, rope)
+        self.steps += h.shape[0] * h.shape[1]
+        halt = self.margin_halts(h, k) if self.rule == "margin" else self.gate_halts(h, k)
+        for r in self.rows[halt].tolist():
+            self.seq_exit[r] = k
         keep = ~halt
         if not keep.any():
-            break
-        h, rows = h[keep], rows[keep]
-        if rule == "gate":
-            survival.keep(keep)
-            exited = exited[keep]
-    return total_ce, steps, seq_exit, token_exit
+            return False
+        self.h, self.rows = h[keep], self.rows[keep]
+        if self.rule == "gate":
+            self.survival.keep(keep)
+            self.exited = self.exited[keep]
+        return True
+
+    def margin_halts(self, h: torch.Tensor, k: int) -> torch.Tensor:
+        logits = self.model.readout(h, k)
+        halt = reaches(sequence_margin(logits), self.threshold, k == self.k_max)
+        if halt.any():
+            ce = harness.token_ce(logits[halt], self.targets[self.rows[halt]])
+            self.total_ce += ce.double().sum().item()
+        return halt
+
+    def gate_halts(self, h: torch.Tensor, k: int) -> torch.Tensor:
+        self.survival.step(self.model.exit_probability(h).squeeze(-1))
+        cumulative = self.survival.cumulative()
+        if self.exited is None:
+            self.exited = torch.zeros_like(cumulative, dtype=torch.bool)
+        new = reaches(cumulative, self.threshold, k == self.k_max) & ~self.exited
+        if new.any():  # only the tokens that exit here are read out
+            logits = self.model.readout(h[new], k)
+            ce = harness.token_ce(logits[None], self.targets[self.rows][new][None])
+            self.total_ce += ce.double().sum().item()
+            self.token_exit += [k] * int(new.sum())
+        self.exited = self.exited | new
+        return self.exited.all(1)
 
 
 def benchmark(

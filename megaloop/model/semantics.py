@@ -19,7 +19,7 @@ rule table (READOUTS, RECURRENCES, GATE_INPUTS) keyed by the modes modes.py's ty
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -51,12 +51,25 @@ def rms(h: torch.Tensor, dtype: torch.dtype | None = None, keepdim: bool = False
 # ---- the readout: what W_out multiplies at exit k -------------------------------------------
 
 
-ReadoutRule = Callable[[torch.Tensor, bool, Norm], torch.Tensor]
-"""(H_k, whether modes.READOUT_NORMALIZES says exit k reads through the exit norm, that norm)
-→ W_out's input. The exit norm is the readout's own RMSNorm or the shared loop norm."""
+Loop = int | torch.Tensor
+"""A loop index (1-based): one for every row, or one per row (rows at their own loops, a tensor
+of H's shape less its last dimensions)."""
 
 
-def _through_norm_where_told(h: torch.Tensor, normalizes: bool, norm: Norm) -> torch.Tensor:
+def per_row(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """A per-row value, shaped to broadcast against H (trailing dimensions of size one)."""
+    return x.reshape(*x.shape, *(1,) * (h.dim() - x.dim()))
+
+
+ReadoutRule = Callable[[torch.Tensor, "bool | torch.Tensor", Norm], torch.Tensor]
+"""(H_k, whether modes.READOUT_NORMALIZES says exit k reads through the exit norm (a tensor
+when the rows are at different loops), that norm) → W_out's input. The exit norm is the
+readout's own RMSNorm or the shared loop norm."""
+
+
+def _through_norm_where_told(h: torch.Tensor, normalizes, norm: Norm) -> torch.Tensor:
+    if isinstance(normalizes, torch.Tensor):
+        return torch.where(per_row(normalizes, h), norm(h), h)
     return norm(h) if normalizes else h
 
 
@@ -71,9 +84,10 @@ READOUTS: dict[str, ReadoutRule] = {
 
 
 def readout_input(
-    mode: str, h: torch.Tensor, loop: int, trained_loops: int, norm: Norm | None
+    mode: str, h: torch.Tensor, loop: Loop, trained_loops: int, norm: Norm | None
 ) -> torch.Tensor:
-    """What W_out reads at exit `loop` (1-based) of a model trained at `trained_loops`."""
+    """What W_out reads at exit `loop` (1-based; one per row, or one for all) of a model
+    trained at `trained_loops`."""
     return READOUTS[mode](h, READOUT_NORMALIZES[mode](loop, trained_loops), norm)
 
 
@@ -139,18 +153,40 @@ def loop_norm(mode: str, hidden_size: int, eps: float) -> nn.RMSNorm | None:
     return nn.RMSNorm(hidden_size, eps=eps) if SHARES_LOOP_NORM[mode] else None
 
 
+def enter(h: torch.Tensor, loop: Loop, feed_back: Norm) -> torch.Tensor:
+    """What loop `loop` receives: H_0 at loop 1, R(H_{k-1}) (the recurrence, or the shared loop
+    norm: `feed_back`) after it; per row where the rows are at different loops."""
+    if isinstance(loop, int):
+        return feed_back(h) if loop > 1 else h
+    return torch.where(per_row(loop > 1, h), feed_back(h), h)
+
+
+def hold(
+    h: torch.Tensor, loop: Loop, reference: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inference-time recurrent-scale clamp: H_1's RMS per token is its reference (set here,
+    at loop 1; `reference` may be None while every row is at loop 1), and each H_k (k ≥ 2) is
+    rescaled to it. Returns H_k held and the references."""
+    scale = rms(h, keepdim=True)
+    if isinstance(loop, int):
+        if loop == 1:
+            return h, scale
+        return h * (reference / scale.clamp_min(torch.finfo(h.dtype).tiny)), reference
+    first = per_row(loop == 1, h)
+    reference = scale if reference is None else torch.where(first, scale, reference)
+    held = h * (reference / scale.clamp_min(torch.finfo(h.dtype).tiny))
+    return torch.where(first, h, held), reference
+
+
 class Clamp:
-    """The inference-time recurrent-scale clamp: each token of H_k (k ≥ 2) rescaled to its
-    loop-1 RMS. Call it on H_1, H_2, ... in order, once per loop."""
+    """`hold` for a batch that runs its loops together: call it on H_1, H_2, ... in order."""
 
     def __init__(self):
         self.reference: torch.Tensor | None = None
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        if self.reference is None:
-            self.reference = rms(h, keepdim=True)
-            return h
-        return h * (self.reference / rms(h, keepdim=True).clamp_min(torch.finfo(h.dtype).tiny))
+        h, self.reference = hold(h, 1 if self.reference is None else 2, self.reference)
+        return h
 
 
 # ---- the exit gate and the exit distribution ------------------------------------------------
@@ -254,9 +290,9 @@ READS_LOGITS = {"none": False, "gate": False, "margin": True}
 
 class ExitRule:
     """Loop by loop, which of the running tokens stop: those whose score (EXIT_SCORES) reaches
-    the threshold, and all of them at loop K. Call `stop` at k = 1..K in order, with λ_k when
+    the threshold, and all of them at loop K. Call `stop` at each loop in order, with λ_k when
     the rule reads the gate and logits_k when it reads them; `keep` the tokens that go on when
-    the stopped ones leave the batch."""
+    the stopped ones leave the batch, `restart` those that begin a new token."""
 
     def __init__(self, rule: str, threshold: float, num_loops: int):
         self.rule, self.threshold, self.num_loops = rule, threshold, num_loops
@@ -265,17 +301,130 @@ class ExitRule:
 
     def stop(
         self,
-        k: int,
+        loop: Loop,
         h: torch.Tensor,
         lam: torch.Tensor | None = None,
         logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Booleans of H_k's shape less the hidden dimension: which running tokens exit at k."""
+        """Booleans of H_k's shape less the hidden dimension: which running tokens exit at
+        their loop."""
         score = EXIT_SCORES[self.rule](self.survival, lam, logits)
-        if k >= self.num_loops or score is None:
-            return torch.full(h.shape[:-1], k >= self.num_loops, dtype=torch.bool, device=h.device)
+        last = loop >= self.num_loops
+        if isinstance(last, torch.Tensor):
+            return last.clone() if score is None else exits(score, self.threshold) | last
+        if last or score is None:
+            return torch.full(h.shape[:-1], last, dtype=torch.bool, device=h.device)
         return exits(score, self.threshold)
 
     def keep(self, tokens: torch.Tensor) -> None:
         if self.survival.survive is not None:
             self.survival.keep(tokens)
+
+    def restart(self, tokens: torch.Tensor) -> None:
+        """The tokens at `tokens` (booleans) are new ones: nothing of their exit mass is spent."""
+        if self.survival.survive is not None:
+            self.survival.survive = torch.where(tokens, 1.0, self.survival.survive)
+
+
+# ---- the loops: rows at their own loops, and the only iterations over loops -----------------
+
+
+class Loops:
+    """Rows of a batch and the loop each is at, with every rule of a loop applied per row: what
+    the stack receives (`enter`), the clamp (`hold`), the exit's logits (`read`) and whether the
+    row exits (`stop`). `loop` is one int while the rows run their loops together, a tensor
+    [rows] when each runs its own. `model` is the model's half: feed_back(H) (R or the shared
+    loop norm), readout(H, loop), exit_probability(H) (λ, [..., 1])."""
+
+    def __init__(
+        self,
+        model,
+        num_loops: int,
+        rule: str = "none",
+        threshold: float = 0.0,
+        clamp: bool = False,
+        loop: Loop = 1,
+    ):
+        self.model, self.num_loops, self.loop, self.clamp = model, num_loops, loop, clamp
+        self.exit = ExitRule(rule, threshold, num_loops)
+        self.reference: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.loop)
+
+    def enter(self, h: torch.Tensor) -> torch.Tensor:
+        return enter(h, self.loop, self.model.feed_back)
+
+    def hold(self, h: torch.Tensor) -> torch.Tensor:
+        if self.clamp:
+            h, self.reference = hold(h, self.loop, self.reference)
+        return h
+
+    def read(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.readout(h, self.loop)
+
+    def stop(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Which rows exit at their loop, and their logits where the rule read them (the
+        margin; the gate reads λ only)."""
+        lam = self.model.exit_probability(h)[..., 0] if self.exit.reads_gate else None
+        logits = self.read(h) if self.exit.reads_logits else None
+        return self.exit.stop(self.loop, h, lam, logits), logits
+
+    def advance(self, stop: torch.Tensor) -> None:
+        """Per row: a row whose token exits starts its next token at loop 1, the others go on."""
+        self.loop = torch.where(stop, 1, self.loop + 1)
+        self.exit.restart(stop)
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Only the rows at `index` run from now on."""
+        self.loop = self.loop[index]
+        if self.reference is not None:
+            self.reference = self.reference[index]
+        self.exit.keep(index)
+
+
+Step = Callable[[torch.Tensor, Loops], torch.Tensor]
+"""The model's stack step: H_{k−1} (H_0 at loop 1) of rows at `loops.loop` → their H_k."""
+
+
+def trajectory(step: Step, h: torch.Tensor, loops: Loops) -> Iterator[tuple[int, torch.Tensor]]:
+    """(k, H_k) for k = 1..K of rows that run their loops together, from H_0."""
+    for k in range(1, loops.num_loops + 1):
+        loops.loop = k
+        h = step(h, loops)
+        yield k, h
+
+
+def first_exits(
+    path: Iterator[tuple[int, torch.Tensor]], loops: Loops
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's logits at its exit loop under `loops`' rule, and that loop, from a
+    trajectory that runs every loop for every token: the no-cache reference of early exit."""
+    logits, exit_loops = None, None
+    for k, h in path:
+        loops.loop = k
+        logits_k = loops.read(h)
+        lam = loops.model.exit_probability(h)[..., 0] if loops.exit.reads_gate else None
+        stop = loops.exit.stop(k, h, lam, logits_k)
+        if logits is None:
+            logits, exit_loops = logits_k, torch.zeros_like(stop, dtype=torch.long)
+        take = stop & (exit_loops == 0)
+        logits = torch.where(take[..., None], logits_k, logits)
+        exit_loops = torch.where(take, k, exit_loops)
+    return logits, exit_loops
+
+
+def each_loop(loops: Loops, run: Callable[[], bool]) -> None:
+    """Loops 1..K of rows that run together, each run by `run` at `loops.loop`, until `run`
+    says no row still runs (every row has exited)."""
+    for k in range(1, loops.num_loops + 1):
+        loops.loop = k
+        if not run():
+            return
+
+
+def each_step(loops: Loops, step: Callable[[], None]) -> None:
+    """Rows each at its own loop: one application of the stack per `step` serves every row,
+    until `step` (which advances the rows and drops those that are done) leaves none."""
+    while len(loops):
+        step()

@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megaloop.evaluation.generate_bench import configured
-from megaloop.model.modeling_megaloop import LoopCache
+from megaloop.model.decoding import LoopCache
 from support import MODELS, exit_model, greedy, prompts, teacher_forced
 
 NEVER = {"gate": 1.01, "margin": float("inf")}

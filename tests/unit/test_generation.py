@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from megaloop.evaluation.generate_bench import configured
-from megaloop.model.modeling_megaloop import LoopCache
+from megaloop.model.decoding import LoopCache
 from megaloop.model.modes import KEEPS_HIDDEN, KV_LOOP_SLOTS, EarlyExit, KVPolicy
 from megaloop.model.semantics import EXIT_SCORES, READS_GATE, READS_LOGITS
 from support import MODELS, exit_model, greedy, prompts, teacher_forced

@@ -194,9 +194,8 @@ def test_import_then_export_computes_ouros_per_loop_logits(imported, tmp_path):
     tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
     ref_logits, ref_gates = reference(weights, tokens, loops=6)
     with torch.no_grad():
-        h, rope = model.embed(tokens)
-        for k in range(1, 7):  # K_train = 4, and two loops beyond it
-            h = model.loop(h, k, rope)
+        h0, rope = model.embed(tokens)
+        for k, h in model.loops(h0, rope, 6):  # K_train = 4, and two loops beyond it
             got, want = model.readout(h, k).double(), ref_logits[k - 1]
             assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5, k
             gate = model.exit_probability(h)[..., 0].double()
