@@ -74,41 +74,22 @@ def code_problem(folder: Path, config: dict) -> str | None:
 def shape_config(model) -> dict:
     """The transformers config keys of a `ModelConfig`'s shape (shared by megaloop's and Ouro's
     config.json)."""
-    return {
-        "vocab_size": model.vocab_size,
-        "hidden_size": model.hidden_size,
-        "intermediate_size": model.ffn_size,
-        "num_hidden_layers": model.num_layers,
-        "num_attention_heads": model.num_heads,
-        "num_key_value_heads": model.num_query_groups or model.num_heads,
-        "max_position_embeddings": model.max_seq_len,
-        "rope_theta": model.rope_base,
-        "rms_norm_eps": model.norm_eps,
-        "tie_word_embeddings": model.tie_embeddings,
-        "torch_dtype": "float32",
-    }
+    from megaloop.model.configuration_megaloop import FIELDS, exported
+
+    values = exported(model)
+    return {**{f.name: values[f.name] for f in FIELDS if f.shape}, "torch_dtype": "float32"}
 
 
 def hf_config(model) -> dict:
-    """config.json of a `ModelConfig`."""
+    """config.json of a `ModelConfig`: every field of the exported config's table."""
+    from megaloop.model.configuration_megaloop import exported
+
     return {
         "model_type": "megaloop",
         "architectures": ["MegaloopForCausalLM"],
         "auto_map": AUTO_MAP,
-        **shape_config(model),
-        "position_embedding": model.position_embedding,
-        "num_loops": model.num_loops,
-        "num_loops_trained": model.num_loops,
-        "readout": model.readout,
-        "recurrence": model.recurrence,
-        "damping_shape": model.damping_shape,
-        "exit_gate": model.exit_gate,
-        "exit_gate_input": model.exit_gate_input,
-        "layer_norms": model.layer_norms,
-        "loop_norm": model.loop_norm,
-        "clamp": False,
-        "early_exit": "none",
-        "exit_threshold": 0.5,
+        **exported(model),
+        "torch_dtype": "float32",
     }
 
 

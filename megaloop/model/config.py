@@ -25,6 +25,12 @@ Recompute = Literal["none", "selective", "full", "loop"]
 Init = Literal["megatron", "pytorch"]
 
 
+TRAINING_ONLY = ("init", "init_std", "embedding_init_std", "dropout", "damping_init", "attention")
+"""ModelConfig's fields that say how the model is trained, not what it computes: an export does
+not carry them. Every other field reaches the exported config's table (configuration_megaloop
+.FIELDS; tests/unit/test_export.py changes each one and looks for it there)."""
+
+
 @dataclass
 class ModelConfig(Config):
     vocab_size: int = 20480
@@ -83,6 +89,10 @@ class ModelConfig(Config):
     @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def key_value_heads(self) -> int:
+        return self.num_query_groups or self.num_heads
 
     def validate(self, prefix: str = "") -> None:
         for name in (

@@ -100,8 +100,8 @@ class LoopCache(Cache):
         for store in (self.keys, self.values):
             for layer in range(L):
                 exit_entry = store[(k - 1) * L + layer][rows, :, positions]
-                for deeper in range(k, self.num_loops):
-                    store[deeper * L + layer][rows, :, positions] = exit_entry
+                for deeper in store[k * L + layer :: L]:  # this layer's slots of loops k+1..K
+                    deeper[rows, :, positions] = exit_entry
 
     @property
     def batch_size(self) -> int:

@@ -292,3 +292,33 @@ torch.save(out, {str(tmp_path / "logits.pt")!r})
     got = torch.load(tmp_path / "logits.pt")
     for k in (1, 2, 4, 8):
         assert rel_err(got[k], ref[k]) <= 1e-5, k
+
+
+def test_every_model_option_reaches_the_exported_config_and_back():
+    """One table (configuration_megaloop.FIELDS) carries ModelConfig into config.json: changing
+    any field an export carries changes what it writes, and the loaded config reads it back."""
+    import dataclasses
+    import typing
+
+    from megaloop.model.config import TRAINING_ONLY
+    from megaloop.model.configuration_megaloop import FIELDS, MegaloopConfig, exported
+
+    base = ModelConfig(num_query_groups=2, ffn_hidden_size=96)
+    hints = typing.get_type_hints(ModelConfig)
+    for field in dataclasses.fields(ModelConfig):
+        if field.name in TRAINING_ONLY:
+            continue
+        value = getattr(base, field.name)
+        kind = hints[field.name]
+        modes = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else ()
+        if modes:
+            other = next(m for m in modes if m != value)
+        elif isinstance(value, bool):
+            other = not value
+        else:
+            other = value * 2
+        changed = dataclasses.replace(base, **{field.name: other})
+        assert exported(changed) != exported(base), f"{field.name} is not in the exported config"
+    loaded = MegaloopConfig(**exported(base))
+    for f in FIELDS:
+        assert getattr(loaded, f.name) == exported(base)[f.name], f.name
