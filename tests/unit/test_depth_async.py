@@ -3,13 +3,24 @@ the stack serves rows at different loops, and no row's tokens, exit loops or log
 it: each is what the synchronous exiting path gives that row, on megaloop's own wiring and on
 Ouro's."""
 
+from typing import get_args
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megaloop.evaluation.generate_bench import configured
 from megaloop.model.decoding import LoopCache
-from support import MODELS, exit_model, greedy, prompts, teacher_forced
+from megaloop.model.modes import ReadoutMode
+from support import (
+    MODELS,
+    exit_model,
+    greedy,
+    middle_thresholds,
+    prompts,
+    teacher_forced,
+    tiny_export,
+)
 
 NEVER = {"gate": 1.01, "margin": float("inf")}
 PROMPT = 6
@@ -200,3 +211,33 @@ def test_left_padded_rows_decode_as_each_row_alone(model):
         assert close(got.logits[row], alone_logits[1:, 0])
     with pytest.raises(ValueError, match="pad prompts on the left"):
         model.decode_async(batch, 4, attention_mask=mask.flip(1))
+
+
+@pytest.fixture(scope="module", params=list(get_args(ReadoutMode)))
+def each_readout(request):
+    """A tiny export of every readout modes.py names (a new one is covered unedited)."""
+    hf = tiny_export(seed=5, readout=request.param, exit_gate=True, tie_embeddings=False)
+    hf.middle = middle_thresholds(hf)
+    return hf
+
+
+@pytest.mark.parametrize("policy", ["copy", "share", "recompute"])
+def test_every_readout_decodes_alike_in_every_decoder(each_readout, policy):
+    """Under the margin rule (which reads every row's logits at its own loop), the asynchronous
+    decoder's logits and exits are the synchronous path's for every readout; under `recompute`
+    (synchronous only) the synchronous path is the no-cache forward with the same exits."""
+    model, fields = each_readout, dict(early_exit="margin")
+    fields["exit_threshold"] = model.middle["margin"]
+    tokens = prompts(4, PROMPT + 10, seed=4)
+    logits, exit_loops = synchronous(model, tokens, policy, **fields)
+    assert len(exit_loops.unique()) >= 2, exit_loops
+    if policy == "recompute":
+        with configured(model, **fields), torch.no_grad():
+            reference = model(tokens, use_cache=False)
+        assert torch.equal(exit_loops, reference.exit_loops[:, PROMPT:])
+        assert close(logits, reference.logits[:, PROMPT:])
+        return
+    with configured(model, **fields):
+        forced = model.decode_async(tokens[:, :PROMPT], forced=tokens[:, PROMPT:], kv_policy=policy)
+    assert torch.equal(forced.exit_loops, exit_loops)
+    assert close(forced.logits, logits)
