@@ -182,7 +182,8 @@ class LoopedLM(LanguageModule):
         self, h: torch.Tensor, loop: int, normed: torch.Tensor | None = None
     ) -> torch.Tensor:
         weight = self.shared_embedding_or_output_weight() if self.cfg.tie_embeddings else None
-        return self.readout(h, loop, weight=weight, normed=normed)
+        norm = None if normed is None else semantics.Reused(self.loop_norm, normed)
+        return self.readout(h, loop, weight=weight, norm=norm)
 
     def forward(
         self,

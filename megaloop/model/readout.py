@@ -49,11 +49,12 @@ class Readout(MegatronModule):
         h: torch.Tensor,
         loop: int,
         weight: torch.Tensor | None = None,
-        normed: torch.Tensor | None = None,
+        norm: semantics.Norm | None = None,
     ) -> torch.Tensor:
-        """[s, b, d] → vocab-parallel logits [s, b, V/tp] for exit `loop` (1-based); `normed`
-        is the shared loop norm's output of h, when the model has one."""
-        norm = self.norm if normed is None else (lambda _: normed)
+        """[s, b, d] → vocab-parallel logits [s, b, V/tp] for exit `loop` (1-based); `norm` is
+        the shared loop norm (semantics.Reused, its output of h computed), when the model has
+        one."""
+        norm = self.norm if norm is None else norm
         x = semantics.readout_input(self.mode, h, loop, self.trained_loops, norm)
         logits, _ = self.output_layer(x, weight=weight)
         return logits

@@ -91,6 +91,22 @@ def readout_input(
     return READOUTS[mode](h, READOUT_NORMALIZES[mode](loop, trained_loops), norm)
 
 
+class Reused:
+    """A norm whose output for the H at hand is computed already: the shared loop norm's N(H_k),
+    which the next loop and the gate read too. Called, it gives that output; its weight is the
+    norm's, for a readout rule that reads it."""
+
+    def __init__(self, norm: nn.Module, out: torch.Tensor):
+        self.norm, self.out = norm, out
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return self.out
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.norm.weight
+
+
 def readout_norm(
     mode: str, hidden_size: int, eps: float, loop_norm: str, trained_loops: int
 ) -> nn.RMSNorm | None:
