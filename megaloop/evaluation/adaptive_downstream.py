@@ -27,23 +27,23 @@ import numpy as np
 from megaloop.evaluation import downstream
 from megaloop.evaluation.exported import (
     EvalError,
-    check_export,
-    load_model,
-    load_tokenizer,
+    Export,
+    open_export,
     placement,
 )
 from megaloop.evaluation.settings import DownstreamSettings
 
 
-def check_rule(settings: DownstreamSettings) -> None:
-    """EvalError, before any task or model is opened, for a gate rule on a model without one."""
-    check_export(settings.model)
-    config = json.loads((settings.model / "config.json").read_text())
-    if settings.exit == "gate" and not config.get("exit_gate"):
+def check_rule(settings: DownstreamSettings) -> Export:
+    """The export, opened; EvalError, before any task or model is built, for a gate rule on a
+    model without one."""
+    export = open_export(settings.model)
+    if settings.exit == "gate" and not export.config.get("exit_gate"):
         raise EvalError(
             f"--exit gate: {settings.model} has no exit gate (it was trained without "
             f"model.exit_gate); use --exit margin, or a model trained with the exit gate"
         )
+    return export
 
 
 @functools.cache
@@ -107,13 +107,13 @@ def depth_counting_class():
 
 def run(settings: DownstreamSettings) -> dict:
     """Fixed K, then each threshold; adaptive.json/.md and the figure over all of them."""
-    check_rule(settings)
+    export = check_rule(settings)
     K, out = settings.loops, settings.out
     runs = []
     with downstream.task_setup(settings) as (tasks, task_manager):
-        tokenizer = load_tokenizer(settings.model)
+        tokenizer = export.tokenizer()
         device, dtype = placement(settings.device)
-        model = load_model(settings.model, device, dtype, num_loops=K)
+        model = export.model(device, dtype, num_loops=K)
         lm_args = dict(
             pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size, device=device
         )

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megaloop.evaluation.exported import EvalError, load_model, load_tokenizer, placement
+from megaloop.evaluation.exported import EvalError, open_export, placement
 from megaloop.evaluation.settings import SPLITS, DownstreamSettings
 
 STUDY_TASKS = (
@@ -261,9 +261,10 @@ def run_info(settings: DownstreamSettings, results: dict) -> dict:
 
 def run(settings: DownstreamSettings) -> dict:
     with task_setup(settings) as (tasks, task_manager):
-        tokenizer = load_tokenizer(settings.model)
+        export = open_export(settings.model)
+        tokenizer = export.tokenizer()
         device, dtype = placement(settings.device)
-        model = load_model(settings.model, device, dtype, num_loops=settings.loops)
+        model = export.model(device, dtype, num_loops=settings.loops)
         lm = checked_lm(
             pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size, device=device
         )

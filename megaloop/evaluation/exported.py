@@ -10,6 +10,7 @@ weights come from safetensors only, the tokenizer from its JSON.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from megaloop.evaluation.settings import EvalError
@@ -25,8 +26,9 @@ def placement(device: str | None, dtype: str = "auto") -> tuple[str, str]:
     return device, dtype
 
 
-def check_export(path: Path) -> None:
-    """EvalError unless `path` is a finished export carrying exactly this megaloop's code."""
+def check_export(path: Path) -> dict:
+    """config.json of `path`; EvalError unless it is a finished export carrying exactly this
+    megaloop's code."""
     from megaloop.export import code_problem
 
     if not (path / "config.json").is_file():
@@ -43,26 +45,36 @@ def check_export(path: Path) -> None:
     problem = code_problem(path, config)
     if problem:
         raise EvalError(f"{path}: refused: {problem}; megaloop runs only its own code")
+    return config
 
 
-def load_tokenizer(path: Path):
-    from transformers import PreTrainedTokenizerFast
+@dataclass(frozen=True)
+class Export:
+    """A `megaloop export` folder checked once (`open_export`): its config.json, and its model
+    and tokenizer, built from megaloop's own code."""
 
-    check_export(path)
-    return PreTrainedTokenizerFast.from_pretrained(path)
+    path: Path
+    config: dict
 
+    def model(self, device: str, dtype: str, **overrides):
+        """The exported model in eval mode; `overrides` are its config fields (num_loops, ...)."""
+        import torch
 
-def load_model(path: Path, device: str, dtype: str, **overrides):
-    """The exported model in eval mode; `overrides` are its config fields (num_loops, ...)."""
-    import torch
+        from megaloop.model.modeling_megaloop import MegaloopForCausalLM
 
-    from megaloop.model.modeling_megaloop import MegaloopForCausalLM
-
-    check_export(path)
-    return (
-        MegaloopForCausalLM.from_pretrained(
-            path, dtype=getattr(torch, dtype), use_safetensors=True, **overrides
+        return (
+            MegaloopForCausalLM.from_pretrained(
+                self.path, dtype=getattr(torch, dtype), use_safetensors=True, **overrides
+            )
+            .to(device)
+            .eval()
         )
-        .to(device)
-        .eval()
-    )
+
+    def tokenizer(self):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(self.path)
+
+
+def open_export(path: Path) -> Export:
+    return Export(Path(path), check_export(Path(path)))

@@ -23,14 +23,8 @@ import torch
 from tqdm import tqdm
 from transformers.generation.streamers import BaseStreamer
 
-from megaloop.evaluation import harness
-from megaloop.evaluation.exported import (
-    EvalError,
-    check_export,
-    load_model,
-    load_tokenizer,
-    placement,
-)
+from megaloop.evaluation import exported, harness
+from megaloop.evaluation.exported import EvalError, placement
 from megaloop.evaluation.settings import GenerateSettings
 from megaloop.model.decoding import LoopCache
 
@@ -92,21 +86,20 @@ class DepthStreamer(BaseStreamer):
 def open_export(settings: GenerateSettings):
     """The export's model, its config set to the settings' rule, threshold, K and KV policy,
     and its tokenizer padding on the left (with end of text, or id 0, as the pad)."""
-    check_export(settings.model)
-    config = json.loads((settings.model / "config.json").read_text())
-    if settings.rule == "gate" and not config.get("exit_gate"):
+    export = exported.open_export(settings.model)
+    if settings.early_exit == "gate" and not export.config.get("exit_gate"):
         raise EvalError(
             f"{settings.model}: this model has no exit gate (trained without model.exit_gate), "
             "so --exit gate cannot run; use --exit margin --threshold T or --exit fixed"
         )
-    overrides = dict(early_exit=settings.rule, kv_policy=settings.kv)
+    overrides = dict(early_exit=settings.early_exit, kv_policy=settings.kv)
     if settings.threshold is not None:
         overrides["exit_threshold"] = settings.threshold
     if settings.loops is not None:
         overrides["num_loops"] = settings.loops
     device, dtype = placement(settings.device, settings.dtype)
-    model = load_model(settings.model, device, dtype, **overrides)
-    tokenizer = load_tokenizer(settings.model)
+    model = export.model(device, dtype, **overrides)
+    tokenizer = export.tokenizer()
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.convert_ids_to_tokens(0)

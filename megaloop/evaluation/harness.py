@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from megaloop.evaluation.exported import EvalError, load_model, load_tokenizer
+from megaloop.evaluation.exported import EvalError, open_export
 
 DATA_KINDS = (
     "a text file, a .npy of token ids, an indexed split PREFIX (PREFIX.bin/.idx) or "
@@ -56,8 +56,8 @@ def open_model(path: Path, device: str = "cpu", dtype: str = "float32") -> Opene
             f"folder or a `megaloop export` folder)"
         )
     if (path / "config.json").is_file() and not (path / "meta.json").is_file():
-        model = load_model(path, device, dtype)
-        tokenizer = load_tokenizer(path)
+        export = open_export(path)
+        model, tokenizer = export.model(device, dtype), export.tokenizer()
         info = {
             "path": str(path),
             "kind": "export",

@@ -375,7 +375,8 @@ class DownstreamSettings:
 
 
 EXITS = {"gate": "gate", "margin": "margin", "fixed": "none", "none": "none"}
-"""`--exit`'s values → the exported config's early_exit (fixed, alias none: every token runs K)."""
+"""`--exit`'s values → the exported config's early_exit (fixed, alias none: every token runs K):
+the one place an exit rule changes name between the command line and the model."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -444,8 +445,8 @@ class GenerateSettings:
         self.texts()
 
     @property
-    def rule(self) -> str:
-        """The exported config's early_exit: none, gate or margin."""
+    def early_exit(self) -> str:
+        """The exported config's early_exit for `--exit` (EXITS, the one mapping)."""
         return EXITS[self.exit]
 
     def batching_of(self, rows: int) -> str:
@@ -455,11 +456,11 @@ class GenerateSettings:
         prompt streams)."""
         if self.batching != "auto":
             return self.batching
-        takes_async = rows > 1 and self.rule != "none" and self.kv in ("copy", "share")
+        takes_async = rows > 1 and self.early_exit != "none" and self.kv in ("copy", "share")
         return "async" if takes_async else "sync"
 
     def check_threshold(self) -> None:
-        if self.rule == "none":
+        if self.early_exit == "none":
             if self.threshold is not None:
                 raise EvalError(
                     f"--threshold is for --exit gate or margin; --exit {self.exit} runs every "
@@ -476,7 +477,8 @@ class GenerateSettings:
     def threshold_note(self) -> str | None:
         """What a threshold out of the rule's useful range does (legitimate, e.g. for testing)."""
         t = self.threshold
-        if self.rule == "gate" and t > 1 or self.rule == "margin" and t == float("inf"):
+        rule = self.early_exit
+        if rule == "gate" and t > 1 or rule == "margin" and t == float("inf"):
             return f"--threshold {t} never exits early: every token runs all K loops"
         if t is not None and t <= 0:
             return f"--threshold {t} exits every token at loop 1 (its score is never below 0)"

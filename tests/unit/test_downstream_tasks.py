@@ -539,12 +539,13 @@ def test_adaptive_depth_counts_each_requests_scored_tokens(gated_export):
     from lm_eval.api.instance import Instance
 
     from megaloop.evaluation import adaptive_downstream
-    from megaloop.evaluation.exported import load_model, load_tokenizer
+    from megaloop.evaluation.exported import open_export
 
-    model = load_model(gated_export, "cpu", "float32", num_loops=4)
+    export = open_export(gated_export)
+    model = export.model("cpu", "float32", num_loops=4)
     model.config.early_exit, model.config.exit_threshold = "gate", 0.7
     lm = adaptive_downstream.depth_counting_class()(
-        pretrained=model, tokenizer=load_tokenizer(gated_export), batch_size=3, device="cpu"
+        pretrained=model, tokenizer=export.tokenizer(), batch_size=3, device="cpu"
     )
     pairs = [
         ("Question: which object is the best conductor?\nAnswer:", " a copper wire"),

@@ -698,12 +698,11 @@ def test_a_continuation_longer_than_the_context_names_the_task(export_dir):
     from lm_eval.api.instance import Instance
 
     from megaloop.evaluation.downstream import checked_lm
-    from megaloop.evaluation.exported import EvalError, load_model, load_tokenizer
+    from megaloop.evaluation.exported import EvalError, open_export
 
-    model = load_model(export_dir, "cpu", "float32", num_loops=2)
-    lm = checked_lm(
-        pretrained=model, tokenizer=load_tokenizer(export_dir), batch_size=2, device="cpu"
-    )
+    export = open_export(export_dir)
+    model = export.model("cpu", "float32", num_loops=2)
+    lm = checked_lm(pretrained=model, tokenizer=export.tokenizer(), batch_size=2, device="cpu")
     assert lm.max_length == 256
 
     def request(task, doc, context, continuation):

@@ -215,9 +215,11 @@ def test_loop_applications_count_the_prompt_at_k_and_each_new_tokens_exit(gated,
 
 
 def never_loads(monkeypatch):
+    from megaloop.evaluation.exported import Export
+
     calls = []
-    real = generation.load_model
-    monkeypatch.setattr(generation, "load_model", lambda *a, **k: calls.append(a) or real(*a, **k))
+    real = Export.model
+    monkeypatch.setattr(Export, "model", lambda *a, **k: calls.append(a) or real(*a, **k))
     return calls
 
 
@@ -290,7 +292,7 @@ def test_a_threshold_out_of_the_rules_range_says_what_it_means():
     assert "never exits early" in note("margin", float("inf"))
     assert "at loop 1" in note("margin", 0.0) and "at loop 1" in note("gate", -1)
     assert note("gate", 0.9) is None and note("margin", 3.0) is None
-    assert GenerateSettings(model="m", prompt="a", exit="none").rule == "none"
+    assert GenerateSettings(model="m", prompt="a", exit="none").early_exit == "none"
     with pytest.raises(EvalError, match="--threshold nan"):
         GenerateSettings(model="m", prompt="a", exit="gate", threshold=float("nan"))
 
@@ -301,3 +303,17 @@ def test_the_summary_reports_the_kv_policys_cache_bytes_per_token(gated, tmp_pat
     model, _ = generation.open_export(GenerateSettings(**record["settings"]))
     assert record["summary"]["kv_bytes_per_token"] == model.cache_bytes_per_token(kv)
     assert record["summary"]["kv"] == kv
+
+
+def test_an_export_is_checked_once_per_open(gated, monkeypatch):
+    """`--exit margin` is early_exit="margin" in the model opened, and opening it reads and
+    checks the export once (its code hashes are not recomputed for the model and tokenizer)."""
+    from megaloop.evaluation import exported
+
+    checks = []
+    real = exported.check_export
+    monkeypatch.setattr(exported, "check_export", lambda p: checks.append(p) or real(p))
+    settings = GenerateSettings(model=gated, prompt="a", exit="margin", threshold=1.0)
+    model, _ = generation.open_export(settings)
+    assert checks == [gated]
+    assert model.config.early_exit == "margin" and model.config.exit_threshold == 1.0

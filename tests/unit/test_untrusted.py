@@ -288,15 +288,16 @@ def exported(runs, tmp_path_factory):
 
 
 def test_an_export_records_its_code_and_loads_with_megaloops_own(exported):
-    from megaloop.evaluation.exported import load_model, load_tokenizer
+    from megaloop.evaluation.exported import open_export
     from megaloop.export import own_code
 
     config = json.loads((exported / "config.json").read_text())
     assert config["megaloop_code"] == own_code()
-    model = load_model(exported, "cpu", "float32", num_loops=2)
+    export = open_export(exported)
+    model = export.model("cpu", "float32", num_loops=2)
     assert type(model).__module__ == "megaloop.model.modeling_megaloop"
     assert model.config.num_loops == 2
-    assert load_tokenizer(exported)("ab")["input_ids"]
+    assert export.tokenizer()("ab")["input_ids"]
 
 
 def _code_swapped(folder: Path, marker: Path, name: str = "modeling_megaloop.py") -> None:
@@ -343,18 +344,14 @@ def _unrecorded(folder: Path, marker: Path) -> None:
     ],
 )
 def test_an_export_with_foreign_code_is_refused_unrun(exported, tmp_path, tamper, message):
-    from megaloop.evaluation.exported import EvalError, load_model, load_tokenizer
+    from megaloop.evaluation.exported import EvalError, open_export
     from megaloop.evaluation.harness import open_model
 
     folder = tmp_path / "hf"
     shutil.copytree(exported, folder)
     marker = tmp_path / "CODE_RAN"
     tamper(folder, marker)
-    for load in (
-        lambda: load_model(folder, "cpu", "float32"),
-        lambda: load_tokenizer(folder),
-        lambda: open_model(folder),
-    ):
+    for load in (lambda: open_export(folder), lambda: open_model(folder)):
         with pytest.raises(EvalError, match=f"{folder}: refused: {message}"):
             load()
     assert not marker.exists()
