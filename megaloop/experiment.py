@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megaloop import config as config_lib
-from megaloop.config import CONFIG_ROOT, Config, ConfigError, check, flatten
+from megaloop.config import CONFIG_ROOT, Config, check
 from megaloop.data import DataConfig, SyntheticConfig
 from megaloop.model import ModelConfig
 from megaloop.objectives import ObjectiveConfig
@@ -105,24 +105,6 @@ class ExperimentConfig(Config):
         data_parallel_size(self, self.parallel.tp * self.parallel.pp)
 
 
-RESUMABLE = (
-    "train.steps",
-    "train.dir",
-    "train.log_every",
-    "train.eval_every",
-    "train.eval_batches",
-    "train.save_every",
-    "train.keep_last",
-    "train.scale_alarm",
-    "parallel",
-    "deepspeed.zero_stage",
-    "wandb",
-)
-"""Config keys (or sections) that may change when a run resumes: its length, cadence and
-monitoring, and the layout (checkpoints reshard; `slurm submit` rewrites it). Any other
-difference from the checkpoint's saved config stops the resume."""
-
-
 def load(path, overrides=()) -> ExperimentConfig:
     """The resolved config of `path` with `overrides`; a run directory (default_run_dir) and a
     wandb name (the config's path and the seed) are filled in if none is given."""
@@ -169,109 +151,10 @@ def resolve_steps(cfg: ExperimentConfig) -> str | None:
     )
 
 
-def config_changes(saved: dict, requested: dict) -> list[str]:
-    """`key: saved -> requested` for every key outside RESUMABLE whose value differs (keys a
-    checkpoint of an older megaloop does not hold are not compared)."""
-    old, new = flatten(saved), flatten(requested)
-    changes = []
-    for key in sorted(set(old) & set(new)):
-        if any(key == r or key.startswith(r + ".") for r in RESUMABLE):
-            continue
-        if old[key] != new[key]:
-            changes.append(f"{key}: {json.dumps(old[key])} -> {json.dumps(new[key])}")
-    return changes
-
-
-def check_resume(cfg: ExperimentConfig) -> None:
-    """Before any compute: the newest complete checkpoint of train.dir, if any, was written by
-    this same experiment (collective)."""
-    from megaloop.train import checkpoint
-
-    folder = checkpoint.find_latest(Path(cfg.train.dir) / "checkpoints")
-    if folder is None:
-        return
-    meta = checkpoint.read_meta(folder)
-    changes = config_changes(meta["config"], cfg.to_dict())
-    if changes:
-        raise ConfigError(
-            f"train.dir={cfg.train.dir} holds a run with another config (checkpoint "
-            f"{folder.name}); it would resume with {len(changes)} changed key(s): "
-            f"{'; '.join(changes)}. Resume it with its own values, or give another train.dir "
-            f"(keys that may change on resume: {', '.join(RESUMABLE)})"
-        )
-    from megaloop.parallel import distributed
-
-    dp = data_parallel_size(cfg, distributed.world_size())
-    ENGINES[meta["engine"]].check_reshard(cfg, meta["layout"], dp, folder)
-
-
-INIT_FREE = (
-    "max_seq_len",
-    "attention",
-    "init",
-    "init_std",
-    "embedding_init_std",
-    "damping_init",
-    "dropout",
-)
-"""Model keys a run started from train.init_from may set differently from the checkpoint's
-(max_seq_len only with RoPE: learned positions are a table of that many rows)."""
-
-
-def check_init_from(cfg: ExperimentConfig) -> None:
-    """Before any compute: train.init_from is a complete checkpoint of this same model."""
-    from megaloop.train import checkpoint
-
-    if cfg.train.init_from is None:
-        return
-    try:
-        folder = checkpoint.resolve(Path(cfg.train.init_from))
-    except ValueError as e:
-        raise ConfigError(f"config key 'train.init_from': {e}") from None
-    meta = checkpoint.read_meta(folder)
-    check(
-        ENGINES[meta["engine"]].init_from,
-        "train.init_from",
-        str(folder),
-        f"is a checkpoint of engine={meta['engine']}; train.init_from reads megatron-core dist "
-        f"checkpoints ({names(lambda e: e.init_from)} runs, `megaloop import ouro` folders)",
-    )
-    saved = meta["config"]["model"]
-    free = [k for k in INIT_FREE if k != "max_seq_len" or cfg.model.position_embedding == "rope"]
-    changes = [
-        c
-        for c in config_changes({"model": saved}, {"model": cfg.model.to_dict()})
-        if c.split(":")[0].removeprefix("model.") not in free
-    ]
-    if changes:
-        raise ConfigError(
-            f"config key 'train.init_from': {folder} holds another model: {'; '.join(changes)}. "
-            f"Give the model keys of that checkpoint (only {', '.join(free)} may differ)"
-        )
-
-
-def hold_run_dir(cfg: ExperimentConfig) -> None:
-    """Rank 0 takes the run directory's lock (megaloop/train/run_lock.py); every rank stops if
-    it could not (collective), before anything is read or written there."""
-    from megaloop.parallel import comm, distributed
-    from megaloop.train import run_lock
-
-    busy = None
-    if distributed.is_main():
-        try:
-            run_lock.acquire(Path(cfg.train.dir))
-        except run_lock.RunDirBusy as e:
-            busy = e
-    if comm.any_rank(busy is not None):
-        raise busy or run_lock.RunDirBusy(
-            f"train.dir={cfg.train.dir} is in use by another run (rank 0 names it)"
-        )
-
-
 def build_trainer(cfg: ExperimentConfig, log: bool = True):
     """The chain: process groups → data → engine (model + parallelism) → trainer."""
     from megaloop.parallel import distributed, layout
-    from megaloop.train import callbacks
+    from megaloop.train import callbacks, run_lock, start
     from megaloop.train.trainer import Trainer, default_callbacks
 
     cfg.engine_spec.check_installed()
@@ -287,23 +170,11 @@ def build_trainer(cfg: ExperimentConfig, log: bool = True):
     )
     if note and log and distributed.is_main():
         print(f"megaloop: {note}", flush=True)
-    hold_run_dir(cfg)
-    check_resume(cfg)
-    check_init_from(cfg)
+    run_lock.hold(Path(cfg.train.dir))
+    start.check_start(cfg, distributed.world_size())
     t = cfg.train
     dataset = cfg.data.build(t.seed, train_samples=t.steps * t.global_batch_size)
-    vocab = dataset.tokenizer.vocab_size
-    check(
-        cfg.model.vocab_size >= vocab,
-        "model.vocab_size",
-        cfg.model.vocab_size,
-        f"must be >= the tokenizer's {vocab} tokens (of data.kind={cfg.data.kind})",
-    )
-    if cfg.data.kind == "indexed":  # an id past the embedding would fail mid-run, not here
-        from megaloop.data.indexed import check_indexed
-
-        for prefix in dict.fromkeys(p for p in (cfg.data.path, cfg.data.valid_path) if p):
-            check_indexed(prefix, cfg.model.vocab_size)
+    cfg.data.check_vocab(cfg.model.vocab_size, dataset.tokenizer.vocab_size)
     layout.eval_microbatches(t, dataset.valid_windows, dp, cfg.parallel.pp)  # before the model
     engine = cfg.engine_spec.build(cfg, cfg.data.seq_len, cfg.train.micro_batch_size)
     hooks = [*default_callbacks(cfg), *callbacks.registered()]

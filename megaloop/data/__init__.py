@@ -105,6 +105,16 @@ class DataConfig(Config):
         """`bytes` or the tokenizer.json the data was made with (prepared data records its own)."""
         return self.tokenizer
 
+    def check_vocab(self, vocab_size: int, tokenizer_vocab: int) -> None:
+        """Every token id the data can hold fits a model of `vocab_size` embeddings (an id past
+        the embedding would fail mid-run, not here)."""
+        check(
+            vocab_size >= tokenizer_vocab,
+            "model.vocab_size",
+            vocab_size,
+            f"must be >= the tokenizer's {tokenizer_vocab} tokens (of data.kind={self.kind})",
+        )
+
     def build(self, seed: int, train_samples: int = 0):
         """The data for a run that reads `train_samples` training samples (indexed data sizes
         its shuffle to them); inputs are checked first."""
@@ -227,6 +237,15 @@ class IndexedConfig(_OnDisk):
                 "wikitext103` and give e.g. data.path=OUT/train",
             )
         super().check_files()
+
+    def check_vocab(self, vocab_size: int, tokenizer_vocab: int) -> None:
+        """And every id the prepared files hold (from the manifest `megaloop prep` writes, or
+        by reading them)."""
+        from megaloop.data.indexed import check_indexed
+
+        super().check_vocab(vocab_size, tokenizer_vocab)
+        for prefix in dict.fromkeys(p for p in (self.path, self.valid_path) if p):
+            check_indexed(prefix, vocab_size)
 
     def tokenizer_spec(self) -> str:
         from megaloop.data.indexed import manifest

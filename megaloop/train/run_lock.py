@@ -30,6 +30,21 @@ class RunDirBusy(ConfigError):
     """Another live run holds the run directory."""
 
 
+def hold(run_dir: Path) -> None:
+    """Rank 0 takes the lock; every rank stops if it could not (collective), before anything is
+    read or written in the run directory."""
+    from megaloop.parallel import comm, distributed
+
+    busy = None
+    if distributed.is_main():
+        try:
+            acquire(run_dir)
+        except RunDirBusy as e:
+            busy = e
+    if comm.any_rank(busy is not None):
+        raise busy or RunDirBusy(f"train.dir={run_dir} is in use by another run (rank 0 names it)")
+
+
 def acquire(run_dir: Path) -> None:
     """Hold RUN_DIR/.lock until this process ends (or `release`); RunDirBusy if another holds
     it. The holder's host, pid, start time and Slurm job are written into the file."""

@@ -25,6 +25,7 @@ from megaloop.train.checkpoint import Checkpointing
 from megaloop.train.metrics import MemoryReport, MetricsLogger, ProgressLog
 from megaloop.train.nonfinite import NonFinitePolicy
 from megaloop.train.preemption import PreemptionCheck
+from megaloop.train.start import start
 from megaloop.train.watchdog import STOP_MARKER, ScaleAlarms, UnhealthyRun, write_stop_marker
 
 
@@ -132,13 +133,10 @@ class Trainer:
 
     def resume(self) -> Path | None:
         """Continue from the newest complete checkpoint of the run directory, if any."""
-        folder = checkpoint.find_latest(self.checkpoints)
-        if folder is not None:
-            position = checkpoint.load(folder, self.engine)
+        folder, position = start(self.checkpoints, self.cfg.train.init_from, self.engine)
+        if position is not None:
             self.step = position["step"]
             self.batches.consumed_samples = position["consumed_samples"]
-        elif self.cfg.train.init_from:
-            self.engine.load_weights(checkpoint.resolve(Path(self.cfg.train.init_from)))
         return folder
 
     def _clear_stop_marker(self) -> None:

@@ -381,6 +381,7 @@ def test_train_20_steps_from_an_import_at_tp2xpp2(imported, tmp_path):
 def test_init_from_another_model_is_refused_before_compute(imported, tmp_path):
     from megaloop import experiment
     from megaloop.config import ConfigError
+    from megaloop.train import start
 
     _, ckpt = imported
     cfg = experiment.load(
@@ -394,4 +395,4 @@ def test_init_from_another_model_is_refused_before_compute(imported, tmp_path):
         ],
     )
     with pytest.raises(ConfigError, match="ffn_hidden_size: 48 -> 64"):
-        experiment.check_init_from(cfg)
+        start.check_init_from(cfg)
