@@ -12,6 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
+from megaloop.config import ConfigError
+
 DEFAULT_VOCAB = 20480
 EOS = "<|endoftext|>"
 WORDS_EOS = "<eos>"
@@ -22,8 +24,9 @@ TRAINED = {"train": (1, DEFAULT_VOCAB), "words": (5, 20000)}
 special tokens and at least one word) and the usual one (the study's 20,000 words)."""
 
 
-class PrepError(ValueError):
-    """Bad input that leaves nothing to prepare, or a bad option: one message, no traceback."""
+class PrepError(ConfigError):
+    """Bad input that leaves nothing to prepare, or a bad option, named by its flag: one
+    message, no traceback (a ConfigError, as every bad input of megaloop is)."""
 
 
 def _flag(name: str) -> str:

@@ -15,7 +15,6 @@ import warnings
 from megaloop import known_warnings
 from megaloop.commands import COMMANDS
 from megaloop.config import ConfigError
-from megaloop.evaluation.settings import EvalError
 from megaloop.parallel.launch import LaunchError
 
 
@@ -89,7 +88,7 @@ def main(argv=None) -> int:
         _cpu_compat.apply()
     try:
         return args.fn(args)
-    except (ConfigError, LaunchError, EvalError) as e:
+    except (ConfigError, LaunchError) as e:  # EvalError, PrepError, DataError among them
         print(f"megaloop: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

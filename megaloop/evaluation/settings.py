@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal, Self, get_args
 
+from megaloop.config import ConfigError
 from megaloop.model.modes import EarlyExit, KVPolicy
 
 
-class EvalError(ValueError):
-    """Bad evaluation input (settings, model folder, data, task names, local data)."""
+class EvalError(ConfigError):
+    """Bad evaluation input (settings, model folder, data, task names, local data), named by
+    its command-line option or file: a ConfigError, reported in one line by every command."""
 
 
 DTYPES = {
