@@ -28,7 +28,8 @@ import tempfile
 import time
 
 import torch
-from overhead import alternate, megaloop_trainer, report, set_threads, spread, summary
+from alternation import alternate, report, set_threads, spread, summary
+from overhead import megaloop_trainer
 
 from megaloop import experiment
 

@@ -28,7 +28,6 @@ Environment: as bench/study_mini (STUDY_WORK, REPRO_SOURCE, PYTHON).
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -37,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import miniature  # noqa: E402
 import repro_mini  # noqa: E402  (the drift_regime runs' BPE data)
 import study_mini  # noqa: E402  (the study's data, shape and run machinery)
 from study_mini import FACTOR, SMOKE, Job, fmt  # noqa: E402
@@ -296,24 +296,21 @@ def plot(runs: dict, rows: list[dict], out: Path) -> None:
     fig.savefig(out / "ratios.png", dpi=110)
     plt.close(fig)
 
+    def growth(cell):
+        def draw(ax):
+            for readout, style in zip(READOUTS, ("-", ":")):
+                for seed, t in sorted(runs[cell].get(readout, {}).items()):
+                    ax.plot(t["train_steps"], t["train_l2"], style, lw=0.8, color=f"C{seed}")
+
+        return draw
+
     cells = [c for c in runs if c in CELLS]
-    cols = min(5, len(cells))
-    n = math.ceil(len(cells) / cols)
-    fig, axes = plt.subplots(n, cols, figsize=(3.2 * cols, 2.6 * n), sharey=True, squeeze=False)
-    for ax, cell in zip(axes.flat, cells):
-        for readout, style in zip(READOUTS, ("-", ":")):
-            for seed, t in sorted(runs[cell].get(readout, {}).items()):
-                ax.plot(t["train_steps"], t["train_l2"], style, lw=0.8, color=f"C{seed}")
-        ax.set_yscale("log")
-        ax.set_title(cell, fontsize=9)
-        ax.set_xlabel("step")
-    for ax in axes.flat[len(cells) :]:
-        ax.axis("off")
-    axes.flat[0].set_ylabel("final-loop L2 (training batch)")
-    fig.suptitle("norm readout solid, raw dotted; colour: seed")
-    fig.tight_layout()
-    fig.savefig(out / "growth.png", dpi=110)
-    plt.close(fig)
+    miniature.small_multiples(
+        {cell: growth(cell) for cell in cells},
+        "final-loop L2 (training batch)",
+        "norm readout solid, raw dotted; colour: seed",
+        out / "growth.png",
+    )
 
 
 def main() -> None:

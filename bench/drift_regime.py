@@ -37,7 +37,6 @@ import math
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +46,7 @@ from megaloop.train import metrics
 from megaloop.train.metrics import read as read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import miniature  # noqa: E402
 import repro_mini  # noqa: E402  (the miniature's data preparation)
 import workers  # noqa: E402
 
@@ -62,12 +62,7 @@ if SMOKE:  # two cells, and every extra step of the flow
     WEIGHT_DECAYS, TIES, LRS = (0.0,), (True, False), (1e-2,)
 EXTRA_SEEDS = (0,) if SMOKE else SEEDS
 SMOKE_SHAPE = [
-    "model.hidden_size=32",
-    "model.num_heads=2",
-    "model.num_layers=1",
-    "model.vocab_size=300",
-    "data.seq_len=32",
-    "model.max_seq_len=32",
+    *miniature.SMOKE_MODEL,
     "train.log_every=2",
     "train.eval_every=4",
     "train.eval_batches=1",
@@ -187,8 +182,7 @@ class Bench:
                 flush=True,
             )
 
-        with ThreadPoolExecutor(workers.LANES) as pool:
-            list(pool.map(one, sorted(runs, key=lambda r: -r.cell.steps)))
+        workers.each(one, sorted(runs, key=lambda r: -r.cell.steps))
 
     def worked(self) -> None:
         self.spans[-1][1] = time.time()
@@ -227,8 +221,7 @@ class Bench:
             self.worked()
             print(f"[{self.minutes():5.1f} min] measured {run.name}", flush=True)
 
-        with ThreadPoolExecutor(workers.LANES) as pool:
-            list(pool.map(one, runs))
+        workers.each(one, runs)
 
 
 def measure_one(run_dir: Path, out: Path, data: Path) -> None:

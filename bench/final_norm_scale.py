@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -64,8 +63,7 @@ def train(work: Path, data: Path) -> dict[str, Path]:
             sys.exit(f"final_norm_scale: training {name} exited {code}; see {log}")
         print(f"trained {name}", flush=True)
 
-    with ThreadPoolExecutor(workers.LANES) as pool:
-        list(pool.map(one, runs.items()))
+    workers.each(one, runs.items())
     return {name: run_dir for name, (run_dir, _, _) in runs.items()}
 
 
@@ -140,9 +138,8 @@ def main() -> None:
     data = repro_mini.prepare(work, source, python)
     runs = train(work, data)
     text = work / "source/wiki.valid.raw"
-    with ThreadPoolExecutor(workers.LANES) as pool:
-        measured = pool.map(lambda run_dir: workers.call(measure, run_dir, text), runs.values())
-        results = dict(zip(runs, measured))
+    measured = workers.each(lambda run_dir: workers.call(measure, run_dir, text), runs.values())
+    results = dict(zip(runs, measured))
     out.mkdir(parents=True, exist_ok=True)
     (out / "final_norm_scale.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "final_norm_scale.md").write_text(markdown(results))

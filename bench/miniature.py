@@ -1,12 +1,53 @@
 """What the miniature benches (repro_mini, study_mini, drift_regime, drift_drivers,
 final_norm_scale) share: the WikiText texts linked into their scratch folder, prepared with
-`megaloop prep`, and the depth, halt and diagnose measurements of a trained run."""
+`megaloop prep`, the model their smoke runs train, the depth, halt and diagnose measurements of
+a trained run, and the figure of final-loop norms over training, one panel a run group."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+SMOKE_MODEL = [
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.num_layers=1",
+    "model.vocab_size=300",
+    "data.seq_len=32",
+    "model.max_seq_len=32",
+]
+"""The model of the benches' SMOKE=1 runs (the tests'): a few seconds a run."""
+
+
+def small_multiples(
+    panels: dict[str, Callable], ylabel: str, title: str, path: Path, legend: bool = False
+) -> None:
+    """One log-scale panel per name, `draw(ax)` plotting it, five a row, one y axis: PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(5, len(panels))
+    n = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(n, cols, figsize=(3.2 * cols, 2.6 * n), sharey=True, squeeze=False)
+    for ax, (name, draw) in zip(axes.flat, panels.items()):
+        draw(ax)
+        ax.set_yscale("log")
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("step")
+    for ax in axes.flat[len(panels) :]:
+        ax.axis("off")
+    axes.flat[0].set_ylabel(ylabel)
+    if legend:
+        axes.flat[0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def run(cmd: list, **kwargs) -> None:

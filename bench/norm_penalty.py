@@ -18,19 +18,8 @@ import statistics
 import tempfile
 
 import torch
-from overhead import (
-    SHAPE,
-    SMOKE_SHAPE,
-    alternate,
-    megaloop_overrides,
-    megaloop_trainer,
-    report,
-    set_threads,
-    sign_test,
-    spread,
-    summary,
-    time_steps,
-)
+from alternation import alternate, report, set_threads, sign_test, spread, summary, time_steps
+from overhead import SHAPE, SMOKE_SHAPE, megaloop_overrides, megaloop_trainer
 
 
 def main():

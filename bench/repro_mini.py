@@ -25,7 +25,6 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import miniature
@@ -39,12 +38,7 @@ VOCAB = 300 if SMOKE else 1024
 """BPE vocabulary trained on the training text (our choice); model.vocab_size in base.yaml."""
 SMOKE_VARIANTS = ("per_loop_norm", "per_loop_raw")
 SMOKE_SHAPE = [
-    "model.hidden_size=32",
-    "model.num_heads=2",
-    "model.num_layers=1",
-    "model.vocab_size=300",
-    "data.seq_len=32",
-    "model.max_seq_len=32",
+    *miniature.SMOKE_MODEL,
     "train.steps=4",
     "train.log_every=2",
 ]
@@ -93,8 +87,7 @@ def train(work: Path, data: Path) -> None:
         print(f"trained {config.stem} seed {seed}: exit {code} (log {log})", flush=True)
         return code
 
-    with ThreadPoolExecutor(workers.LANES) as pool:
-        codes = list(pool.map(one, jobs))
+    codes = workers.each(one, jobs)
     if any(codes):
         sys.exit("repro_mini: some runs failed; see the logs above")
 
@@ -120,8 +113,7 @@ def measure(work: Path) -> list[Path]:
         print(f"measured {run_dir.relative_to(work)}", flush=True)
         return out
 
-    with ThreadPoolExecutor(workers.LANES) as pool:
-        return list(pool.map(one, runs))
+    return workers.each(one, runs)
 
 
 def measure_one(run_dir: Path, out: Path, data: Path) -> None:

@@ -38,7 +38,6 @@ import os
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -169,8 +168,7 @@ def train(work: Path, jobs: list[Job]) -> None:
         print(f"trained {job.name} seed {job.seed} in {seconds:.0f} s: exit {code} (log {log})")
         return code
 
-    with ThreadPoolExecutor(workers.LANES) as pool:
-        codes = list(pool.map(one, todo))
+    codes = workers.each(one, todo)
     if any(code not in (0, EXIT_UNHEALTHY) for code in codes):
         sys.exit("study_mini: some runs failed; see the logs above")
 
@@ -198,8 +196,7 @@ def measure(work: Path, run_dirs: list[Path]) -> None:
         workers.call(measure_one, run_dir, out, valid)
         print(f"measured {run_dir.relative_to(work)}", flush=True)
 
-    with ThreadPoolExecutor(workers.LANES) as pool:
-        list(pool.map(one, run_dirs))
+    workers.each(one, run_dirs)
 
 
 def measure_one(run_dir: Path, out: Path, data: Path) -> None:
@@ -544,30 +541,21 @@ def write_report(info: dict, out: Path) -> None:
 
 
 def plot(trajectories: dict, out: Path) -> None:
-    import matplotlib
+    def growth(row):
+        def draw(ax):
+            for seed, t in sorted(trajectories[row].items()):
+                ax.plot(t["train_steps"], t["train_l2"], lw=0.8, label=f"seed {seed}")
+                ax.plot(t["eval_steps"], t["eval_l2"], "k.", ms=3)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        return draw
 
-    rows = list(trajectories)
-    cols = 5 if len(rows) > 4 else len(rows)
-    n = math.ceil(len(rows) / cols)
-    fig, axes = plt.subplots(n, cols, figsize=(3.2 * cols, 2.6 * n), sharey=True, squeeze=False)
-    for ax, row in zip(axes.flat, rows):
-        for seed, t in sorted(trajectories[row].items()):
-            ax.plot(t["train_steps"], t["train_l2"], lw=0.8, label=f"seed {seed}")
-            ax.plot(t["eval_steps"], t["eval_l2"], "k.", ms=3)
-        ax.set_yscale("log")
-        ax.set_title(row, fontsize=9)
-        ax.set_xlabel("step")
-    for ax in axes.flat[len(rows) :]:
-        ax.axis("off")
-    axes.flat[0].set_ylabel("final-loop L2 (mean per token)")
-    axes.flat[0].legend(fontsize=7)
-    fig.suptitle("final-loop hidden norm over training: lines training batches, dots validation")
-    fig.tight_layout()
-    fig.savefig(out / "growth.png", dpi=110)
-    plt.close(fig)
+    miniature.small_multiples(
+        {row: growth(row) for row in trajectories},
+        "final-loop L2 (mean per token)",
+        "final-loop hidden norm over training: lines training batches, dots validation",
+        out / "growth.png",
+        legend=True,
+    )
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ import os
 import sys
 import threading
 import traceback
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
@@ -34,6 +34,13 @@ def megaloop(argv: list, log: Path | None = None) -> int:
     """`python -m megaloop ARGV` in a worker, its output into `log` (stdout dropped without
     one): the command's exit code, 1 (with the traceback in the log) where it raised."""
     return call(command, [str(a) for a in argv], log=log)
+
+
+def each(fn, items) -> list:
+    """`fn` of every item, two at a time (a lane each): the benches' grid of runs and of
+    measurements, each `fn` handing its run to a worker (`megaloop`, `call`)."""
+    with ThreadPoolExecutor(LANES) as pool:
+        return list(pool.map(fn, items))
 
 
 def call(fn, *args, log: Path | None = None):
