@@ -448,10 +448,10 @@ class DepthAsyncDecoder:
     A row that has fed its tokens leaves the step: at small batch a step costs about its
     weights, not its rows, but the last rows of a batch still run cheaper alone.
 
-    State per decoding row (`rows`: their indices in the batch): its hidden state, the loop it
-    runs next, its current token's cache position (less its left padding: its rope position),
-    its gate survival and clamp reference (both reset when it starts a token) and the tokens it
-    has fed. The keys and values are the prefilled LoopCache's, restacked as one
+    State per decoding row (`rows`: their indices in the batch): its hidden state, its current
+    token's cache position (less its left padding: its rope position) and the tokens it has
+    fed; `loops` (semantics.Loops) holds the loop each runs next, its gate survival and clamp
+    reference (reset when it starts a token) and applies the loop's rules to each. The keys and values are the prefilled LoopCache's, restacked as one
     [slots, b, 2, kv_heads, T, head_dim] with room for every fed token: a row's keys and values
     of one slot are one block (`blocks`, read whole), each head's positions contiguous as
     attention reads them; `by_position` views the same memory by (block, position), where a step
