@@ -37,11 +37,10 @@ def one_process_world():
 
 @pytest.fixture
 def tiny_cfg():
-    from megaloop.model import ModelConfig
+    """support.TINY_MODEL as a ModelConfig, for tests that vary it with dataclasses.replace."""
+    from support import tiny_config
 
-    return ModelConfig(
-        vocab_size=64, hidden_size=32, num_heads=4, num_layers=2, num_loops=4, max_seq_len=32
-    )
+    return tiny_config()
 
 
 def build(cfg, seed: int = 0):

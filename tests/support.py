@@ -45,6 +45,17 @@ def megaloop(
     )
 
 
+def eval_downstream(model, out, loops, *options) -> int:
+    """`megaloop eval downstream MODEL --loops LOOPS OPTIONS --out OUT` in this process (its
+    errors reach capsys): the exit status."""
+    from megaloop.cli import main
+
+    return main(
+        ["eval", "downstream", str(model), "--loops", str(loops), *map(str, options)]
+        + ["--out", str(out)]
+    )
+
+
 # -- synthetic text ------------------------------------------------------------------------------
 
 WORDS = (
@@ -76,12 +87,18 @@ def wikitext(rng: random.Random, titles) -> str:
     return "".join(parts)
 
 
+def source_dir(root: Path) -> Path:
+    """ROOT/source, new and empty: where a test writes a corpus's raw files."""
+    source = root / "source"
+    source.mkdir()
+    return source
+
+
 def miniature_source(tmp_path: Path, seed: int) -> Path:
     """TMP/source with bench/repro_mini's inputs: wiki.test.raw (trained on, 40 articles) and
     wiki.valid.raw (20)."""
     rng = random.Random(seed)
-    source = tmp_path / "source"
-    source.mkdir()
+    source = source_dir(tmp_path)
     (source / "wiki.test.raw").write_text(wikitext(rng, [f"Train {i}" for i in range(40)]))
     (source / "wiki.valid.raw").write_text(wikitext(rng, [f"Valid {i}" for i in range(20)]))
     return source
@@ -105,31 +122,35 @@ def web_documents(rng: random.Random) -> tuple[list[dict], dict[str, dict]]:
     return good, designed
 
 
-# -- tiny exported models ------------------------------------------------------------------------
+# -- the tiny model and its exports --------------------------------------------------------------
+
+TINY_MODEL = dict(
+    vocab_size=64, hidden_size=32, num_heads=4, num_layers=2, num_loops=4, max_seq_len=32
+)
+"""The tiny model's settings, the one place they are written: tests that need another shape
+override them (tiny_config) rather than spell a model out again."""
+
+
+def tiny_config(**overrides):
+    """TINY_MODEL as a ModelConfig, `overrides` replacing its fields."""
+    from megaloop.model import ModelConfig
+
+    return ModelConfig(**{**TINY_MODEL, **overrides})
 
 
 def tiny_export(seed: int = 0, gate_scale: float = 0.3, **model):
-    """A tiny trainer model (ModelConfig defaults below, `model` overriding them) with its norms
-    and damping moved off their initial constants, exported in memory to transformers, its exit
-    gate (if any) drawn at `gate_scale` so that tokens exit at different loops."""
+    """A tiny trainer model (tiny_config with 2 key/value heads and 64 positions, `model`
+    overriding them) with its norms and damping moved off their initial constants, exported in
+    memory to transformers, its exit gate (if any) drawn at `gate_scale` so that tokens exit at
+    different loops."""
     import torch
 
     from conftest import build
     from megaloop.export import hf_model
-    from megaloop.model import ModelConfig
     from megaloop.parallel import distributed
 
     distributed.init(seed=0)  # a no-op in a test, which has its world already
-    settings = dict(
-        vocab_size=64,
-        hidden_size=32,
-        num_heads=4,
-        num_query_groups=2,
-        num_layers=2,
-        num_loops=4,
-        max_seq_len=64,
-    )
-    cfg = ModelConfig(**{**settings, **model})
+    cfg = tiny_config(**{"num_query_groups": 2, "max_seq_len": 64, **model})
     trainer = build(cfg, seed).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -243,7 +264,24 @@ def prompts(batch: int, length: int = 6, seed: int = 0):
     """[batch, length] random token ids of the tiny vocabulary (no 0: the pad)."""
     import torch
 
-    return torch.randint(1, 64, (batch, length), generator=torch.Generator().manual_seed(seed))
+    vocab = TINY_MODEL["vocab_size"]
+    return torch.randint(1, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def left_padded():
+    """(long, short, batch, mask): two prompts of the tiny vocabulary (9 and 5 tokens) and the
+    batch of both, the short one left-padded with 4 zeros that its attention mask hides."""
+    import torch
+
+    g, vocab = torch.Generator().manual_seed(5), TINY_MODEL["vocab_size"]
+    long, short = (
+        torch.randint(1, vocab, (1, 9), generator=g),
+        torch.randint(1, vocab, (1, 5), generator=g),
+    )
+    batch = torch.cat([long, torch.cat([torch.zeros(1, 4, dtype=torch.long), short], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :4] = 0
+    return long, short, batch, mask
 
 
 def teacher_forced(hf, tokens, cache, **fields):

@@ -16,12 +16,22 @@ from data_prep import FineWebConfig, WikiTextConfig
 from data_prep.common import PrepError
 from data_prep.wikitext103 import split_articles
 from multiproc import metrics as read_metrics
-from support import TINY, article, web_documents, wikitext
+from support import TINY, article, source_dir, web_documents, wikitext
 
 
 def web_config(**options) -> FineWebConfig:
     """`megaloop prep fineweb` as the tests run it: short sequences, small shards."""
     return FineWebConfig(**{"seq_len": 64, "shard_size": 16, **options})
+
+
+def prep_wikitext(source: Path, tokenizer, out: Path) -> dict:
+    """`megaloop prep wikitext103`: the manifests of the splits it prepared."""
+    return data_prep.run(WikiTextConfig(source=str(source), tokenizer=str(tokenizer), out=str(out)))
+
+
+def prep_web(source: Path, tokenizer, out: Path) -> dict:
+    """`megaloop prep fineweb` at web_config's settings: its manifest."""
+    return data_prep.run(web_config(source=str(source), tokenizer=str(tokenizer), out=str(out)))
 
 
 def test_prep_flags_build_the_same_config_as_the_dataclass():
@@ -72,15 +82,11 @@ def test_articles_split_on_top_level_headings_only():
 def wikitext_prep(tmp_path_factory):
     root = tmp_path_factory.mktemp("wt")
     rng = random.Random(1)
-    source = root / "source"
-    source.mkdir()
+    source = source_dir(root)
     (source / "wiki.train.raw").write_text(wikitext(rng, [f"Train {i}" for i in range(30)]))
     (source / "wiki.valid.raw").write_text(wikitext(rng, [f"Valid {i}" for i in range(5)]))
     out = root / "out"
-    manifests = data_prep.run(
-        WikiTextConfig(source=str(source), tokenizer="train:400", out=str(out))
-    )
-    return source, out, manifests
+    return source, out, prep_wikitext(source, "train:400", out)
 
 
 def test_wikitext_tokens_read_back_equal_tokenizing_the_articles(wikitext_prep):
@@ -106,53 +112,32 @@ def test_wikitext_tokens_read_back_equal_tokenizing_the_articles(wikitext_prep):
 def test_wikitext_rerun_resumes_without_rewriting(wikitext_prep, capsys):
     source, out, _ = wikitext_prep
     before = (out / "train.bin").stat().st_mtime_ns
-    again = data_prep.run(WikiTextConfig(source=str(source), tokenizer="train:400", out=str(out)))
+    again = prep_wikitext(source, "train:400", out)
     assert again == {} and (out / "train.bin").stat().st_mtime_ns == before
     assert "train is already prepared" in capsys.readouterr().out
 
 
 def test_wikitext_bad_inputs(tmp_path):
     rng = random.Random(2)
-    source = tmp_path / "source"
-    source.mkdir()
+    source = source_dir(tmp_path)
     good = wikitext(rng, ["Good"])
     bad_utf8 = b" = Broken = \n \n caf\xe9 \xff\xfe text . \n \n"
     junk = " = Junk = \n \n" + "".join(chr(c) for c in range(1, 9)) * 300 + "\n \n"
     (source / "wiki.train.raw").write_bytes(good.encode() + bad_utf8 + junk.encode())
     (source / "wiki.test.raw").write_text("")  # empty split
-    manifests = data_prep.run(
-        WikiTextConfig(source=str(source), tokenizer="train:300", out=str(tmp_path / "out"))
-    )
+    manifests = prep_wikitext(source, "train:300", tmp_path / "out")
     assert set(manifests) == {"train"}
     m = manifests["train"]
     assert m["documents"] == 1 and m["non_utf8_documents"] == 1 and m["dropped"]["binary"] == 1
     with pytest.raises(PrepError, match="holds none of wiki.train.raw"):
-        data_prep.run(
-            WikiTextConfig(
-                source=str(tmp_path / "out"),
-                tokenizer="train:9",
-                out=str(tmp_path / "o2"),
-            )
-        )
+        prep_wikitext(tmp_path / "out", "train:9", tmp_path / "o2")
     with pytest.raises(PrepError, match="no such folder"):
-        data_prep.run(
-            WikiTextConfig(
-                source=str(tmp_path / "missing"),
-                tokenizer="train:9",
-                out=str(tmp_path / "o3"),
-            )
-        )
+        prep_wikitext(tmp_path / "missing", "train:9", tmp_path / "o3")
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "wiki.valid.raw").write_text(" \n \n")
     with pytest.raises(PrepError, match="nothing usable"):
-        data_prep.run(
-            WikiTextConfig(
-                source=str(empty),
-                tokenizer=str(tmp_path / "out/tokenizer.json"),
-                out=str(tmp_path / "o4"),
-            )
-        )
+        prep_wikitext(empty, tmp_path / "out/tokenizer.json", tmp_path / "o4")
 
 
 # -- FineWeb-style web text ------------------------------------------------------------------
@@ -162,8 +147,7 @@ def test_wikitext_bad_inputs(tmp_path):
 def web_prep(tmp_path_factory):
     root = tmp_path_factory.mktemp("web")
     rng = random.Random(3)
-    source = root / "source"
-    source.mkdir()
+    source = source_dir(root)
     good, designed = web_documents(rng)
     with open(source / "a.jsonl", "wb") as f:
         for record in good + list(designed.values()):
@@ -181,7 +165,7 @@ def web_prep(tmp_path_factory):
 
     tokenizer = train_bpe([r["text"] for r in good + more + table], 300, root / "tok.json")
     out = root / "out"
-    manifest = data_prep.run(web_config(source=str(source), tokenizer=str(tokenizer), out=str(out)))
+    manifest = prep_web(source, tokenizer, out)
     files = {"a.jsonl": good + list(designed.values()), "b.jsonl.gz": more, "c.parquet": table}
     return out, manifest, files, tokenizer, source
 
@@ -253,22 +237,13 @@ def test_web_filter_counts_match_the_filters_applied_directly(web_prep):
 
 def test_web_nothing_usable_is_one_clear_error(tmp_path, web_prep):
     _, _, _, tokenizer, _ = web_prep
-    source = tmp_path / "source"
-    source.mkdir()
+    source = source_dir(tmp_path)
     (source / "x.jsonl").write_text(json.dumps({"text": ""}) + "\n")
     with pytest.raises(PrepError, match="nothing usable"):
-        data_prep.run(
-            web_config(source=str(source), tokenizer=str(tokenizer), out=str(tmp_path / "out"))
-        )
+        prep_web(source, tokenizer, tmp_path / "out")
     (tmp_path / "void").mkdir()
     with pytest.raises(PrepError, match="holds no .parquet, .jsonl"):
-        data_prep.run(
-            web_config(
-                source=str(tmp_path / "void"),
-                tokenizer=str(tokenizer),
-                out=str(tmp_path / "out2"),
-            )
-        )
+        prep_web(tmp_path / "void", tokenizer, tmp_path / "out2")
 
 
 # -- loaders ---------------------------------------------------------------------------------
@@ -462,7 +437,7 @@ def test_web_rerun_redoes_only_the_unfinished_task(web_prep, tmp_path):
     for shard in (out / "shards").glob("00001-*.tar"):
         shard.unlink()
     kept = {p.name: p.stat().st_mtime_ns for p in (out / "shards").glob("0000[02]-*.tar")}
-    again = data_prep.run(web_config(source=str(source), tokenizer=str(tokenizer), out=str(out)))
+    again = prep_web(source, tokenizer, out)
     assert {p.name: p.stat().st_mtime_ns for p in (out / "shards").glob("0000[02]-*.tar")} == kept
     assert again["shards"] == manifest["shards"] and again["sequences"] == manifest["sequences"]
 

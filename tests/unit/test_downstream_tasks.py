@@ -10,50 +10,48 @@ import pytest
 from megaloop.evaluation import compare, downstream
 from megaloop.evaluation.exported import EvalError
 from megaloop.evaluation.settings import DownstreamSettings
+from support import eval_downstream
+
+
+def lettered(id_: str, texts: list[str], answer: str, labels="ABCDE", **question) -> dict:
+    """A hub row of a task whose gold is the label of a choice (ARC, CommonsenseQA, OpenBookQA),
+    a label per text; `question` holds the row's other fields."""
+    choices = {"text": texts, "label": list(labels[: len(texts)])}
+    return {"id": id_, **question, "choices": choices, "answerKey": answer}
+
 
 ARC = [  # hub rows of allenai/ai2_arc: 3-5 choices, some labelled "1".."4" instead of "A".."E"
-    {
-        "id": "Mercury_7175875",
-        "question": "An astronomer observes that a planet rotates faster "
-        "after a meteorite impact. Which is the most likely effect of this increase in rotation?",
-        "choices": {
-            "text": [
-                "Planetary density will decrease.",
-                "Planetary years will become longer.",
-                "Planetary days will become shorter.",
-                "Planetary gravity will become stronger.",
-            ],
-            "label": ["A", "B", "C", "D"],
-        },
-        "answerKey": "C",
-    },
-    {
-        "id": "NYSEDREGENTS_2015_4_8",
-        "question": "Which object is the best conductor?",
-        "choices": {
-            "text": ["a wooden spoon", "a copper wire", "a rubber band"],
-            "label": ["1", "2", "3"],
-        },
-        "answerKey": "2",
-    },
-    {
-        "id": "Mercury_SC_401169",
-        "question": "Which form of energy is produced when a rubber band vibrates?",
-        "choices": {
-            "text": ["chemical", "light", "electrical", "sound", "heat"],
-            "label": ["A", "B", "C", "D", "E"],
-        },
-        "answerKey": "D",
-    },
-    {
-        "id": "MCAS_2000_4_6",
-        "question": "Which tool should a student use to measure mass?",
-        "choices": {
-            "text": ["a balance", "a ruler", "a thermometer", "a stopwatch"],
-            "label": ["A", "B", "C", "D"],
-        },
-        "answerKey": "A",
-    },
+    lettered(
+        "Mercury_7175875",
+        [
+            "Planetary density will decrease.",
+            "Planetary years will become longer.",
+            "Planetary days will become shorter.",
+            "Planetary gravity will become stronger.",
+        ],
+        "C",
+        question="An astronomer observes that a planet rotates faster after a meteorite impact. "
+        "Which is the most likely effect of this increase in rotation?",
+    ),
+    lettered(
+        "NYSEDREGENTS_2015_4_8",
+        ["a wooden spoon", "a copper wire", "a rubber band"],
+        "2",
+        labels="123",
+        question="Which object is the best conductor?",
+    ),
+    lettered(
+        "Mercury_SC_401169",
+        ["chemical", "light", "electrical", "sound", "heat"],
+        "D",
+        question="Which form of energy is produced when a rubber band vibrates?",
+    ),
+    lettered(
+        "MCAS_2000_4_6",
+        ["a balance", "a ruler", "a thermometer", "a stopwatch"],
+        "A",
+        question="Which tool should a student use to measure mass?",
+    ),
 ]
 
 ROWS = {  # task -> (rows of its validation split, the gold index of each)
@@ -104,39 +102,29 @@ ROWS = {  # task -> (rows of its validation split, the gold index of each)
         },
     ],
     "commonsense_qa": [
-        {
-            "id": "075e483d21c29a511267ef62bedc0461",
-            "question": "The sanctions against the "
-            "school were a punishing blow, and they seemed to what the efforts the school had "
-            "made to change?",
-            "question_concept": "punishing",
-            "choices": {
-                "label": ["A", "B", "C", "D", "E"],
-                "text": ["ignore", "enforce", "authoritarian", "yell at", "avoid"],
-            },
-            "answerKey": "A",
-        },
-        {
-            "id": "61fe6e879ff18686d7552425a36344c8",
-            "question": "Sammy wanted to go to where the people were. Where might he go?",
-            "question_concept": "people",
-            "choices": {
-                "label": ["A", "B", "C", "D", "E"],
-                "text": ["race track", "populated areas", "the desert", "apartment", "roadblock"],
-            },
-            "answerKey": "B",
-        },
-        {
-            "id": "4c1cb0e95b99f72d55c068ba0255c54d",
-            "question": "To locate a choker not "
-            "located in a jewelry box or boutique where would you go?",
-            "question_concept": "choker",
-            "choices": {
-                "label": ["A", "B", "C", "D", "E"],
-                "text": ["jewelry store", "neck", "jewlery box", "jewelry box", "boutique"],
-            },
-            "answerKey": "A",
-        },
+        lettered(
+            "075e483d21c29a511267ef62bedc0461",
+            ["ignore", "enforce", "authoritarian", "yell at", "avoid"],
+            "A",
+            question="The sanctions against the school were a punishing blow, and they seemed to "
+            "what the efforts the school had made to change?",
+            question_concept="punishing",
+        ),
+        lettered(
+            "61fe6e879ff18686d7552425a36344c8",
+            ["race track", "populated areas", "the desert", "apartment", "roadblock"],
+            "B",
+            question="Sammy wanted to go to where the people were. Where might he go?",
+            question_concept="people",
+        ),
+        lettered(
+            "4c1cb0e95b99f72d55c068ba0255c54d",
+            ["jewelry store", "neck", "jewlery box", "jewelry box", "boutique"],
+            "A",
+            question="To locate a choker not located in a jewelry box or boutique where would "
+            "you go?",
+            question_concept="choker",
+        ),
     ],
     "sciq": [
         {
@@ -232,30 +220,24 @@ ROWS = {  # task -> (rows of its validation split, the gold index of each)
         },
     ],
     "openbookqa": [
-        {
-            "id": "8-376",
-            "question_stem": "Frilled sharks and angler fish live far beneath the "
-            "surface of the ocean, which is why they are known as",
-            "choices": {
-                "text": ["Deep sea animals", "fish", "Long Sea Fish", "Far Sea Animals"],
-                "label": ["A", "B", "C", "D"],
-            },
-            "answerKey": "A",
-        },
-        {
-            "id": "8-80",
-            "question_stem": "Which of these would let the most heat travel through?",
-            "choices": {
-                "text": [
-                    "a new pair of jeans.",
-                    "a steel spoon in a cafeteria.",
-                    "a cotton candy at a store.",
-                    "a calvin klein cotton hat.",
-                ],
-                "label": ["A", "B", "C", "D"],
-            },
-            "answerKey": "B",
-        },
+        lettered(
+            "8-376",
+            ["Deep sea animals", "fish", "Long Sea Fish", "Far Sea Animals"],
+            "A",
+            question_stem="Frilled sharks and angler fish live far beneath the surface of the "
+            "ocean, which is why they are known as",
+        ),
+        lettered(
+            "8-80",
+            [
+                "a new pair of jeans.",
+                "a steel spoon in a cafeteria.",
+                "a cotton candy at a store.",
+                "a calvin klein cotton hat.",
+            ],
+            "B",
+            question_stem="Which of these would let the most heat travel through?",
+        ),
     ],
 }
 
@@ -481,12 +463,8 @@ def lls_of(folder: Path, task: str) -> list[list[float]]:
 
 
 def adaptive(model, data, out, *extra, loops="2", tasks="arc_easy,boolq") -> int:
-    from megaloop.cli import main
-
-    return main(
-        ["eval", "downstream", str(model), "--loops", loops, "--tasks", tasks]
-        + ["--data-dir", str(data), "--batch-size", "4", "--out", str(out), *extra]
-    )
+    options = ["--tasks", tasks, "--data-dir", data, "--batch-size", "4", *extra]
+    return eval_downstream(model, out, loops, *options)
 
 
 def test_adaptive_depth_at_the_extremes_is_fixed_k(export_dir, task_data, tmp_path, capsys):

@@ -12,6 +12,7 @@ import torch
 from megaloop.evaluation import compare, downstream, fixed_k, harness
 from megaloop.evaluation.exported import EvalError
 from megaloop.evaluation.settings import FixedKSettings
+from support import eval_downstream
 
 
 def write_tasks(root: Path) -> Path:
@@ -52,30 +53,10 @@ def write_tasks(root: Path) -> Path:
 
 
 def test_lm_eval_runs_builtin_tasks_from_local_files(export_dir, tmp_path, capsys):
-    from megaloop.cli import main
-
     data = write_tasks(tmp_path / "data")
     out = tmp_path / "results"
-    assert (
-        main(
-            [
-                "eval",
-                "downstream",
-                str(export_dir),
-                "--loops",
-                "2",
-                "--tasks",
-                "arc_easy,boolq",
-                "--data-dir",
-                str(data),
-                "--split",
-                "default",
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    options = ["--tasks", "arc_easy,boolq", "--data-dir", data, "--split", "default"]
+    assert eval_downstream(export_dir, out, 2, *options) == 0
     assert "| **macro** | | 12 |" in capsys.readouterr().out  # 7 + 5 examples scored
     results = json.loads((out / "results.json").read_text())
     summary = json.loads((out / "summary.json").read_text())
@@ -103,70 +84,18 @@ def test_lm_eval_runs_builtin_tasks_from_local_files(export_dir, tmp_path, capsy
 
 
 def test_local_task_data_must_hold_the_evaluated_split(export_dir, tmp_path, capsys):
-    from megaloop.cli import main
-
     data = write_tasks(tmp_path / "data")
-    assert (
-        main(
-            [
-                "eval",
-                "downstream",
-                str(export_dir),
-                "--loops",
-                "1",
-                "--tasks",
-                "arc_easy",
-                "--data-dir",
-                str(data),
-                "--out",
-                str(tmp_path / "r"),
-            ]
-        )
-        == 2
-    )
+    arc_easy = ["--tasks", "arc_easy", "--data-dir", data]
+    assert eval_downstream(export_dir, tmp_path / "r", 1, *arc_easy) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("megaloop: error: --data-dir") and (
         "arc_easy/validation.jsonl" in err[-1]
     )  # --split validation by default
     (data / "arc_easy/test.jsonl").rename(data / "arc_easy/validation.jsonl")
-    assert (
-        main(
-            [
-                "eval",
-                "downstream",
-                str(export_dir),
-                "--loops",
-                "1",
-                "--tasks",
-                "arc_easy",
-                "--data-dir",
-                str(data),
-                "--split",
-                "default",
-                "--out",
-                str(tmp_path / "r"),
-            ]
-        )
-        == 2
-    )
+    assert eval_downstream(export_dir, tmp_path / "r", 1, *arc_easy, "--split", "default") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("megaloop: error: --data-dir") and "arc_easy/test.jsonl" in err[-1]
-    assert (
-        main(
-            [
-                "eval",
-                "downstream",
-                str(export_dir),
-                "--loops",
-                "1",
-                "--tasks",
-                "nope",
-                "--out",
-                str(tmp_path / "r"),
-            ]
-        )
-        == 2
-    )
+    assert eval_downstream(export_dir, tmp_path / "r", 1, "--tasks", "nope") == 2
     assert "unknown lm-eval task(s): nope" in capsys.readouterr().err
 
 

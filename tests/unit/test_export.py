@@ -25,6 +25,7 @@ from megaloop.model.config import (
 )
 from megaloop.model.modeling_megaloop import MegaloopForCausalLM
 from multiproc import train
+from support import left_padded, tiny_config
 
 # every mode the config types name: a new mode is tested here without a new row
 READOUTS, RECURRENCES = get_args(ReadoutMode), get_args(RecurrenceMode)
@@ -54,14 +55,8 @@ def variant(
     loop_norm="separate",
     **more,
 ) -> tuple:
-    cfg = ModelConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_heads=4,
+    cfg = tiny_config(
         num_query_groups=2,
-        num_layers=2,
-        num_loops=4,
-        max_seq_len=32,
         readout=readout,
         recurrence=recurrence,
         exit_gate=gate,
@@ -185,14 +180,7 @@ def test_greedy_generate_with_cache_equals_the_no_cache_argmax(readout, recurren
 def test_left_padded_batches_equal_each_sequence_alone():
     cfg, model = variant("final_norm", "damping", gate=False)
     hf = exported(model, cfg, clamp=True)
-    g = torch.Generator().manual_seed(5)
-    long, short = (
-        torch.randint(1, 64, (1, 9), generator=g),
-        torch.randint(1, 64, (1, 5), generator=g),
-    )
-    batch = torch.cat([long, torch.cat([torch.zeros(1, 4, dtype=torch.long), short], 1)])
-    mask = torch.ones_like(batch)
-    mask[1, :4] = 0
+    long, short, batch, mask = left_padded()
     with torch.no_grad():
         logits = hf(batch, attention_mask=mask, use_cache=False).logits
         assert rel_err(logits[1, 4:], hf(short, use_cache=False).logits[0]) <= 1e-5

@@ -50,6 +50,19 @@ def megaloop_here(capsys):
     return run
 
 
+@pytest.fixture
+def generate(megaloop_here):
+    """`megaloop generate MODEL ARGS` on the CPU, at most `new_tokens` new tokens: (return code,
+    stdout, stderr)."""
+
+    def run(model, *args, new_tokens=10):
+        return megaloop_here(
+            "generate", model, *args, "--max-new-tokens", new_tokens, "--device", "cpu"
+        )
+
+    return run
+
+
 def generated(export, tmp_path, *args, prompt="the river", name="out.json"):
     """Settings from `args` run through the library, its JSON record."""
     path = tmp_path / name
@@ -64,18 +77,10 @@ def depths_printed(stdout: str) -> list[int]:
 
 
 @pytest.mark.parametrize("wiring", ["gated", "ouro_wired"])
-def test_a_never_exiting_gate_prints_what_fixed_k_prints(wiring, megaloop_here, request):
-    common = [
-        request.getfixturevalue(wiring),
-        "--prompt",
-        "the river",
-        "--max-new-tokens",
-        "12",
-        "--device",
-        "cpu",
-    ]
-    fixed = megaloop_here("generate", *common, "--exit", "fixed")
-    never = megaloop_here("generate", *common, "--exit", "gate", "--threshold", "1.01")
+def test_a_never_exiting_gate_prints_what_fixed_k_prints(wiring, generate, request):
+    common = [request.getfixturevalue(wiring), "--prompt", "the river"]
+    fixed = generate(*common, "--exit", "fixed", new_tokens=12)
+    never = generate(*common, "--exit", "gate", "--threshold", "1.01", new_tokens=12)
     assert fixed[0] == never[0] == 0
     assert fixed[1] == never[1] and fixed[1].startswith("the river")
     assert "never exits early" in never[2]
@@ -86,26 +91,11 @@ def test_a_never_exiting_gate_prints_what_fixed_k_prints(wiring, megaloop_here, 
 @pytest.mark.parametrize("wiring", ["gated", "ouro_wired"])
 @pytest.mark.parametrize("threshold, depth", [("0", 1), ("1.01", K)])
 def test_show_depth_marks_every_new_token_with_its_exit_loop(
-    wiring, request, megaloop_here, tmp_path, threshold, depth
+    wiring, request, generate, tmp_path, threshold, depth
 ):
     out = tmp_path / "g.json"
-    code, stdout, stderr = megaloop_here(
-        "generate",
-        request.getfixturevalue(wiring),
-        "--prompt",
-        "the river",
-        "--exit",
-        "gate",
-        "--threshold",
-        threshold,
-        "--show-depth",
-        "--max-new-tokens",
-        "10",
-        "--device",
-        "cpu",
-        "--json",
-        out,
-    )
+    flags = ["--prompt", "the river", "--exit", "gate", "--threshold", threshold, "--show-depth"]
+    code, stdout, stderr = generate(request.getfixturevalue(wiring), *flags, "--json", out)
     assert code == 0, stderr
     (result,) = json.loads(out.read_text())["results"]
     visible = [t for t in result["tokens"] if t != 0]  # end of text (id 0) is not marked
@@ -142,27 +132,14 @@ def test_each_tokens_depth_is_the_exit_of_the_forward_that_chose_it(gated, tmp_p
 
 @pytest.mark.parametrize("batching", ["sync", "async"])
 @pytest.mark.parametrize("rule", [("fixed",), ("gate", "--threshold", "0.7")])
-def test_a_batch_of_prompts_completes_each_as_alone(gated, megaloop_here, tmp_path, rule, batching):
+def test_a_batch_of_prompts_completes_each_as_alone(gated, generate, tmp_path, rule, batching):
     """Either batching: each prompt's completion and exit loops are its own at batch 1 (through
     synchronous batching, streamed)."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(f"{PROMPTS[0]}\n\n{PROMPTS[1]}\n{PROMPTS[2]}\n")
     out = tmp_path / "batch.json"
-    code, stdout, stderr = megaloop_here(
-        "generate",
-        gated,
-        "--prompts",
-        prompts,
-        "--exit",
-        *rule,
-        "--max-new-tokens",
-        "10",
-        "--device",
-        "cpu",
-        "--json",
-        out,
-        "--batching",
-        batching,
+    code, stdout, stderr = generate(
+        gated, "--prompts", prompts, "--exit", *rule, "--json", out, "--batching", batching
     )
     assert code == 0, stderr
     batch = json.loads(out.read_text())["results"]
@@ -258,7 +235,7 @@ def test_bad_input_is_one_line_before_any_model_is_loaded(
 
 
 def test_the_gate_on_a_model_without_one_names_the_margin_rule(
-    gateless, megaloop_here, monkeypatch
+    gateless, megaloop_here, generate, monkeypatch
 ):
     calls = never_loads(monkeypatch)
     args = ["--prompt", "a", "--exit", "gate", "--threshold", "0.5", "--device", "cpu"]
@@ -266,19 +243,8 @@ def test_the_gate_on_a_model_without_one_names_the_margin_rule(
     assert code == 2 and stdout == "" and not calls
     (line,) = stderr.strip().splitlines()
     assert "has no exit gate" in line and "use --exit margin" in line
-    code, stdout, _ = megaloop_here(
-        "generate",
-        gateless,
-        *args[:2],
-        "--exit",
-        "margin",
-        "--threshold",
-        "2",
-        "--max-new-tokens",
-        "3",
-        "--device",
-        "cpu",
-    )
+    margin = ["--exit", "margin", "--threshold", "2"]
+    code, stdout, _ = generate(gateless, *args[:2], *margin, new_tokens=3)
     assert code == 0 and stdout.startswith("a")
 
 

@@ -13,7 +13,7 @@ from megaloop.evaluation.generate_bench import configured
 from megaloop.model.decoding import LoopCache
 from megaloop.model.modes import KEEPS_HIDDEN, KV_LOOP_SLOTS, EarlyExit, KVPolicy
 from megaloop.model.semantics import EXIT_SCORES, READS_GATE, READS_LOGITS
-from support import MODELS, exit_model, greedy, prompts, teacher_forced
+from support import MODELS, exit_model, greedy, left_padded, prompts, teacher_forced
 
 NEVER = {"gate": 1.01, "margin": float("inf")}
 AT_ONE = {"gate": 0.0, "margin": 0.0}
@@ -233,14 +233,7 @@ def test_a_prompt_may_exit_early_too(model, policy):
 
 def test_left_padded_rows_exit_as_each_row_alone(model):
     """Padding is masked in the gathered attention as in the full-depth path."""
-    g = torch.Generator().manual_seed(5)
-    long, short = (
-        torch.randint(1, 64, (1, 9), generator=g),
-        torch.randint(1, 64, (1, 5), generator=g),
-    )
-    batch = torch.cat([long, torch.cat([torch.zeros(1, 4, dtype=torch.long), short], 1)])
-    mask = torch.ones_like(batch)
-    mask[1, :4] = 0
+    long, short, batch, mask = left_padded()
     fields = dict(early_exit="gate", exit_threshold=model.middle["gate"])
     with configured(model, **fields), torch.no_grad():
         cache = LoopCache("copy")

@@ -4,7 +4,6 @@ or the exported model's stack step, and no function of megaloop/ runs past 80 li
 
 import ast
 import textwrap
-from pathlib import Path
 from typing import get_args
 
 import pytest
@@ -13,8 +12,8 @@ from torch import nn
 
 from megaloop.model import semantics
 from megaloop.model.modes import EarlyExit, ReadoutMode
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 K = 4
 
 

@@ -29,6 +29,17 @@ VARIANTS = {
 SEQ = 32
 
 
+def held_out(settings, runs, model, **fields):
+    """`settings` (a measurement's settings class) for `model` on the runs' held-out text, SEQ
+    tokens a sequence."""
+    return settings(model=model, data=runs / "held_out.txt", seq_len=SEQ, **fields)
+
+
+def halt(runs, model, out, **fields) -> dict:
+    """`megaloop halt` of `model` at K_max = 4 on the held-out text: its result."""
+    return halting.run(held_out(HaltSettings, runs, model, k_max=4, out=out, **fields))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """3 readouts x 2 seeds of the tests' tiny per-loop model (multiproc.BASE: d=32, L=4, K=4),
@@ -51,11 +62,11 @@ def test_radial_fraction_and_clamp_separate_the_readouts(runs, tmp_path):
     results = {}
     for name in VARIANTS:
         results[name] = diagnostics.run(
-            DiagnoseSettings(
-                model=runs / "runs" / name / "seed0",
-                data=runs / "held_out.txt",
+            held_out(
+                DiagnoseSettings,
+                runs,
+                runs / "runs" / name / "seed0",
                 tokens=512,
-                seq_len=SEQ,
                 rollout=6,
                 out=tmp_path / name / "seed0",
             )
@@ -86,11 +97,11 @@ def test_bf16_radial_floor_lies_above_fp32s_for_a_norm_readout(runs, tmp_path):
     share of the gradient (~1e-2) in both."""
     r = {
         (name, dtype): diagnostics.run(
-            DiagnoseSettings(
-                model=runs / "runs" / name / "seed0",
-                data=runs / "held_out.txt",
+            held_out(
+                DiagnoseSettings,
+                runs,
+                runs / "runs" / name / "seed0",
                 tokens=256,
-                seq_len=SEQ,
                 rollout=2,
                 out=tmp_path / f"{name}-{dtype}",
                 dtype=dtype,
@@ -127,12 +138,12 @@ def test_depth_at_k_equals_the_exported_model_at_num_loops_k(runs, tmp_path):
     from megaloop.export import export
 
     run = runs / "runs/final_norm/seed0"
-    settings = DepthSettings(
-        model=run,
-        data=runs / "held_out.txt",
+    settings = held_out(
+        DepthSettings,
+        runs,
+        run,
         loops=(1, 2, 3, 4, 6),
         sequences=12,
-        seq_len=SEQ,
         batch_size=5,
         out=tmp_path / "depth",
     )
@@ -189,19 +200,7 @@ def test_calibration_picks_the_smallest_threshold_within_rho():
 
 def test_halting_meets_rho_and_dynamic_batching_counts_its_steps(runs, tmp_path):
     run = runs / "runs/raw/seed1"
-    result = halting.run(
-        HaltSettings(
-            model=run,
-            data=runs / "held_out.txt",
-            k_max=4,
-            rho=1.02,
-            calib=24,
-            bench=16,
-            batch_size=5,
-            seq_len=SEQ,
-            out=tmp_path,
-        )
-    )
+    result = halt(runs, run, tmp_path, rho=1.02, calib=24, bench=16, batch_size=5)
     cal = result["calibration"]
     # recompute the calibrated dynamic PPL independently: each sequence at its exit depth
     opened = harness.open_model(run)
@@ -268,20 +267,7 @@ def test_gate_rule_calibrates_q_like_the_exported_early_exit(runs, tmp_path):
             "train.steps=20",
         ],
     )
-    result = halting.run(
-        HaltSettings(
-            model=run,
-            data=runs / "held_out.txt",
-            k_max=4,
-            rho=1.05,
-            calib=8,
-            bench=8,
-            batch_size=4,
-            seq_len=SEQ,
-            rule="gate",
-            out=tmp_path / "h",
-        )
-    )
+    result = halt(runs, run, tmp_path / "h", rho=1.05, calib=8, bench=8, batch_size=4, rule="gate")
     q = result["calibration"]["threshold"]
     from transformers import AutoModelForCausalLM
 
@@ -314,15 +300,10 @@ def test_report_renders_every_table_and_figure(runs, tmp_path):
     results = tmp_path / "results"
     for name in VARIANTS:
         for seed in (0, 1):
-            shared = {
-                "model": runs / "runs" / name / f"seed{seed}",
-                "data": runs / "held_out.txt",
-                "seq_len": SEQ,
-                "out": results / name / f"seed{seed}",
-            }
-            depth.run(DepthSettings(**shared, loops=(1, 2, 3, 4), sequences=8))
-            halting.run(HaltSettings(**shared, calib=8, bench=8, batch_size=4))
-            diagnostics.run(DiagnoseSettings(**shared, tokens=256, rollout=6))
+            run, out = runs / "runs" / name / f"seed{seed}", results / name / f"seed{seed}"
+            depth.run(held_out(DepthSettings, runs, run, out=out, loops=(1, 2, 3, 4), sequences=8))
+            halting.run(held_out(HaltSettings, runs, run, out=out, calib=8, bench=8, batch_size=4))
+            diagnostics.run(held_out(DiagnoseSettings, runs, run, out=out, tokens=256, rollout=6))
     path = report.build([runs / "runs", results], tmp_path / "report")
     text = path.read_text()
     for name in VARIANTS:  # runs | depth | halt | diagnose: both seeds of each, nothing else

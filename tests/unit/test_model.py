@@ -258,21 +258,15 @@ def params_of(cfg) -> dict:
     return dict(build(cfg).named_parameters())
 
 
-def test_pytorch_init_is_pytorchs_module_defaults():
+WIDE = dict(vocab_size=512, hidden_size=64, max_seq_len=256, position_embedding="learned")
+"""The tiny model with tables large enough for their initial statistics to be measured."""
+
+
+def test_pytorch_init_is_pytorchs_module_defaults(tiny_cfg):
     """N(0, 1) embeddings (token, position), U(±1/√fan_in) for every linear with the fan-in of
     the full matrix (the fused qkv and fc1 are d wide, fc2 ffn wide), the gate's bias too."""
-    from megaloop.model import ModelConfig
-
-    cfg = ModelConfig(
-        vocab_size=512,
-        hidden_size=64,
-        num_heads=4,
-        num_layers=2,
-        max_seq_len=256,
-        position_embedding="learned",
-        init="pytorch",
-        exit_gate=True,
-        tie_embeddings=False,
+    cfg = dataclasses.replace(
+        tiny_cfg, **WIDE, init="pytorch", exit_gate=True, tie_embeddings=False
     )
     params = params_of(cfg)
     for name in ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight"):
@@ -304,9 +298,7 @@ def test_pytorch_init_is_pytorchs_module_defaults():
 
 
 def test_megatron_init_and_the_embedding_std_override(tiny_cfg):
-    cfg = dataclasses.replace(
-        tiny_cfg, vocab_size=512, hidden_size=64, position_embedding="learned", max_seq_len=256
-    )
+    cfg = dataclasses.replace(tiny_cfg, **WIDE)
     params = params_of(cfg)
     assert abs(params["embedding.word_embeddings.weight"].std() / 0.02 - 1) < 0.03
     assert abs(params["embedding.position_embeddings.weight"].std() / 0.02 - 1) < 0.03

@@ -6,18 +6,17 @@ import torch
 from safetensors.torch import load_file
 
 from megaloop import experiment
-from megaloop.model import ModelConfig, build_model
+from megaloop.model import build_model
 from megaloop.train.metrics import read as read_metrics
 from megaloop.train.optim import OptimConfig
+from support import tiny_config
 
 LR, WD, STEPS = 1e-2, 0.5, 3
 
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_decays_names_the_embedding_and_w_out(tie):
-    model = build_model(
-        ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_layers=1, tie_embeddings=tie)
-    )
+    model = build_model(tiny_config(num_layers=1, max_seq_len=1024, tie_embeddings=tie))
     named = dict(model.named_parameters())
     embeddings = {"embedding.word_embeddings.weight"} | (
         set() if tie else {"readout.output_layer.weight"}
@@ -80,9 +79,7 @@ def test_undecayed_embedding_moves_only_by_its_gradient(tmp_path):
 def test_decay_all_reaches_every_parameter_and_refuses_an_embedding_exemption():
     from megaloop.config import ConfigError
 
-    model = build_model(
-        ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_layers=1, exit_gate=True)
-    )
+    model = build_model(tiny_config(num_layers=1, max_seq_len=1024, exit_gate=True))
     cfg = OptimConfig(decay="all")
     assert all(cfg.decays(n, p) for n, p in model.named_parameters())
     with pytest.raises(ConfigError, match="'optim.decay_embeddings'.*optim.decay=all"):

@@ -398,25 +398,20 @@ def test_shard_members_named_outside_the_shard_are_refused(tmp_path, bad, where)
 HOSTILE = "x$(touch PWNED)`touch PWNED2`'\"; touch PWNED3"
 
 
-def render(capsys, run_dir: str, *options) -> str:
+def dry_run(capsys, run_dir: str, *options):
+    """`megaloop slurm submit` of the tiny run into `run_dir` on one CPU node, `--dry-run`:
+    (exit status, captured output)."""
     from megaloop.cli import main
 
     rc = main(
-        [
-            "slurm",
-            "submit",
-            TINY,
-            "--nodes",
-            "1",
-            "--gpus-per-node",
-            "0",
-            *options,
-            "--dry-run",
-            *BASE,
-            f"train.dir={run_dir}",
-        ]
+        ["slurm", "submit", TINY, "--nodes", "1", "--gpus-per-node", "0", *options, "--dry-run"]
+        + [*BASE, f"train.dir={run_dir}"]
     )
-    out = capsys.readouterr()
+    return rc, capsys.readouterr()
+
+
+def render(capsys, run_dir: str, *options) -> str:
+    rc, out = dry_run(capsys, run_dir, *options)
     assert rc == 0, out.err
     return out.out
 
@@ -482,25 +477,7 @@ def test_values_rendered_into_the_sbatch_script_are_quoted(capsys, tmp_path, fie
 def test_a_newline_in_an_sbatch_value_is_refused(capsys, tmp_path, option, value, run_name):
     """`#SBATCH` lines are comments to bash, where quoting does not help: a newline would end
     one and run the rest, so such a value is refused before anything is rendered."""
-    from megaloop.cli import main
-
-    rc = main(
-        [
-            "slurm",
-            "submit",
-            TINY,
-            "--nodes",
-            "1",
-            "--gpus-per-node",
-            "0",
-            option,
-            value,
-            "--dry-run",
-            *BASE,
-            f'train.dir="{tmp_path}/runs/{run_name}"',
-        ]
-    )
-    out = capsys.readouterr()
+    rc, out = dry_run(capsys, f'"{tmp_path}/runs/{run_name}"', option, value)
     assert rc == 2 and "holds a control character" in out.err and "#SBATCH" not in out.out
     assert not list(tmp_path.rglob("PWNED*"))
 
