@@ -449,15 +449,15 @@ class DepthAsyncDecoder:
     weights, not its rows, but the last rows of a batch still run cheaper alone.
 
     State per decoding row (`rows`: their indices in the batch): its hidden state, its current
-    token's cache position (less its left padding: its rope position) and the tokens it has
-    fed; `loops` (semantics.Loops) holds the loop each runs next, its gate survival and clamp
-    reference (reset when it starts a token) and applies the loop's rules to each. The keys and
-    values are the prefilled LoopCache's, restacked as one [slots, b, 2, kv_heads, T, head_dim]
-    with room for every fed token: a row's keys and values of one slot are one block (`blocks`,
-    read whole), each head's positions contiguous as attention reads them; `by_position` views the same memory by (block, position), where a step
-    writes. The cache's own slot lists view it too, so the cache is whole afterwards.
-    `copy` and `share` only: `recompute` would resume earlier tokens of a row at a loop that
-    row's attention needs, which a row-synchronous step does."""
+    token's cache position (less its left padding: its rope position) and the tokens it has fed;
+    `loops` (semantics.Loops) holds the loop each runs next, its gate survival and clamp reference
+    (reset when it starts a token) and applies the loop's rules to each. The keys and values are the
+    prefilled LoopCache's, restacked as one [slots, b, 2, kv_heads, T, head_dim] with room for every
+    fed token: a row's keys and values of one slot are one block (`blocks`, read whole), each head's
+    positions contiguous as attention reads them; `by_position` views the same memory by (block,
+    position), where a step writes. The cache's own slot lists view it too, so the cache is whole
+    afterwards. `copy` and `share` only: `recompute` would resume earlier tokens of a row at a loop
+    that row's attention needs, which a row-synchronous step does."""
 
     def __init__(
         self,
