@@ -199,8 +199,15 @@ def run(settings: GenerateSettings, out: TextIO | None = None, err: TextIO | Non
     out, err = out or sys.stdout, err or sys.stderr
     texts = settings.texts()
     model, tokenizer = open_export(settings)
-    note = settings.threshold_note()
-    if note:
+    trained = model.config.num_loops_trained
+    notes = [settings.threshold_note()]
+    if settings.loops is not None and settings.loops > trained:
+        notes.append(
+            f"--loops {settings.loops} runs past the depth the model was trained at "
+            f"(K_train = {trained}): loops beyond it were never trained to help, and each one "
+            "costs a stack application a token"
+        )
+    for note in filter(None, notes):
         print(f"megaloop generate: note: {note}", file=err)
     if settings.seed is not None:
         torch.manual_seed(settings.seed)

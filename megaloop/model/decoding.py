@@ -239,12 +239,15 @@ def exiting(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits [b, s, V] and exit loops [b, s] of the new tokens: at loop k only the tokens
     still running (and, under `recompute`, the earlier ones their attention needs at k) are
-    gathered and run; a token stops at its rule's exit. A prompt (s > 1) runs at full depth
-    unless `prefill_exit`, its logits still its rule's exit loop's."""
+    gathered and run; a token stops at its rule's exit. A prompt runs at full depth unless
+    `prefill_exit`, its logits still its rule's exit loop's: a forward of more than one token,
+    or the first forward of a cache whatever its length, so that a one-token prompt alone runs
+    as it does left-padded in a batch. Only a decoded token (one, after cached ones) exits."""
     b, s = input_ids.shape
     c = model.config
     tokens = fresh_tokens(model, input_ids, positions, cache, K)
     offset = cache.get_seq_length() - s
+    exits_early = prefill_exit or (s == 1 and offset > 0)
     rope = model.rotary(tokens.positions)
     loops = Loops(model, K, c.early_exit, c.exit_threshold, c.clamp)
     running = torch.ones_like(input_ids, dtype=torch.bool)
@@ -260,7 +263,7 @@ def exiting(
         rows, cols, stop = decide(loops, tokens.hidden[:, -s:], open_, logits)
         exit_loops[rows[stop], cols[stop]] = k
         open_[rows[stop], cols[stop]] = False
-        if s == 1 or prefill_exit:
+        if exits_early:
             running = open_.clone()
             if cache.kv_policy == "copy" and k < K and bool(stop.any()):
                 cache.copy_down(k, rows[stop], offset + cols[stop])

@@ -283,3 +283,11 @@ def test_an_export_is_checked_once_per_open(gated, monkeypatch):
     model, _ = generation.open_export(settings)
     assert checks == [gated]
     assert model.config.early_exit == "margin" and model.config.exit_threshold == 1.0
+
+
+def test_loops_past_the_trained_depth_get_a_note(gated, generate):
+    rc, _, err = generate(gated, "--prompt", "the river", "--loops", str(K + 2), new_tokens=2)
+    assert rc == 0
+    assert f"--loops {K + 2} runs past the depth the model was trained at (K_train = {K})" in err
+    rc, _, err = generate(gated, "--prompt", "the river", "--loops", str(K), new_tokens=2)
+    assert rc == 0 and "runs past the depth" not in err

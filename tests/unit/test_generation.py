@@ -276,3 +276,40 @@ def test_beam_search_reorders_the_rows(model, policy):
         with configured(model, early_exit="gate", exit_threshold=NEVER["gate"]):
             got = model.generate(prompts(2), past_key_values=LoopCache(policy), **fields)
     assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("policy", ["copy", "share", "recompute"])
+def test_a_prompts_last_token_runs_one_rule_alone_or_batched(model, policy):
+    """A prompt is prefilled at full depth whatever its length: a one-token prompt alone runs
+    as it does left-padded in a batch (it used to exit early alone). Prompts of 1, 2 and 7
+    tokens: each row's tokens and exit loops, batched (sync; async too where the policy allows
+    it), are its own alone."""
+    g = torch.Generator().manual_seed(11)
+    lengths = (1, 2, 7)
+    rows = [torch.randint(1, 64, (1, n), generator=g) for n in lengths]
+    width = max(lengths)
+    batch = torch.cat([F.pad(r, (width - r.shape[1], 0)) for r in rows])
+    mask = torch.cat([F.pad(torch.ones_like(r), (width - r.shape[1], 0)) for r in rows])
+    fields = dict(early_exit="margin", exit_threshold=model.middle["margin"])
+    with configured(model, **fields), torch.no_grad():
+        cache = LoopCache(policy)
+        out = model.generate(
+            batch,
+            attention_mask=mask,
+            max_new_tokens=6,
+            do_sample=False,
+            pad_token_id=0,
+            past_key_values=cache,
+        )
+        decoded = None
+        if policy != "recompute":
+            decoded = model.decode_async(batch, 6, attention_mask=mask, kv_policy=policy)
+    for i, prompt in enumerate(rows):
+        alone_cache = LoopCache(policy)
+        alone = greedy(model, prompt, 6, alone_cache, **fields)[0]
+        assert bool((alone_cache.loops_run[0] == model.config.num_loops).all()), lengths[i]
+        assert out[i, width:].tolist() == alone[0, prompt.shape[1] :].tolist(), lengths[i]
+        exits = torch.cat(cache.exit_loops[1:], 1)[i]
+        assert torch.equal(exits, torch.cat(alone_cache.exit_loops[1:], 1)[0]), lengths[i]
+        if decoded is not None:
+            assert decoded.tokens[i].tolist() == alone[0, prompt.shape[1] :].tolist()
