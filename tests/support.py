@@ -228,16 +228,18 @@ def middle_thresholds(hf) -> dict[str, float]:
     tokens exit at different loops (asserted where used)."""
     import torch
 
-    from megaloop.model.semantics import Survival, top1_margin
+    from megaloop.model.semantics import Survival, top1_margin, top1_probability
 
-    scores = {"gate": [], "margin": []}
+    scores = {"gate": [], "margin": [], "confidence": []}
     survival = Survival()
     with torch.no_grad():
         h0, rope = hf.embed(prompts(8, 12, seed=9))
         for k, h in hf.loops(h0, rope, hf.config.num_loops - 1, hf.config.clamp):
             survival.step(hf.exit_probability(h)[..., 0])
             scores["gate"].append(survival.cumulative())
-            scores["margin"].append(top1_margin(hf.readout(h, k)))
+            logits = hf.readout(h, k)
+            scores["margin"].append(top1_margin(logits))
+            scores["confidence"].append(top1_probability(logits))
     return {rule: torch.cat(s).median().item() for rule, s in scores.items()}
 
 

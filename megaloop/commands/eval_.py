@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from megaloop.commands.options import batch_size
-from megaloop.evaluation.settings import RULES, SPLITS
+from megaloop.evaluation.settings import EXIT_RULES, SPLITS
 from megaloop.extras import require
 
 BUILDS_MODEL = False
@@ -35,14 +35,14 @@ def add_parser(sub) -> None:
     )
     down.add_argument(
         "--exit",
-        choices=list(RULES),
+        choices=list(EXIT_RULES),
         help="also score with adaptive depth under this exit rule (K_max = --loops), "
         "once per --threshold, beside fixed K",
     )
     down.add_argument(
         "--threshold",
         help="comma-separated thresholds of the --exit rule: gate, a cumulative exit "
-        "probability; margin, a top-1 minus top-2 logit",
+        "probability; margin, a top-1 minus top-2 logit; confidence, a top-1 probability",
     )
     down.add_argument("--out", required=True, help="results folder (results, samples, summary)")
     down.set_defaults(fn=downstream)

@@ -1,7 +1,7 @@
 """Downstream tasks with adaptive depth: lm-eval's accuracy when each token exits early.
 
-`eval downstream --exit gate|margin --threshold T1,T2,...` scores the tasks at fixed K (the
-baseline, K = --loops) and then once per threshold with the model's exit rule at that threshold
+`eval downstream --exit gate|margin|confidence --threshold T1,T2,...` scores the tasks at fixed K
+(the baseline, K = --loops) and then once per threshold with the model's exit rule at that threshold
 and K_max = K. lm-eval scores teacher-forced, one forward of context + continuation per request,
 so a threshold run takes the exported model's no-cache forward (use_cache=False): every loop runs
 for every token and each position's logits are its exit loop's, the logits the cached exiting

@@ -218,6 +218,8 @@ class FixedKSettings(Measurement):
         object.__setattr__(self, "loops", loop_counts(self.loops))
 
 
+SYNTHETIC_TASKS = ("addition", "lookup", "chase")
+"""data.SyntheticConfig's tasks, whose answers `bench generate --task` scores."""
 EXIT_RULES: tuple[str, ...] = tuple(r for r in get_args(EarlyExit) if r != "none")
 KV_POLICIES: tuple[str, ...] = get_args(KVPolicy)
 BATCHING: tuple[str, ...] = ("sync", "async")
@@ -227,11 +229,12 @@ the rows still active; `async`, every row at its own loop (DepthAsyncDecoder; `c
 DEFAULT_THRESHOLDS: dict[str, tuple[float, ...]] = {
     "gate": (0.3, 0.5, 0.7, 0.9),
     "margin": (0.5, 1.0, 2.0, 4.0),
+    "confidence": (0.5, 0.7, 0.9, 0.97),
 }
 """`bench generate`'s thresholds per rule when --thresholds is not given: from early exits to late
 ones on a trained model (gate: cumulative exit probability, Ouro's range; margin: top-1 minus
-top-2 logit, around the study's calibrated τ). `megaloop halt`'s calibrated value is the point
-to add with --thresholds."""
+top-2 logit, around the study's calibrated τ; confidence: the top-1 probability). `megaloop
+halt`'s calibrated value is the point to add with --thresholds."""
 
 
 def names(option_: str, text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
@@ -274,6 +277,9 @@ class GenerateBenchSettings(Measurement):
     a forward of one token is a decoded one (it exits by the rule)."""
     repeats: int = 3
     """Timed decodes of each run; tokens/s is the fastest one's (load only slows a decode)."""
+    task: str | None = None
+    """The built-in corpus (data.synthetic.TASKS) the data was written from: its answers are
+    scored too (CE, accuracy, accuracy per kind). None: the data is any text."""
 
     longest_default: ClassVar[int] = 128
 
@@ -283,6 +289,11 @@ class GenerateBenchSettings(Measurement):
             set_(self, "rules", names("--exit", ",".join(self.rules), EXIT_RULES))
         set_(self, "policies", names("--kv", ",".join(self.policies), KV_POLICIES))
         set_(self, "batching", names("--batching", ",".join(self.batching), BATCHING))
+        if self.task is not None and self.task not in SYNTHETIC_TASKS:
+            raise EvalError(
+                f"--task {self.task}: give one of {', '.join(SYNTHETIC_TASKS)} (the built-in "
+                "corpus the --data text was written from), or leave it out for any text"
+            )
         if self.thresholds is not None:
             thresholds = tuple(sorted(set(map(float, self.thresholds))))
             if not thresholds or any(not 0 <= t < float("inf") for t in thresholds):
@@ -348,7 +359,7 @@ class DownstreamSettings:
     batch_size: int = 8
     device: str | None = None
     split: str = "validation"
-    exit: Rule | None = None
+    exit: str | None = None
     """Also score with adaptive depth under this exit rule, K_max = `loops`, once per threshold."""
     thresholds: tuple[float, ...] = ()
 
@@ -369,14 +380,21 @@ class DownstreamSettings:
         if (self.exit is None) != (not self.thresholds):
             given, missing = ("--exit", "--threshold") if self.exit else ("--threshold", "--exit")
             raise EvalError(
-                f"{given} needs {missing}: adaptive depth is a rule (--exit gate|margin) "
-                f"and its thresholds (--threshold T[,T2,...]) together"
+                f"{given} needs {missing}: adaptive depth is a rule "
+                "(--exit gate|margin|confidence) and its thresholds (--threshold T[,T2,...]) "
+                "together"
             )
         if self.thresholds:
             set_(self, "thresholds", parse_thresholds(",".join(map(str, self.thresholds))))
 
 
-EXITS = {"gate": "gate", "margin": "margin", "fixed": "none", "none": "none"}
+EXITS = {
+    "gate": "gate",
+    "margin": "margin",
+    "confidence": "confidence",
+    "fixed": "none",
+    "none": "none",
+}
 """`--exit`'s values → the exported config's early_exit (fixed, alias none: every token runs K):
 the one place an exit rule changes name between the command line and the model."""
 
@@ -466,7 +484,7 @@ class GenerateSettings:
             if self.threshold is not None:
                 raise EvalError(
                     f"--threshold is for --exit gate or margin; --exit {self.exit} runs every "
-                    "token --loops loops (drop --threshold or give --exit gate|margin)"
+                    "token --loops loops (drop --threshold or give --exit gate|margin|confidence)"
                 )
         elif self.threshold is None:
             raise EvalError(
@@ -480,7 +498,7 @@ class GenerateSettings:
         """What a threshold out of the rule's useful range does (legitimate, e.g. for testing)."""
         t = self.threshold
         rule = self.early_exit
-        if rule == "gate" and t > 1 or rule == "margin" and t == float("inf"):
+        if rule in ("gate", "confidence") and t > 1 or rule == "margin" and t == float("inf"):
             return f"--threshold {t} never exits early: every token runs all K loops"
         if t is not None and t <= 0:
             return f"--threshold {t} exits every token at loop 1 (its score is never below 0)"

@@ -19,7 +19,7 @@ GateInput = Literal["normed", "raw"]
 LayerNorms = Literal["pre", "sandwich"]
 LoopNorm = Literal["separate", "shared"]
 PositionEmbedding = Literal["rope", "learned"]
-EarlyExit = Literal["none", "gate", "margin"]
+EarlyExit = Literal["none", "gate", "margin", "confidence"]
 KVPolicy = Literal["copy", "share", "recompute"]
 
 READOUT_NORMALIZES: dict[ReadoutMode, Callable[[int, int], bool]] = {

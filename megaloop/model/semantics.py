@@ -285,6 +285,12 @@ def top1_margin(logits: torch.Tensor) -> torch.Tensor:
     return top[..., 0] - top[..., 1]
 
 
+def top1_probability(logits: torch.Tensor) -> torch.Tensor:
+    """The largest softmax probability per token, [..., V] → [...] (fp32): a post-hoc
+    confidence rule that needs no training, against which a learned gate is measured."""
+    return logits.float().softmax(-1).amax(-1)
+
+
 # ---- early exit: which of the running tokens stop at loop k ---------------------------------
 
 ExitScore = Callable[[Survival, torch.Tensor | None, torch.Tensor | None], torch.Tensor | None]
@@ -296,12 +302,14 @@ EXIT_SCORES: dict[str, ExitScore] = {
     "gate": lambda survival, lam, logits: (survival.step(lam), survival.cumulative())[1],
     # the study's margin: top-1 minus top-2 logit of this loop's readout
     "margin": lambda survival, lam, logits: top1_margin(logits),
+    # post-hoc confidence: the largest probability of this loop's readout
+    "confidence": lambda survival, lam, logits: top1_probability(logits),
 }
 """Per modes.EarlyExit: (the survival so far, λ_k, logits_k of the running tokens) → their
 score at loop k, which exits compares with the threshold."""
 
-READS_GATE = {"none": False, "gate": True, "margin": False}
-READS_LOGITS = {"none": False, "gate": False, "margin": True}
+READS_GATE = {"none": False, "gate": True, "margin": False, "confidence": False}
+READS_LOGITS = {"none": False, "gate": False, "margin": True, "confidence": True}
 
 
 class ExitRule:

@@ -15,8 +15,8 @@ from megaloop.model.modes import KEEPS_HIDDEN, KV_LOOP_SLOTS, EarlyExit, KVPolic
 from megaloop.model.semantics import EXIT_SCORES, READS_GATE, READS_LOGITS
 from support import MODELS, exit_model, greedy, left_padded, prompts, teacher_forced
 
-NEVER = {"gate": 1.01, "margin": float("inf")}
-AT_ONE = {"gate": 0.0, "margin": 0.0}
+NEVER = {"gate": 1.01, "margin": float("inf"), "confidence": 1.01}
+AT_ONE = {"gate": 0.0, "margin": 0.0, "confidence": 0.0}
 BATCH, PROMPT, NEW = 8, 6, 8
 
 
@@ -63,7 +63,7 @@ def stack_inputs(model):
 
 
 @pytest.mark.parametrize("policy", ["copy", "recompute"])
-@pytest.mark.parametrize("rule", ["gate", "margin"])
+@pytest.mark.parametrize("rule", ["gate", "margin", "confidence"])
 def test_never_exiting_is_fixed_k_max_and_exiting_at_once_is_k_1(model, rule, policy):
     """Bitwise on CPU fp32: the exiting path computes what the full-depth cached path does."""
     prompt = prompts(1)
