@@ -16,6 +16,7 @@ elsewhere (megaloop.parallel), and it never imports the CPU compatibility layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -293,13 +294,16 @@ def build_model(
     post_process: bool = True,
     layer_ids: range | None = None,
     vp_stage: int | None = None,
+    trains: Callable[[str], bool] | None = None,
     **transformer_overrides,
 ) -> LoopedLM:
     """The one way a LoopedLM is made: the whole model on one device, or (given the stage's
     place and megatron-core's parallel sizes in `transformer_overrides`) one pipeline stage,
     built already tensor-parallel sharded. Initialised from `seed` the same way in every layout
     (megaloop.model.init); `seed=None` leaves it for weights loaded next. It is built on the
-    current default device: `with torch.device("cuda"): build_model(...)` for a GPU."""
+    current default device: `with torch.device("cuda"): build_model(...)` for a GPU. `trains`
+    (parameter name → whether it learns) freezes the others before an engine wraps the model,
+    so neither gradient buffers nor optimizer state are made for them."""
     from megaloop.model.init import init_weights
     from megaloop.model.specs import recompute_config, transformer_config
 
@@ -315,4 +319,7 @@ def build_model(
     )
     if seed is not None:
         init_weights(model, seed)
+    if trains is not None:
+        for name, param in model.named_parameters():
+            param.requires_grad_(trains(name))
     return model

@@ -68,6 +68,18 @@ def mixture_ce(
     return tensor_parallel.vocab_parallel_cross_entropy(mixed, labels.t().contiguous()).t()
 
 
+def gate_gain(
+    cfg: ObjectiveConfig, gates: list[torch.Tensor], token_ce: torch.Tensor, mask
+) -> torch.Tensor:
+    """Ouro's stage 2: at each loop k < K, the gate's probability of going on (1 − λ_k) against
+    the target w_k = σ(s·(max(0, CE_k − CE_{k+1}) − γ)), in binary cross-entropy."""
+    gain = (token_ce[:-1] - token_ce[1:]).detach().clamp_min(0)
+    target = torch.sigmoid(cfg.gate_sharpness * (gain - cfg.gate_min_gain))
+    lam = torch.stack(gates[:-1]).float().clamp(1e-6, 1 - 1e-6)
+    bce = -(target * torch.log1p(-lam) + (1 - target) * lam.log())
+    return torch.stack([masked_mean(b, mask) for b in bce]).mean()
+
+
 def compute(
     cfg: ObjectiveConfig, exits: ExitTerms | LoopOutput, loss_mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -92,6 +104,8 @@ def compute(
         entropy = -(probs * probs.clamp_min(1e-12).log()).sum(0)
         if cfg.kind == "exit_mixture":
             loss = masked_mean(mixture_ce(probs, exits.logits, exits.labels), loss_mask)
+        elif cfg.kind == "gate_gain":
+            loss = gate_gain(cfg, exits.gates, token_ce, loss_mask)
         else:
             loss = masked_mean((probs * token_ce).sum(0), loss_mask) - (
                 cfg.entropy_beta * masked_mean(entropy, loss_mask)

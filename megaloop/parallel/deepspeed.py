@@ -116,10 +116,11 @@ class DeepSpeedEngine:
                 cfg.model,
                 cfg.train.seed,
                 recompute=cfg.train.recompute,
+                trains=cfg.objective.trains,
                 tensor_model_parallel_size=cfg.parallel.tp,
             )
         self.config = self.module.config
-        named = list(self.module.named_parameters())
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         decay = [p for n, p in named if cfg.optim.decays(n, p)]
         no_decay = [p for n, p in named if not cfg.optim.decays(n, p)]
         groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]

@@ -75,6 +75,7 @@ class MegatronEngine:
                 model_cfg,
                 cfg.train.seed,
                 recompute=cfg.train.recompute,
+                trains=cfg.objective.trains,
                 pre_process=self.pp_rank == 0,
                 post_process=self.pp_rank == par.pp - 1,
                 layer_ids=range(self.pp_rank * per_rank, (self.pp_rank + 1) * per_rank),

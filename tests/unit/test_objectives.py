@@ -100,3 +100,36 @@ def test_exit_mixture_is_the_ce_of_the_exit_weighted_mixture_of_logits():
     assert loss.item() == pytest.approx(expected, rel=1e-6)
     assert terms["ce"].tolist() == pytest.approx([3.0, 2.0, 1.0])  # per-loop CE still logged
     assert terms["exit_prob"].sum().item() == pytest.approx(1.0)
+
+
+def test_gate_gain_is_ouros_stage_two_by_hand():
+    """BCE of the gate's go-on probability 1 − λ_k against σ(s·(max(0, CE_k − CE_{k+1}) − γ)),
+    token mean per loop k < K, mean over those loops; the CE is a target, not trained."""
+    cfg = ObjectiveConfig(kind="gate_gain", gate_min_gain=0.6, gate_sharpness=5.0)
+    out = output(gates=True)
+    for t in out.token_ce + out.gates:
+        t.requires_grad_(True)
+    loss, terms = compute(cfg, out)
+    per_loop = []
+    for k in range(2):
+        bce = 0.0
+        for t in range(2):
+            gain = max(0.0, CE[k][0][t] - CE[k + 1][0][t])
+            target = 1 / (1 + math.exp(-5.0 * (gain - 0.6)))
+            lam = GATES[k][0][t]
+            bce += -(target * math.log(1 - lam) + (1 - target) * math.log(lam)) / 2
+        per_loop.append(bce)
+    assert loss.item() == pytest.approx(sum(per_loop) / 2, rel=1e-6)
+    assert "exit_prob" in terms
+    loss.backward()
+    assert all(c.grad is None for c in out.token_ce)
+    assert all(g.grad.abs().sum() > 0 for g in out.gates[:-1]) and out.gates[-1].grad is None
+
+
+def test_gate_gain_trains_the_gate_alone_and_starts_from_a_model():
+    cfg = ObjectiveConfig(kind="gate_gain")
+    assert cfg.trains("module.exit_gate.proj.weight") and cfg.trains("exit_gate.norm.weight")
+    assert not cfg.trains("module.layers.0.mlp.linear_fc1.weight")
+    assert ObjectiveConfig(kind="exit_weighted").trains("module.layers.0.mlp.linear_fc1.weight")
+    with pytest.raises(ValueError, match="gate_sharpness"):
+        ObjectiveConfig(kind="gate_gain", gate_sharpness=0.0).validate()

@@ -255,3 +255,41 @@ def test_metrics_are_appended_never_rewritten(tmp_path):
     assert [r["step"] for r in metrics["steps"]] == [1, 2, 4]
     assert metrics["evals"][0]["valid_windows"] == 16 and metrics["alarms"] == [alarm]
     assert metrics["skipped_steps"] == [{"step": 3, "what": "loss"}] and metrics["layout"]
+
+
+def test_stage_two_trains_the_exit_gate_alone(tmp_path):
+    """objective.kind=gate_gain from a stage-1 checkpoint: the gate's weights move, every other
+    weight is the checkpoint's, bit for bit; without train.init_from it is refused."""
+    common = ["model.exit_gate=true", "data.seq_len=32", "wandb.mode=disabled"]
+    stage1 = experiment.load(
+        TINY,
+        [
+            *common,
+            f"train.dir={tmp_path / 's1'}",
+            "train.steps=2",
+            "train.save_every=2",
+            "objective.kind=exit_weighted",
+        ],
+    )
+    experiment.build_trainer(stage1, log=False).fit()
+    with pytest.raises(ValueError, match="train.init_from"):
+        experiment.load(TINY, [*common, "objective.kind=gate_gain", f"train.dir={tmp_path}"])
+    stage2 = experiment.load(
+        TINY,
+        [
+            *common,
+            f"train.dir={tmp_path / 's2'}",
+            "train.steps=3",
+            "train.save_every=3",
+            "objective.kind=gate_gain",
+            "optim.lr=1e-2",
+            f"train.init_from={tmp_path / 's1/checkpoints/step_0000002'}",
+        ],
+    )
+    experiment.build_trainer(stage2, log=False).fit()
+    before, _, _ = experiment.consolidated(tmp_path / "s1")
+    after, _, _ = experiment.consolidated(tmp_path / "s2")
+    assert before.keys() == after.keys()
+    moved = {name for name in before if not torch.equal(before[name], after[name])}
+    assert moved and all("exit_gate." in name for name in moved), moved
+    assert any("exit_gate.proj" in name for name in moved)
