@@ -38,7 +38,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--thresholds",
         help="every rule's thresholds, comma-separated (default per rule: gate 0.3,0.5,0.7,0.9; "
-        "margin 0.5,1,2,4)",
+        "margin 0.5,1,2,4; confidence 0.5,0.7,0.9,0.97)",
     )
     p.add_argument("--kv", default="copy,share,recompute", help="KV policies, comma-separated")
     p.add_argument(
@@ -53,6 +53,11 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--repeats", type=int, default=3, help="timed decodes per run (the fastest counts)"
+    )
+    p.add_argument(
+        "--task",
+        help="the built-in corpus (addition, lookup, chase) --data was written from: also "
+        "score its answers (CE, accuracy) and draw the frontier in accuracy",
     )
     p.add_argument("--out", required=True, help="folder for generate.json, .md and .png")
     p.set_defaults(fn=generate)
@@ -91,6 +96,7 @@ def generate(args) -> int:
         batch_sizes=numbers("--batch-sizes", args.batch_sizes, int, "1,8"),
         prompt=args.prompt_tokens,
         repeats=args.repeats,
+        task=args.task,
     )
     result = generate_bench.run(settings)
     print(generate_bench.table(result))

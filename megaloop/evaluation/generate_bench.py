@@ -89,9 +89,28 @@ def decode_async(model, rows: torch.Tensor, prompt: int, cache, sync: Callable):
     return decoder.logits, seconds, decoder
 
 
-def measure(model, rows, settings, spec: dict, sync: Callable) -> tuple[float, dict]:
+def answers(logits: torch.Tensor, targets: torch.Tensor, kinds: torch.Tensor) -> dict:
+    """CE and accuracy (greedy token equals the true one) over the positions whose next token is
+    an answer of the built-in corpus (kinds > 0), and the accuracy per kind (`chase`: per hop
+    count)."""
+    ce = harness.token_ce(logits, targets)
+    right = (logits.argmax(-1) == targets).float()
+    asked = kinds > 0
+    return {
+        "answer_ce": ce[asked].mean().item(),
+        "answer_accuracy": right[asked].mean().item(),
+        "accuracy_by_kind": {
+            int(k): right[kinds == k].mean().item() for k in kinds.unique().tolist() if k > 0
+        },
+    }
+
+
+def measure(
+    model, rows, settings, spec: dict, sync: Callable, kinds: torch.Tensor | None = None
+) -> tuple[float, dict]:
     """One timed decode of one run, `spec` its exit, threshold, kv, batching and loops (K, or
-    K_max at most): the wall seconds and the run's record without its tokens/s."""
+    K_max at most): the wall seconds and the run's record without its tokens/s. `kinds` ([B,
+    positions] of rows, synthetic.answer_kinds) adds the answers' CE and accuracy."""
     from transformers import DynamicCache
 
     from megaloop.model.decoding import LoopCache
@@ -106,11 +125,14 @@ def measure(model, rows, settings, spec: dict, sync: Callable) -> tuple[float, d
             logits, seconds, decoder = decode_async(model, rows, settings.prompt, cache, sync)
         else:
             logits, seconds = decode(model, rows, settings.prompt, cache, loops, sync)
-    ce = harness.token_ce(logits, rows[:, settings.prompt + 1 :]).mean().item()
+    targets = rows[:, settings.prompt + 1 :]
+    ce = harness.token_ce(logits, targets).mean().item()
     b, steps = rows.shape[0], rows.shape[1] - 1 - settings.prompt
     # counted on the cache, not read from spec["kv"]: what the decode really held
     slots = len(cache.layers if fixed else cache.keys) // model.config.num_hidden_layers
     record = {**spec, "batch_size": b, "kv_slots_per_layer": slots}
+    if kinds is not None:
+        record |= answers(logits, targets, kinds[:, settings.prompt : -1])
     if fixed:
         return seconds, {
             **record,
@@ -136,7 +158,7 @@ def measure(model, rows, settings, spec: dict, sync: Callable) -> tuple[float, d
     }
 
 
-def timed(model, rows, settings, specs: list[dict], sync: Callable) -> list[dict]:
+def timed(model, rows, settings, specs: list[dict], sync: Callable, kinds=None) -> list[dict]:
     """Each run's record, tokens/s from the fastest of `repeats` decodes (`seconds`: each one's,
     in order). The repeats are taken in rounds (every run once, then every run again), so a
     drift of the machine's speed over the minutes a batch size takes falls on every run alike
@@ -146,7 +168,7 @@ def timed(model, rows, settings, specs: list[dict], sync: Callable) -> list[dict
     rounds = [(i, spec) for _ in range(settings.repeats) for i, spec in enumerate(specs)]
     desc = f"bench generate, batch {rows.shape[0]}"
     for i, spec in harness.progress(rounds, desc, "decode"):
-        took, record = measure(model, rows, settings, spec, sync)
+        took, record = measure(model, rows, settings, spec, sync, kinds)
         seconds[i].append(took)
         records[i] = records[i] or record
     steps = rows.shape[1] - 1 - settings.prompt
@@ -218,6 +240,78 @@ def compare(records: list[dict], fit: dict, k_max: int) -> None:
         )
 
 
+QUALITY = {"ce": -1, "answer_ce": -1, "answer_accuracy": 1}
+"""The quality measures a frontier is drawn in, and their sign: higher is better times it."""
+
+
+def frontier(records: list[dict], measure: str = "ce") -> None:
+    """Each exiting run of one batch size against the fixed-K runs beside it, in `measure`:
+    the best a fixed K reaches at least as fast (`{measure}_gain_at_speed`: how much better the
+    run is, and that K), the fastest fixed K at least as good (`speedup_at_{measure}`), and
+    whether some fixed K is both as fast and as good (`dominated_{measure}`)."""
+    sign = QUALITY[measure]
+    fixed = [r for r in records if r["exit"] == "fixed"]
+    for r in records:
+        if r["exit"] == "fixed":
+            continue
+        as_fast = [f for f in fixed if f["tokens_per_s"] >= r["tokens_per_s"]]
+        best = max(as_fast, key=lambda f: sign * f[measure], default=None)
+        as_good = [f for f in fixed if sign * f[measure] >= sign * r[measure]]
+        fastest = max(as_good, key=lambda f: f["tokens_per_s"], default=None)
+        r[f"{measure}_gain_at_speed"] = (
+            None if best is None else sign * (r[measure] - best[measure])
+        )
+        r[f"{measure}_fixed_k_at_speed"] = None if best is None else best["loops"]
+        r[f"speedup_at_{measure}"] = (
+            None if fastest is None else r["tokens_per_s"] / fastest["tokens_per_s"]
+        )
+        r[f"{measure}_fixed_k_at_quality"] = None if fastest is None else fastest["loops"]
+        r[f"dominated_{measure}"] = any(
+            f["tokens_per_s"] >= r["tokens_per_s"] and sign * f[measure] >= sign * r[measure]
+            for f in fixed
+        )
+
+
+def beat_fixed_k(runs: list[dict], measure: str = "ce") -> list[str]:
+    """Per batch size, one line first: whether any exiting run lies above the fixed-K frontier
+    in `measure`, and its largest margin (at a fixed K's speed, and at its quality)."""
+    lines = []
+    for b in sorted({r["batch_size"] for r in runs}):
+        exiting = [r for r in runs if r["batch_size"] == b and r["exit"] != "fixed"]
+        above = [r for r in exiting if not r[f"dominated_{measure}"]]
+        if not above:
+            lines.append(
+                f"- batch {b}: no exiting run beat fixed K in {measure}: each of the "
+                f"{len(exiting)} is matched by a fixed K at least as fast and as good"
+            )
+            continue
+        gains = [r for r in above if (r[f"{measure}_gain_at_speed"] or 0) > 0]
+        speeds = [r for r in above if (r[f"speedup_at_{measure}"] or 0) > 1]
+        parts = []
+        if gains:
+            r = max(gains, key=lambda r: r[f"{measure}_gain_at_speed"])
+            parts.append(
+                f"{describe(r)} is better by {r[f'{measure}_gain_at_speed']:.4g} in {measure} "
+                f"than fixed K={r[f'{measure}_fixed_k_at_speed']}, at least as fast"
+            )
+        if speeds:
+            r = max(speeds, key=lambda r: r[f"speedup_at_{measure}"])
+            parts.append(
+                f"{describe(r)} runs {r[f'speedup_at_{measure}']:.2f}x the tokens/s of fixed "
+                f"K={r[f'{measure}_fixed_k_at_quality']} at least as good in {measure}"
+            )
+        lines.append(
+            f"- batch {b}: {len(above)} of {len(exiting)} exiting runs beat fixed K in "
+            f"{measure}; " + "; ".join(parts)
+        )
+    return lines
+
+
+def describe(r: dict) -> str:
+    batching = f" {r['batching']}" if r["batching"] == "async" else ""
+    return f"{r['exit']} {r['threshold']:g} {r['kv']}{batching}"
+
+
 def run(settings: GenerateBenchSettings) -> dict:
     """Every run of `settings` on its model, compared with fixed K_max per batch size, written
     to OUT/generate.json, .md and .png; returns what generate.json holds."""
@@ -235,14 +329,37 @@ def run(settings: GenerateBenchSettings) -> dict:
         harness.read_tokens(settings.data, opened.encode), settings.seq_len, settings.batch_size
     ).to(device)
 
+    kinds = None
+    if settings.task is not None:
+        from megaloop.data.synthetic import answer_kinds
+
+        kinds = torch.from_numpy(
+            np.stack([answer_kinds(w.cpu().numpy(), settings.task) for w in windows])
+        ).to(device)
+        bare = [i for i, row in enumerate(kinds[:, settings.prompt : -1]) if not row.any()]
+        if bare:
+            raise EvalError(
+                f"--task {settings.task}: decoded window {bare[0]} of --data holds no answer "
+                f"of the task; give longer windows (--seq-len) or text written by the task"
+            )
+    measures = ["ce"] + (["answer_accuracy"] if kinds is not None else [])
     sync = functools.partial(harness.synchronize, device)
     records, fits = [], []
     for b in settings.batch_sizes:
         rows = windows[:b]
         warm_up(model, rows[:, : settings.prompt + 4], settings, rules, k_max, sync)
-        batch = timed(model, rows, settings, plan(settings, rules, k_max, b), sync)
+        batch = timed(
+            model,
+            rows,
+            settings,
+            plan(settings, rules, k_max, b),
+            sync,
+            None if kinds is None else kinds[:b],
+        )
         fits.append(fixed_cost(batch, k_max))
         compare(batch, fits[-1], k_max)
+        for measure in measures:
+            frontier(batch, measure)
         records += batch
     model_info = {k: v for k, v in opened.info.items() if k != "run_config"}
     result = {
@@ -254,6 +371,7 @@ def run(settings: GenerateBenchSettings) -> dict:
         "prompt_tokens": settings.prompt,
         "decoded_tokens_per_row": settings.seq_len - settings.prompt,
         "k_max": k_max,
+        "measures": measures,
         "fixed_cost": fits,
         "settings": settings.record(device=device, dtype=dtype, rules=list(rules)),
         "runs": records,
@@ -317,6 +435,11 @@ def table(result: dict) -> str:
     k_max = result["k_max"]
     lines = [
         f"# bench generate: {result['model']['path']}",
+        "",
+        "Did adaptive exit beat the best fixed K (a fixed K at least as fast and as good "
+        "matches every run that did not)?",
+        "",
+        *[line for m in result.get("measures", ["ce"]) for line in beat_fixed_k(result["runs"], m)],
         "",
         f"{result['device']} {result['dtype']}; {result['decoded_tokens_per_row']} decoded "
         f"tokens per row after a {result['prompt_tokens']}-token prompt; K_max = {k_max}.",

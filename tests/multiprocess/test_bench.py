@@ -528,7 +528,8 @@ def test_generate_mini_smoke(tmp_path):
     assert result["model"]["path"] == str(work / "hf")
     assert result["data"] == str(work / "source/wiki.valid.raw")
     settings, k_max, decoded = result["settings"], result["k_max"], result["decoded_tokens_per_row"]
-    assert k_max == 4 and settings["rules"] == ["gate", "margin"]  # the gate was trained
+    # the gate was trained
+    assert k_max == 4 and settings["rules"] == ["gate", "margin", "confidence"]
     assert settings["batch_sizes"] == [1, 8] and settings["repeats"] == 2
     assert result["seq_len"] == 16 and decoded == 16 - result["prompt_tokens"]
     runs = result["runs"]
@@ -541,7 +542,7 @@ def test_generate_mini_smoke(tmp_path):
     assert groups == {
         (b, rule, kv, batching): 4  # the default thresholds, four per rule
         for b in (1, 8)
-        for rule in ("gate", "margin")
+        for rule in ("gate", "margin", "confidence")
         for kv in ("copy", "share", "recompute")
         for batching in ("sync", "async")
         if batching == "sync" or (b > 1 and kv != "recompute")

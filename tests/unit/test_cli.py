@@ -59,7 +59,7 @@ OPTIONS = {
     "eval compare": ["a", "b", "--resamples", "--seed", "--out"],
     "bench fixed-k": [*MEASURE, "--loops", "--batches", "--warmup", "--out"],
     "bench generate": ["model", "--data", "--seq-len", "--dtype", "--exit", "--thresholds"]
-    + ["--kv", "--batching", "--batch-sizes", "--prompt-tokens", "--repeats", "--out"],
+    + ["--kv", "--batching", "--batch-sizes", "--prompt-tokens", "--repeats", "--task", "--out"],
     "generate": ["model", "--prompt", "--prompts", "--exit", "--threshold", "--loops", "--kv"]
     + [
         "--batching",

@@ -15,7 +15,7 @@ from megaloop.evaluation.generate_bench import configured
 from megaloop.evaluation.settings import EvalError, GenerateBenchSettings
 from support import tiny_export, write_export
 
-SEQ, PROMPT, BATCHES = 12, 2, (1, 3)
+SEQ, PROMPT, BATCHES = 20, 2, (1, 3)
 NEVER = 1000.0
 THRESHOLDS = (0.0005, 0.5, NEVER)
 """Per rule on the tiny model: margin exits at different loops at 0.0005 (its margins are tiny)
@@ -39,6 +39,7 @@ def bench(tmp_path_factory):
     args = ["--data", root / "held_out.txt", "--seq-len", SEQ, "--repeats", "1"]
     args += ["--batch-sizes", ",".join(map(str, BATCHES)), "--out", root / "out"]
     args += ["--thresholds", ",".join(map(str, THRESHOLDS)), "--prompt-tokens", PROMPT]
+    args += ["--task", "addition"]
     assert main(["bench", "generate", str(export), *map(str, args)]) == 0
     result = json.loads((root / "out/generate.json").read_text())
     return root, export, result
@@ -51,7 +52,7 @@ def runs_of(result, **fields):
 def test_every_run_is_recorded_with_the_issues_keys_and_the_figure(bench):
     root, _, result = bench
     k_max = result["k_max"]
-    exiting = 2 * len(THRESHOLDS) * (3 * len(BATCHES) + 2 * sum(b > 1 for b in BATCHES))
+    exiting = 3 * len(THRESHOLDS) * (3 * len(BATCHES) + 2 * sum(b > 1 for b in BATCHES))
     assert len(result["runs"]) == exiting + k_max * len(BATCHES)
     assert {r["batching"] for r in runs_of(result, batch_size=1)} == {"sync"}
     for r in result["runs"]:
@@ -180,10 +181,33 @@ def test_bad_input_is_one_error_before_any_compute(gateless, tmp_path, capsys, e
     assert not out.exists()
 
 
+def test_each_exiting_run_is_placed_against_the_fixed_k_frontier(bench):
+    """Per batch size and quality measure (CE; answer accuracy under --task): a run is dominated
+    exactly when a fixed K is at least as fast and as good, and its gain at speed is measured
+    against the best such fixed K; the report says first whether any run beat fixed K."""
+    root, _, result = bench
+    assert result["measures"] == ["ce", "answer_accuracy"]
+    for measure, sign in (("ce", -1), ("answer_accuracy", 1)):
+        for b in BATCHES:
+            fixed = runs_of(result, exit="fixed", batch_size=b)
+            for r in (r for r in runs_of(result, batch_size=b) if r["exit"] != "fixed"):
+                assert 0 <= r["answer_accuracy"] <= 1 and np.isfinite(r["answer_ce"])
+                as_fast = [f for f in fixed if f["tokens_per_s"] >= r["tokens_per_s"]]
+                dominated = any(sign * f[measure] >= sign * r[measure] for f in as_fast)
+                assert r[f"dominated_{measure}"] == dominated, r
+                if as_fast:
+                    best = max(sign * f[measure] for f in as_fast)
+                    assert r[f"{measure}_gain_at_speed"] == pytest.approx(sign * r[measure] - best)
+                else:
+                    assert r[f"{measure}_gain_at_speed"] is None
+    text = (root / "out/generate.md").read_text()
+    assert text.index("beat fixed K") < text.index("| batch |")
+
+
 def test_the_rules_default_to_those_the_model_has():
     settings = GenerateBenchSettings(model="m", data="d")
-    assert settings.exit_rules(has_gate=True) == ("gate", "margin")
-    assert settings.exit_rules(has_gate=False) == ("margin",)
+    assert settings.exit_rules(has_gate=True) == ("gate", "margin", "confidence")
+    assert settings.exit_rules(has_gate=False) == ("margin", "confidence")
     assert settings.thresholds_of("gate") == (0.3, 0.5, 0.7, 0.9)
     assert GenerateBenchSettings(model="m", data="d", thresholds=(2, 1)).thresholds_of("gate") == (
         1.0,
@@ -200,7 +224,7 @@ def test_repeats_are_taken_in_rounds_over_a_batch_sizes_runs(monkeypatch):
 
     calls, took = [], {"a": [3.0, 1.0, 2.0], "b": [4.0, 4.0, 8.0]}
 
-    def measure(model, rows, settings, spec, sync):
+    def measure(model, rows, settings, spec, sync, kinds=None):
         calls.append(spec["name"])
         return took[spec["name"]][calls.count(spec["name"]) - 1], {"name": spec["name"]}
 
