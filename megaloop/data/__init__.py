@@ -125,21 +125,25 @@ class DataConfig(Config):
         raise NotImplementedError
 
 
+MAX_DEPTH = {"addition": 18, "lookup": 12, "chase": 5}
+
+
 @dataclass
 class SyntheticConfig(DataConfig):
     kind: Literal["synthetic"] = "synthetic"
-    task: Literal["addition", "lookup"] = "addition"
-    """Fixed-width multi-digit addition, or multi-hop variable lookups."""
+    task: Literal["addition", "lookup", "chase"] = "addition"
+    """Fixed-width multi-digit addition, multi-hop variable lookups, or pointer chasing."""
     depth: int = 4
-    """Digits per operand (addition) or the longest chain of lookups (lookup)."""
+    """Digits per operand (addition), the longest chain of lookups (lookup), or the most hops
+    asked (chase: one query per hop count 1..depth)."""
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
         check(
-            1 <= self.depth <= (12 if self.task == "lookup" else 18),
+            1 <= self.depth <= MAX_DEPTH[self.task],
             prefix + "depth",
             self.depth,
-            "must lie in [1, 12] for lookup and [1, 18] for addition",
+            "must lie in [1, 18] for addition, [1, 12] for lookup and [1, 5] for chase",
         )
 
     def _build(self, seed: int, train_samples: int, tokenizer):
