@@ -126,6 +126,7 @@ class DataConfig(Config):
 
 
 MAX_DEPTH = {"addition": 18, "lookup": 12, "chase": 5}
+"""chase: synthetic.CHASE_MOST_HOPS, the hop counts its query bytes can name."""
 
 
 @dataclass

@@ -55,7 +55,7 @@ def lookup(rng: np.random.Generator, max_hops: int, chains: int = 2) -> str:
     return ";".join(statements[i] for i in order) + f";?{ends[asked]}={values[asked]}\n"
 
 
-CHASE_TABLE = 6
+CHASE_TABLE, CHASE_MOST_HOPS = 6, 5
 CHASE_ENTRY, CHASE_QUERY = 58, 97
 """One byte per table entry i→j, CHASE_ENTRY + 6i + j (':' .. ']'), and per query of h hops from
 s, CHASE_QUERY + 6(h−1) + s ('a' ..): a hop is one lookup by content (the entry whose i is the
@@ -108,13 +108,13 @@ def answer_mask(tokens: np.ndarray, task: str) -> np.ndarray:
 def answer_kinds(tokens: np.ndarray, task: str) -> np.ndarray:
     """Per position, what its next token is: 0 not an answer, else which answer of its episode
     (1-based; for `chase` the hop count it asks, for the others 1)."""
-    text = bytes(tokens.astype(np.uint8)).decode("ascii")
     kinds = np.zeros(len(tokens), dtype=np.int64)
     if task == "chase":
         query = tokens[:-1] - CHASE_QUERY
-        asks = (query >= 0) & (query < CHASE_TABLE * 8)
+        asks = (query >= 0) & (query < CHASE_TABLE * CHASE_MOST_HOPS)
         kinds[:-1][asks] = query[asks] // CHASE_TABLE + 1
         return kinds
+    text = bytes(tokens.astype(np.uint8)).decode("ascii")
     opens = ANSWER_OPENS[task]
     pos = text.find(opens)
     while pos != -1:

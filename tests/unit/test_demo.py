@@ -101,3 +101,30 @@ def test_the_demo_command_trains_its_runs_in_two_worker_processes(tmp_path):
     assert "seed 2, raw readout: done" in proc.stdout and "Findings:" in proc.stdout
     for readout in ("norm", "raw"):  # each worker's output went to its run's log
         assert "step 3: valid CE/loop" in (tmp_path / f"seed2/{readout}/train.log").read_text()
+
+
+def test_chase_answers_are_the_tables_iterates_and_marked_by_hop_count():
+    """Each query's answer is f^h(start) of its episode's table, one cycle through 0..5, and
+    answer_kinds marks the position before each answer with h."""
+    for index in range(20):
+        tokens = synthetic.sample("chase", 3, index, 15, 4)
+        table = {}
+        for byte in tokens[:6]:
+            i, j = divmod(int(byte) - synthetic.CHASE_ENTRY, synthetic.CHASE_TABLE)
+            table[i] = j
+        assert sorted(table) == list(range(6)) and sorted(table.values()) == list(range(6))
+        value, seen = 0, set()
+        for _ in range(6):
+            seen.add(value)
+            value = table[value]
+        assert seen == set(range(6))  # one cycle
+        kinds = synthetic.answer_kinds(tokens, "chase")
+        for h in range(1, 5):
+            pos = 6 + 2 * (h - 1)
+            asked, start = divmod(int(tokens[pos]) - synthetic.CHASE_QUERY, 6)
+            assert asked + 1 == h and kinds[pos] == h
+            value = start
+            for _ in range(h):
+                value = table[value]
+            assert chr(tokens[pos + 1]) == str(value)
+        assert (kinds > 0).sum() == 4

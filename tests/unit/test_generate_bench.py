@@ -235,3 +235,17 @@ def test_repeats_are_taken_in_rounds_over_a_batch_sizes_runs(monkeypatch):
     assert calls == ["a", "b"] * 3
     assert [r["tokens_per_s"] for r in records] == [16 / 1.0, 16 / 4.0]  # the fastest
     assert [r["seconds"] for r in records] == [took["a"], took["b"]]
+
+
+def test_answers_score_only_the_asked_positions():
+    from megaloop.evaluation import generate_bench
+
+    logits = torch.tensor([[[0.0, 5.0], [5.0, 0.0], [0.0, 5.0]]]).log_softmax(-1)
+    targets = torch.tensor([[1, 1, 0]])
+    kinds = torch.tensor([[0, 2, 1]])  # the first position is no answer
+    got = generate_bench.answers(logits, targets, kinds)
+    assert got["answer_accuracy"] == 0.0 and got["accuracy_by_kind"] == {1: 0.0, 2: 0.0}
+    ce = -logits[0, 1:].gather(-1, targets[0, 1:, None]).squeeze(-1)
+    assert got["answer_ce"] == pytest.approx(ce.mean().item())
+    got = generate_bench.answers(logits, torch.tensor([[1, 0, 1]]), kinds)
+    assert got["answer_accuracy"] == 1.0

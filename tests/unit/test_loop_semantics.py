@@ -186,3 +186,19 @@ def test_the_exported_model_keeps_to_its_model():
     """modeling_megaloop.py is the HF model; the cache and decoders are decoding.py's."""
     lines = len((ROOT / "megaloop/model/modeling_megaloop.py").read_text().splitlines())
     assert lines <= 600, lines
+
+
+def test_confidence_exits_where_the_top_probability_reaches_the_threshold():
+    """One row whose readout puts 0.6 on its top token, one whose top token has 0.4: at 0.5 the
+    first exits at loop 1 and the second goes on; both stop at loop K."""
+    import torch
+
+    from megaloop.model.semantics import ExitRule
+
+    logits = torch.tensor([[0.6, 0.3, 0.1], [0.4, 0.35, 0.25]]).log()
+    rule = ExitRule("confidence", 0.5, num_loops=3)
+    h = torch.zeros(2, 4)
+    assert rule.stop(1, h, logits=logits).tolist() == [True, False]
+    assert ExitRule("confidence", 0.41, 3).stop(1, h, logits=logits).tolist() == [True, False]
+    assert ExitRule("confidence", 0.39, 3).stop(1, h, logits=logits).tolist() == [True, True]
+    assert rule.stop(3, h, logits=logits).tolist() == [True, True]
