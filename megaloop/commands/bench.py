@@ -55,6 +55,13 @@ def add_parser(sub) -> None:
         "--repeats", type=int, default=3, help="timed decodes per run (the fastest counts)"
     )
     p.add_argument(
+        "--batches",
+        type=int,
+        default=1,
+        help="batches of different windows each run decodes (its tokens/s, CE and accuracy "
+        "are over all of them)",
+    )
+    p.add_argument(
         "--task",
         help="the built-in corpus (addition, lookup, chase) --data was written from: also "
         "score its answers (CE, accuracy) and draw the frontier in accuracy",
@@ -96,6 +103,7 @@ def generate(args) -> int:
         batch_sizes=numbers("--batch-sizes", args.batch_sizes, int, "1,8"),
         prompt=args.prompt_tokens,
         repeats=args.repeats,
+        batches=args.batches,
         task=args.task,
     )
     result = generate_bench.run(settings)

@@ -3,7 +3,9 @@
 Teacher-forced decoding of held-out windows through the cache (so a KV policy's effect on
 quality is measured): each row's first `prompt` tokens are prefilled at full depth (untimed),
 then every following true token is fed alone (one forward of one token per row, the cache
-passed on), and its logits scored against the next token. B rows are B different windows.
+passed on), and its logits scored against the next token. B rows are B different windows;
+`batches` N decodes N batches of different windows in each run (its tokens/s, CE and accuracy
+over all of them; stack and loop applications per batch), since one row scores one window.
 Each run is one exit rule, threshold, KV policy and batching (a new LoopCache each time), or a
 fixed K (early_exit "none": the plain cached path a user gets without early exit). The `sync`
 batching feeds every row's next token together, each loop run by the rows still active, so a step
@@ -108,54 +110,85 @@ def answers(logits: torch.Tensor, targets: torch.Tensor, kinds: torch.Tensor) ->
 def measure(
     model, rows, settings, spec: dict, sync: Callable, kinds: torch.Tensor | None = None
 ) -> tuple[float, dict]:
-    """One timed decode of one run, `spec` its exit, threshold, kv, batching and loops (K, or
-    K_max at most): the wall seconds and the run's record without its tokens/s. `kinds` ([B,
-    positions] of rows, synthetic.answer_kinds) adds the answers' CE and accuracy."""
+    """One timed decode of one run through each batch of `rows` ([batches x B, T], batch i its
+    rows iB..iB+B-1), `spec` its exit, threshold, kv, batching and loops (K, or K_max at most):
+    the wall seconds and the run's record without its tokens/s. `kinds` ([rows, positions],
+    synthetic.answer_kinds) adds the answers' CE and accuracy."""
+    b = rows.shape[0] // settings.batches
+    seconds, logits, parts = 0.0, [], []
+    for batch in range(settings.batches):
+        took, batch_logits, part = decode_batch(
+            model, rows[batch * b : (batch + 1) * b], settings.prompt, spec, sync
+        )
+        seconds += took
+        logits.append(batch_logits)
+        parts.append(part)
+    logits = torch.cat(logits)
+    targets = rows[:, settings.prompt + 1 :]
+    steps = rows.shape[1] - 1 - settings.prompt
+    record = {
+        **spec,
+        "batch_size": b,
+        "batches": settings.batches,
+        "kv_slots_per_layer": parts[0]["kv_slots_per_layer"],
+        "ce": harness.token_ce(logits, targets).mean().item(),
+    }
+    if kinds is not None:
+        record |= answers(logits, targets, kinds[:, settings.prompt : -1])
+    if spec["exit"] == "fixed":
+        loops = spec["loops"]
+        return seconds, {
+            **record,
+            "mean_loops": float(loops),
+            "step_max_loops": float(loops),
+            "stack_applications": loops * steps,
+            "loop_applications": loops * b * (settings.prompt + steps),
+            "cache_bytes_per_token": model.cache_bytes_per_token("copy", loops),
+        }
+    applications = sum(p["stack_applications"] for p in parts) / settings.batches
+    return seconds, {
+        **record,
+        "mean_loops": torch.cat([p["exit_loops"] for p in parts]).float().mean().item(),
+        "step_max_loops": applications / steps,
+        "stack_applications": applications,
+        "loop_applications": sum(p["loop_applications"] for p in parts) / settings.batches,
+        "cache_bytes_per_token": parts[-1]["cache_bytes_per_token"],
+    }
+
+
+def decode_batch(model, rows, prompt: int, spec: dict, sync: Callable) -> tuple:
+    """One batch of one run: its wall seconds, logits, and what its cache and decoder counted
+    (KV slots per layer, and for an exiting run the exit loops and stack applications)."""
     from transformers import DynamicCache
 
     from megaloop.model.decoding import LoopCache
 
-    fixed, loops = spec["exit"] == "fixed", spec["loops"]
+    fixed = spec["exit"] == "fixed"
     fields = {"early_exit": "none"} if fixed else {"early_exit": spec["exit"]}
     if not fixed:
         fields["exit_threshold"] = spec["threshold"]
     with configured(model, **fields):
         cache = DynamicCache() if fixed else LoopCache(spec["kv"])
         if spec["batching"] == "async":
-            logits, seconds, decoder = decode_async(model, rows, settings.prompt, cache, sync)
+            logits, seconds, decoder = decode_async(model, rows, prompt, cache, sync)
         else:
-            logits, seconds = decode(model, rows, settings.prompt, cache, loops, sync)
-    targets = rows[:, settings.prompt + 1 :]
-    ce = harness.token_ce(logits, targets).mean().item()
-    b, steps = rows.shape[0], rows.shape[1] - 1 - settings.prompt
+            logits, seconds = decode(model, rows, prompt, cache, spec["loops"], sync)
     # counted on the cache, not read from spec["kv"]: what the decode really held
-    slots = len(cache.layers if fixed else cache.keys) // model.config.num_hidden_layers
-    record = {**spec, "batch_size": b, "kv_slots_per_layer": slots}
-    if kinds is not None:
-        record |= answers(logits, targets, kinds[:, settings.prompt : -1])
-    if fixed:
-        return seconds, {
-            **record,
-            "mean_loops": float(loops),
-            "step_max_loops": float(loops),
-            "stack_applications": loops * steps,
-            "ce": ce,
-            "loop_applications": loops * b * (settings.prompt + steps),
-            "cache_bytes_per_token": model.cache_bytes_per_token("copy", loops),
-        }
-    decoded = torch.cat(cache.exit_loops[1:], 1)
-    applications = decoded.max(0).values.sum().item()
-    if spec["batching"] == "async":
-        applications = decoder.steps
-    return seconds, {
-        **record,
-        "mean_loops": decoded.float().mean().item(),
-        "step_max_loops": applications / steps,
-        "stack_applications": applications,
-        "ce": ce,
-        "loop_applications": cache.loop_applications,
-        "cache_bytes_per_token": cache.bytes_per_token(),
+    part = {
+        "kv_slots_per_layer": len(cache.layers if fixed else cache.keys)
+        // model.config.num_hidden_layers
     }
+    if not fixed:
+        exit_loops = torch.cat(cache.exit_loops[1:], 1)
+        part |= {
+            "exit_loops": exit_loops.flatten(),
+            "stack_applications": decoder.steps
+            if spec["batching"] == "async"
+            else exit_loops.max(0).values.sum().item(),
+            "loop_applications": cache.loop_applications,
+            "cache_bytes_per_token": cache.bytes_per_token(),
+        }
+    return seconds, logits, part
 
 
 def timed(model, rows, settings, specs: list[dict], sync: Callable, kinds=None) -> list[dict]:
@@ -166,7 +199,7 @@ def timed(model, rows, settings, specs: list[dict], sync: Callable, kinds=None) 
     seconds = [[] for _ in specs]
     records: list[dict | None] = [None] * len(specs)
     rounds = [(i, spec) for _ in range(settings.repeats) for i, spec in enumerate(specs)]
-    desc = f"bench generate, batch {rows.shape[0]}"
+    desc = f"bench generate, batch {rows.shape[0] // settings.batches}"
     for i, spec in harness.progress(rounds, desc, "decode"):
         took, record = measure(model, rows, settings, spec, sync, kinds)
         seconds[i].append(took)
@@ -183,7 +216,7 @@ def warm_up(model, rows, settings, rules, k_max: int, sync: Callable) -> None:
     calls, the allocator, kernel choices), before a batch size's timed runs."""
     fixed = {"exit": "fixed", "threshold": None, "kv": None, "batching": "sync", "loops": k_max}
     for spec in [fixed, *exiting(settings, rules, k_max, rows.shape[0], warm=True)]:
-        measure(model, rows, settings, spec, sync)
+        decode_batch(model, rows, settings.prompt, spec, sync)
 
 
 def exiting(settings: GenerateBenchSettings, rules, k_max: int, b: int, warm=False) -> list:
@@ -326,7 +359,9 @@ def run(settings: GenerateBenchSettings) -> dict:
         raise EvalError(f"MODEL {settings.model}: it runs K = {k_max} loop; nothing can exit early")
     rules = settings.exit_rules(model.exit_gate is not None)
     windows = harness.windows(
-        harness.read_tokens(settings.data, opened.encode), settings.seq_len, settings.batch_size
+        harness.read_tokens(settings.data, opened.encode),
+        settings.seq_len,
+        settings.batch_size * settings.batches,
     ).to(device)
 
     kinds = None
@@ -346,15 +381,15 @@ def run(settings: GenerateBenchSettings) -> dict:
     sync = functools.partial(harness.synchronize, device)
     records, fits = [], []
     for b in settings.batch_sizes:
-        rows = windows[:b]
-        warm_up(model, rows[:, : settings.prompt + 4], settings, rules, k_max, sync)
+        rows = windows[: b * settings.batches]
+        warm_up(model, rows[:b, : settings.prompt + 4], settings, rules, k_max, sync)
         batch = timed(
             model,
             rows,
             settings,
             plan(settings, rules, k_max, b),
             sync,
-            None if kinds is None else kinds[:b],
+            None if kinds is None else kinds[: b * settings.batches],
         )
         fits.append(fixed_cost(batch, k_max))
         compare(batch, fits[-1], k_max)

@@ -277,6 +277,9 @@ class GenerateBenchSettings(Measurement):
     a forward of one token is a decoded one (it exits by the rule)."""
     repeats: int = 3
     """Timed decodes of each run; tokens/s is the fastest one's (load only slows a decode)."""
+    batches: int = 1
+    """Batches of different windows a decode of a run goes through: its tokens/s, CE and
+    accuracy are over all of them (one batch of one row scores one window)."""
     task: str | None = None
     """The built-in corpus (data.synthetic.TASKS) the data was written from: its answers are
     scored too (CE, accuracy, accuracy per kind). None: the data is any text."""
@@ -311,7 +314,7 @@ class GenerateBenchSettings(Measurement):
         set_(self, "batch_sizes", batch_sizes)
         set_(self, "batch_size", batch_sizes[-1])
         super().validate()
-        positive("a run decodes and times something", repeats=self.repeats)
+        positive("a run decodes and times something", repeats=self.repeats, batches=self.batches)
         if self.prompt < 2:
             raise EvalError(
                 f"--prompt-tokens {self.prompt}: give 2 or more (a forward of one token is "

@@ -59,7 +59,16 @@ OPTIONS = {
     "eval compare": ["a", "b", "--resamples", "--seed", "--out"],
     "bench fixed-k": [*MEASURE, "--loops", "--batches", "--warmup", "--out"],
     "bench generate": ["model", "--data", "--seq-len", "--dtype", "--exit", "--thresholds"]
-    + ["--kv", "--batching", "--batch-sizes", "--prompt-tokens", "--repeats", "--task", "--out"],
+    + [
+        "--kv",
+        "--batching",
+        "--batch-sizes",
+        "--prompt-tokens",
+        "--repeats",
+        "--batches",
+        "--task",
+        "--out",
+    ],
     "generate": ["model", "--prompt", "--prompts", "--exit", "--threshold", "--loops", "--kv"]
     + [
         "--batching",

@@ -117,6 +117,43 @@ def test_recompute_ce_is_the_no_cache_forward_with_the_same_exits(bench):
         assert r["mean_loops"] == pytest.approx(exits, abs=1e-6), r
 
 
+@pytest.mark.parametrize("exit_", ["fixed", "margin"])
+def test_a_run_over_several_batches_scores_all_their_windows(bench, exit_):
+    """--batches 2 at batch 1: CE, answer accuracy, mean loops and applications are those of
+    the two windows decoded one at a time, combined (the same tokens in each)."""
+    from megaloop.data.synthetic import answer_kinds
+    from megaloop.evaluation.generate_bench import measure
+
+    root, export, _ = bench
+    opened = harness.open_model(export)
+    rows = harness.windows(harness.read_tokens(root / "held_out.txt", opened.encode), SEQ, 2)
+    kinds = torch.from_numpy(np.stack([answer_kinds(w.numpy(), "addition") for w in rows]))
+    spec = {"exit": exit_, "threshold": 0.0005, "kv": "copy", "batching": "sync", "loops": 3}
+    settings = {"model": "m", "data": "d", "prompt": PROMPT}
+    _, both = measure(
+        opened.model, rows, GenerateBenchSettings(**settings, batches=2), spec, lambda: None, kinds
+    )
+    alone = [
+        measure(
+            opened.model,
+            rows[i : i + 1],
+            GenerateBenchSettings(**settings),
+            spec,
+            lambda: None,
+            kinds[i : i + 1],
+        )[1]
+        for i in range(2)
+    ]
+    assert both["batch_size"] == 1 and both["batches"] == 2
+    for key in ("ce", "mean_loops", "stack_applications", "loop_applications"):
+        assert both[key] == pytest.approx(sum(a[key] for a in alone) / 2, abs=1e-6), key
+    asked = [int((k[PROMPT:-1] > 0).sum()) for k in kinds]
+    right = sum(a["answer_accuracy"] * n for a, n in zip(alone, asked))
+    assert both["answer_accuracy"] == pytest.approx(right / sum(asked), abs=1e-6)
+    if exit_ == "margin":
+        assert alone[0]["mean_loops"] != alone[1]["mean_loops"], "the test needs windows apart"
+
+
 def test_a_threshold_that_never_exits_is_fixed_k_max(bench):
     _, _, result = bench
     k_max = result["k_max"]
