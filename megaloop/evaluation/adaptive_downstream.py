@@ -1,19 +1,21 @@
 """Downstream tasks with adaptive depth: lm-eval's accuracy when each token exits early.
 
-`eval downstream --exit gate|margin|confidence --threshold T1,T2,...` scores the tasks at fixed K
-(the baseline, K = --loops) and then once per threshold with the model's exit rule at that threshold
-and K_max = K. lm-eval scores teacher-forced, one forward of context + continuation per request,
-so a threshold run takes the exported model's no-cache forward (use_cache=False): every loop runs
-for every token and each position's logits are its exit loop's, the logits the cached exiting
-forward gives too (docs/generation.md). The forward returns each token's exit loop
-(LoopedOutput.exit_loops).
+`eval downstream --exit gate|margin|confidence --threshold T1,T2,...` scores the tasks at every
+fixed K from 1 to K = --loops (the baselines) and then once per threshold with the model's exit
+rule at that threshold and K_max = K; each threshold is placed against the fixed Ks at no more
+loops a token (dominated or not). lm-eval scores teacher-forced, one forward of context +
+continuation per request, so a threshold run takes the exported model's no-cache forward
+(use_cache=False): every loop runs for every token and each position's logits are its exit
+loop's, the logits the cached exiting forward gives too (docs/generation.md). The forward
+returns each token's exit loop (LoopedOutput.exit_loops).
 
 Loops per token counts the positions lm-eval scores: a request's continuation tokens, whose
 logits make its log-likelihood (context and padding are not counted). `mean_loops` averages them
 over a task's scored tokens (`scored_tokens`) and over the run's; a fixed-K run has K.
 
-Writes OUT/fixed-k{K}/ and OUT/{rule}-{T}/, each the layout of a single run (so `megaloop eval
-compare` pairs any two), and OUT/adaptive.json, adaptive.md and accuracy_vs_depth.png.
+Writes OUT/fixed-k{k}/ (k = 1..K) and OUT/{rule}-{T}/, each the layout of a single run (so
+`megaloop eval compare` pairs any two), and OUT/adaptive.json, adaptive.md and
+accuracy_vs_depth.png.
 """
 
 from __future__ import annotations
@@ -117,14 +119,17 @@ def run(settings: DownstreamSettings) -> dict:
         lm_args = dict(
             pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size, device=device
         )
-        results = downstream.scored(
-            downstream.checked_lm(**lm_args), tasks, task_manager, settings.limit
-        )
-        info = downstream.run_info(settings, results)
-        fixed = {"exit": "fixed", "threshold": None, "mean_loops": float(K)}
-        depth = {task: {"mean_loops": float(K)} for task in results["configs"]}
-        folder = out / f"fixed-k{K}"
-        runs.append(record(downstream.write(results, folder, info | fixed, depth), folder))
+        for k in range(1, K + 1):
+            model.config.num_loops = k
+            results = downstream.scored(
+                downstream.checked_lm(**lm_args), tasks, task_manager, settings.limit
+            )
+            info = downstream.run_info(settings, results) | {"loops": k}
+            fixed = {"exit": "fixed", "threshold": None, "mean_loops": float(k)}
+            depth = {task: {"mean_loops": float(k)} for task in results["configs"]}
+            folder = out / f"fixed-k{k}"
+            runs.append(record(downstream.write(results, folder, info | fixed, depth), folder))
+        model.config.num_loops, info["loops"] = K, K
         for threshold in settings.thresholds:
             model.config.early_exit, model.config.exit_threshold = settings.exit, threshold
             lm = depth_counting_class()(**lm_args)
@@ -133,6 +138,7 @@ def run(settings: DownstreamSettings) -> dict:
             rule = {"exit": settings.exit, "threshold": threshold, "mean_loops": mean}
             folder = out / f"{settings.exit}-{threshold!r}"
             runs.append(record(downstream.write(results, folder, info | rule, depth), folder))
+    place(runs)
     summary = {
         **{k: info[k] for k in ("model", "loops", "limit", "data_dir", "split", "splits")},
         "exit": settings.exit,
@@ -143,6 +149,21 @@ def run(settings: DownstreamSettings) -> dict:
     (out / "adaptive.md").write_text(table(summary) + "\n")
     plot(summary, out / "accuracy_vs_depth.png")
     return summary
+
+
+def place(runs: list[dict]) -> None:
+    """Each threshold run against the fixed Ks beside it, in macro accuracy: the best fixed K at
+    no more loops a token (`acc_gain_at_depth`: how much more accurate the run is, and that K),
+    and whether a fixed K is both as shallow and as accurate (`dominated`)."""
+    fixed = [r for r in runs if r["exit"] == "fixed"]
+    for r in runs:
+        if r["exit"] == "fixed":
+            continue
+        shallower = [f for f in fixed if f["mean_loops"] <= r["mean_loops"]]
+        best = max(shallower, key=lambda f: f["macro_acc"], default=None)
+        r["fixed_k_at_depth"] = None if best is None else int(best["mean_loops"])
+        r["acc_gain_at_depth"] = None if best is None else r["macro_acc"] - best["macro_acc"]
+        r["dominated"] = best is not None and best["macro_acc"] >= r["macro_acc"]
 
 
 def record(summary: dict, folder: Path) -> dict:
@@ -169,8 +190,23 @@ def label(run: dict) -> str:
 
 
 def table(summary: dict) -> str:
-    """Per task, then over tasks (macro): each run's loops per token, acc and acc_norm."""
-    lines = ["| task | run | loops / token | acc | acc_norm |", "|---|---|---|---|---|"]
+    """Whether a threshold beat every fixed K at no more loops a token; then per task, and over
+    tasks (macro), each run's loops per token, acc and acc_norm."""
+    adaptive = [r for r in summary["runs"] if r["exit"] != "fixed"]
+    above = [r for r in adaptive if not r["dominated"]]
+    if above:
+        r = max(above, key=lambda r: r["acc_gain_at_depth"])
+        lead = (
+            f"{len(above)} of {len(adaptive)} thresholds beat every fixed K at no more loops a "
+            f"token; the most: {label(r)} at {r['mean_loops']:.2f} loops, macro acc "
+            f"{r['acc_gain_at_depth']:+.4f} over fixed K={r['fixed_k_at_depth']}."
+        )
+    else:
+        lead = (
+            f"No threshold beat fixed K: each of the {len(adaptive)} is matched by a fixed K "
+            "at no more loops a token and at least its macro acc."
+        )
+    lines = [lead, "", "| task | run | loops / token | acc | acc_norm |", "|---|---|---|---|---|"]
     for task in summary["runs"][0]["tasks"]:
         for run in summary["runs"]:
             r = run["tasks"][task]
@@ -187,8 +223,8 @@ def table(summary: dict) -> str:
 
 
 def plot(summary: dict, path: Path) -> None:
-    """Accuracy over tasks against mean loops per token: one point per threshold, fixed K as a
-    reference marker."""
+    """Accuracy over tasks against mean loops per token: one point per threshold, the fixed Ks
+    as a line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -201,14 +237,9 @@ def plot(summary: dict, path: Path) -> None:
     ax.plot(xs, ys, "o-", label=f"{summary['exit']} exit")
     for r, x, y in zip(adaptive, xs, ys):
         ax.annotate(f"{r['threshold']:g}", (x, y), textcoords="offset points", xytext=(4, 4))
-    for r in fixed:
-        ax.plot(
-            r["mean_loops"],
-            r["macro_acc"],
-            "*",
-            markersize=12,
-            label=f"fixed K={r['mean_loops']:g}",
-        )
+    ax.plot(
+        [r["mean_loops"] for r in fixed], [r["macro_acc"] for r in fixed], "k*-", label="fixed K"
+    )
     ax.set_xlabel("mean loops per scored token")
     ax.set_ylabel("accuracy (mean over tasks)")
     model = Path(summary["model"])

@@ -485,28 +485,56 @@ def test_adaptive_depth_at_the_extremes_is_fixed_k(export_dir, task_data, tmp_pa
     )
     summary = json.loads((out / "adaptive.json").read_text())
     runs = {r["folder"]: r for r in summary["runs"]}
-    assert list(runs) == ["fixed-k2", "margin-0.0", "margin-1e+30"]
-    assert [r["threshold"] for r in summary["runs"]] == [None, 0.0, 1e30]
+    assert list(runs) == ["fixed-k1", "fixed-k2", "margin-0.0", "margin-1e+30"]
+    assert [r["threshold"] for r in summary["runs"]] == [None, None, 0.0, 1e30]
     for folder, reference, loops in (
         ("margin-1e+30", out / "fixed-k2", 2.0),
         ("margin-0.0", tmp_path / "k1", 1.0),
+        ("fixed-k1", tmp_path / "k1", 1.0),
     ):
         run = runs[folder]
         assert run["mean_loops"] == loops
         for task in ("arc_easy", "boolq"):
             assert lls_of(out / folder, task) == lls_of(reference, task), (folder, task)
             assert run["tasks"][task]["mean_loops"] == loops
-            assert run["tasks"][task]["scored_tokens"] > 0
+            assert run["exit"] == "fixed" or run["tasks"][task]["scored_tokens"] > 0
         per_run = json.loads((out / folder / "summary.json").read_text())
-        assert per_run["exit"] == "margin" and per_run["mean_loops"] == loops
+        assert per_run["exit"] == run["exit"] and per_run["mean_loops"] == loops
+        assert per_run["loops"] == (1 if folder == "fixed-k1" else 2)
     assert runs["margin-0.0"]["macro_acc"] == k1["macro_acc"]
     assert runs["margin-1e+30"]["macro_acc"] == runs["fixed-k2"]["macro_acc"]
     assert runs["fixed-k2"]["mean_loops"] == 2.0 and runs["fixed-k2"]["exit"] == "fixed"
+    # each equals its fixed K, so it is dominated: by that K, or by a shallower K as accurate
+    fixed = {k: runs[f"fixed-k{k}"]["macro_acc"] for k in (1, 2)}
+    for folder, k in (("margin-0.0", 1), ("margin-1e+30", 2)):
+        best = max(range(1, k + 1), key=fixed.get)
+        assert runs[folder]["dominated"] and runs[folder]["fixed_k_at_depth"] == best
+        assert runs[folder]["acc_gain_at_depth"] == fixed[k] - fixed[best]
     table = (out / "adaptive.md").read_text()
+    assert table.startswith("No threshold beat fixed K: each of the 2 is matched")
     assert "| boolq | margin 0 | 1.00 |" in table and "| arc_easy | fixed K=2 | 2.00 |" in table
     assert (out / "accuracy_vs_depth.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     paired = compare.compare(out / "fixed-k2", out / "margin-1e+30", 100, 0)
     assert paired  # the threshold folders are single runs `eval compare` reads
+
+
+def test_each_threshold_is_placed_against_the_fixed_ks_at_no_more_depth():
+    """By hand: the best fixed K at most as deep sets the gain; shallower than K = 1, none."""
+    from megaloop.evaluation import adaptive_downstream
+
+    fixed = [
+        {"exit": "fixed", "mean_loops": float(k), "macro_acc": a}
+        for k, a in ((1, 0.50), (2, 0.60), (3, 0.58))
+    ]
+    runs = fixed + [
+        {"exit": "gate", "mean_loops": m, "macro_acc": a}
+        for m, a in ((1.5, 0.55), (2.9, 0.59), (3.0, 0.61))
+    ]
+    adaptive_downstream.place(runs)
+    placed = [
+        (r["fixed_k_at_depth"], round(r["acc_gain_at_depth"], 6), r["dominated"]) for r in runs[3:]
+    ]
+    assert placed == [(1, 0.05, False), (2, -0.01, True), (2, 0.01, False)]
 
 
 def test_adaptive_depth_counts_each_requests_scored_tokens(gated_export):
