@@ -564,3 +564,72 @@ def test_generate_mini_smoke(tmp_path):
     report = (out / "generate.md").read_text()
     assert len(re.findall(r"^\| [18] \| ", report, re.M)) == len(runs)
     assert f"# bench generate: {work / 'hf'}" in report
+
+
+@pytest.mark.one_at_a_time  # two worker lanes, then two pinned `bench generate` processes
+def test_adaptive_depth_smoke(tmp_path):
+    """SMOKE=1 bench/adaptive_depth: three seeds trained in two stages (exit-weighted, then the
+    gate alone from stage 1's checkpoint) and exported, the per-token evidence over each kind of
+    token, every run of `bench generate` at batch 1 and 8 over its batches, one verdict per exit
+    setting, and the report with its figures."""
+    script, work, out = str(ROOT / "bench/adaptive_depth"), tmp_path / "work", tmp_path / "out"
+    env = {**os.environ, "SMOKE": "1", "PYTHON": sys.executable, "WANDB_MODE": "disabled"}
+    env["ADAPTIVE_WORK"] = str(work)
+    proc = subprocess.run([script], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 1 and "needs an OUT folder" in proc.stderr, proc.stderr
+    assert not work.exists()
+    proc = subprocess.run([script, str(out)], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for seed in (0, 1, 2):
+        one = read_metrics(work / f"seed{seed}/stage1")["config"]
+        two = read_metrics(work / f"seed{seed}/stage2")["config"]
+        assert one["objective"]["kind"] == "exit_weighted" and one["data"]["task"] == "addition"
+        assert two["objective"]["kind"] == "gate_gain" and one["model"]["hidden_size"] == 32
+        assert two["train"]["init_from"] == str(
+            work / f"seed{seed}/stage1/checkpoints/step_0000004"
+        )
+        assert (one["train"]["seed"], two["train"]["seed"]) == (seed, seed)
+        assert json.loads((work / f"seed{seed}/hf/config.json").read_text())["exit_gate"]
+
+    info = json.loads((out / "adaptive_depth.json").read_text())
+    assert info["smoke"] and info["seeds"] == [0, 1, 2] and info["episodes"] == {"1": 4, "8": 16}
+    always = {
+        "operand digit",
+        "format (+ = newline)",
+        "answer, units digit",
+        "answer, carry from the next column",
+    }
+    for found in info["evidence"].values():
+        assert always <= set(found) <= always | {"answer, carry through a 9-sum column"}
+        assert found["operand digit"]["tokens"] == 8 * info["evidence_windows"]
+        assert found["answer, units digit"]["tokens"] == info["evidence_windows"]
+        for kind in found.values():
+            assert len(kind["ce"]) == 4 and all(math.isfinite(c) for c in kind["ce"])
+            assert 1 <= kind["gate_mean_exit_loop"] <= 4
+            assert len(kind["rules"]) == 12  # three rules, four thresholds each
+            assert all(1 <= r["mean_exit_loop"] <= 4 for r in kind["rules"].values())
+    for runs in info["runs"].values():
+        for b, batches in ((1, 4), (8, 2)):
+            at_b = [r for r in runs if r["batch_size"] == b]
+            assert {r["batches"] for r in at_b} == {batches}
+            assert sorted(r["loops"] for r in at_b if r["exit"] == "fixed") == [1, 2, 3, 4]
+            exiting = [r for r in at_b if r["exit"] != "fixed"]
+            assert len(exiting) == 3 * 4 * 2 * (2 if b > 1 else 1)
+            for r in at_b:
+                assert 0 <= r["answer_accuracy"] <= 1 and math.isfinite(r["answer_ce"])
+                decoded = b * batches * (16 - 6)
+                assert r["tokens_per_s"] == pytest.approx(decoded / min(r["seconds"]))
+    assert len(info["verdicts"]) == 3 * 4 * 2 * 3
+    for v in info["verdicts"]:
+        assert len(v["answer_accuracy"]) == 3 and isinstance(v["beats_fixed_depth"], bool)
+        assert v["beats_fixed_depth"] == (v["undominated"] and (v["by_accuracy"] or v["by_speed"]))
+    report = (out / "README.md").read_text()
+    assert report.startswith("# Adaptive depth against fixed depth")
+    assert "**SMOKE run" in report and "- **Batch 1: " in report and "- **Batch 8: " in report
+    assert report.count("\n| fixed K=") == 8 and "\n| gate 0.5 | " in report
+    for b in (1, 8):
+        assert (out / f"frontier_b{b}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # --report redraws the same report from the JSON
+    (out / "README.md").unlink()
+    proc = subprocess.run([script, "--report", str(out)], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0 and (out / "README.md").read_text() == report
