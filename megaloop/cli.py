@@ -20,10 +20,23 @@ from megaloop.parallel.launch import LaunchError
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megaloop", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"megaloop {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS.values():
         command.add_parser(sub)
     return parser
+
+
+def version() -> str:
+    """The installed distribution's version (pyproject.toml's, from a wheel or an editable
+    install)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("megaloop")
+    except PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
 
 
 NO_MEGATRON = frozenset(name for name, c in COMMANDS.items() if not c.BUILDS_MODEL)

@@ -121,6 +121,17 @@ def test_help_lists_every_subcommand():
         assert f"\n    {name} " in out, name
 
 
+def test_version_is_the_packages(capsys):
+    import tomllib
+
+    from support import ROOT
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"megaloop {declared}\n"
+
+
 def test_command_options_are_frozen():
     found = {path: options(p) for path, p in commands(build_parser())}
     assert found == OPTIONS
