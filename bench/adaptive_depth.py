@@ -17,8 +17,8 @@
    is (KINDS), and where each exit rule stops each kind (the no-cache reference of early exit).
 4. The frontier: `megaloop bench generate --task addition` on each seed's export, one thread
    pinned to one core: every fixed K from 1 to 4 and every exit rule (the learned gate, the top-1
-   margin, the top-1 probability) over its thresholds, under `copy` and `share`, sync and async,
-   over EPISODES[b] windows at batch size b.
+   margin, the top-1 probability) over its thresholds, under every KV policy (`copy`, `share`,
+   `recompute`), sync and async, over EPISODES[b] windows at batch size b.
 5. The verdict (VERDICT below, fixed before the run).
 
 Environment: ADAPTIVE_WORK, the scratch folder (default runs/adaptive_depth, or
@@ -28,6 +28,7 @@ interpreter with megaloop installed (default: this one).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import queue
@@ -68,7 +69,16 @@ THRESHOLDS = {
     "confidence": (0.5, 0.7, 0.9, 0.97),
 }
 """bench generate's defaults (settings.DEFAULT_THRESHOLDS), named here for the evidence."""
-BENCH = ["--kv", "copy,share", "--batching", "sync,async", "--repeats", "1" if SMOKE else "3"]
+CACHED = {"gate": 0.5, "margin": 2.0, "confidence": 0.9}
+"""The threshold per rule at which the evidence also decodes through the cache, per KV policy."""
+BENCH = [
+    "--kv",
+    "copy,share,recompute",
+    "--batching",
+    "sync,async",
+    "--repeats",
+    "1" if SMOKE else "3",
+]
 KINDS = (
     "operand digit",
     "format (+ = newline)",
@@ -164,13 +174,14 @@ def kind_of(windows):
 
 
 def evidence(export: str, valid: str) -> dict:
-    """Per kind: each loop's CE and accuracy, the mean loop of the gate's exit distribution, and
-    each rule's mean exit loop and accuracy at each threshold (a worker runs it)."""
+    """Per kind: each loop's CE and accuracy, the mean loop of the gate's exit distribution, each
+    rule's mean exit loop and accuracy at each threshold (the no-cache reference), and at CACHED's
+    threshold through the cache under each KV policy (the decoded tokens; a worker runs it)."""
     import numpy as np
     import torch
 
     from megaloop.evaluation import harness
-    from megaloop.evaluation.generate_bench import configured
+    from megaloop.evaluation.generate_bench import configured, decode_batch
     from megaloop.model import semantics
 
     opened = harness.open_model(Path(export))
@@ -198,6 +209,16 @@ def evidence(export: str, valid: str) -> dict:
                     out.exit_loops.float(),
                     (out.logits.argmax(-1) == targets).float(),
                 )
+    cached = {}
+    for (rule, t), kv in itertools.product(CACHED.items(), ("copy", "share", "recompute")):
+        spec = {"exit": rule, "threshold": t, "kv": kv, "batching": "sync", "loops": 4}
+        loops, hits = [], []
+        for rows in windows.split(64):
+            _, logits, part = decode_batch(model, rows, PROMPT, spec, lambda: None)
+            loops.append(part["exit_loops"].view(len(rows), -1).float())
+            hits.append((logits.argmax(-1) == rows[:, PROMPT + 1 :]).float())
+        cached[f"{rule} {t:g} {kv}"] = (torch.cat(loops), torch.cat(hits))
+    decoded = kinds[:, PROMPT:]
     result = {}
     for i, name in enumerate(KINDS):
         at = kinds == i
@@ -213,6 +234,12 @@ def evidence(export: str, valid: str) -> dict:
                 for rule, (loops, hit) in rules.items()
             },
         }
+        if bool((decoded == i).any()):
+            at = decoded == i
+            result[name]["cached"] = {
+                run: {"mean_exit_loop": loops[at].mean().item(), "accuracy": hit[at].mean().item()}
+                for run, (loops, hit) in cached.items()
+            }
     assert np.isfinite([v for e in result.values() for v in e["ce"]]).all()
     return result
 
@@ -468,6 +495,26 @@ def write_report(info: dict, out: Path) -> None:
             for k in kinds
         ]
         lines.append(f"| {rule} | " + " | ".join(cells) + " |")
+    decoded = [k for k in kinds if "cached" in per_kind[k][0]]
+    lines += [
+        "",
+        "The same through the cache (teacher-forced, sync, the tokens after the prompt): "
+        "each policy at one threshold per rule, mean exit loop (and accuracy). Under `copy` "
+        "a later token's deeper loops read an exited token's keys and values of its exit "
+        "loop, and under `share` every loop reads each earlier token's last computed loop: "
+        "states this model never attended to in training. `recompute` runs the exited "
+        "tokens' missing loops instead, so it decodes as the no-cache reference above.",
+        "",
+        "| rule, policy | " + " | ".join(decoded) + " |",
+        "|---|" + "---|" * len(decoded),
+    ]
+    for run in per_kind[decoded[0]][0]["cached"]:
+        cells = [
+            f"{mean([e['cached'][run]['mean_exit_loop'] for e in per_kind[k]]):.2f} "
+            f"({mean([e['cached'][run]['accuracy'] for e in per_kind[k]]):.3f})"
+            for k in decoded
+        ]
+        lines.append(f"| {run} | " + " | ".join(cells) + " |")
     for b in sizes:
         lines += [
             "",
@@ -510,7 +557,7 @@ def write_report(info: dict, out: Path) -> None:
 
 
 MARKERS = {"gate": "^", "margin": "s", "confidence": "o"}
-COLOURS = {"copy": "tab:blue", "share": "tab:orange"}
+COLOURS = {"copy": "tab:blue", "share": "tab:orange", "recompute": "tab:green"}
 
 
 def plot(info: dict, b: int, path: Path) -> None:

@@ -603,6 +603,9 @@ def test_adaptive_depth_smoke(tmp_path):
         assert always <= set(found) <= always | {"answer, carry through a 9-sum column"}
         assert found["operand digit"]["tokens"] == 8 * info["evidence_windows"]
         assert found["answer, units digit"]["tokens"] == info["evidence_windows"]
+        # through the cache: three rules at one threshold each, under each KV policy
+        cached = found["answer, units digit"]["cached"]
+        assert len(cached) == 9 and "margin 2 recompute" in cached
         for kind in found.values():
             assert len(kind["ce"]) == 4 and all(math.isfinite(c) for c in kind["ce"])
             assert 1 <= kind["gate_mean_exit_loop"] <= 4
@@ -614,12 +617,12 @@ def test_adaptive_depth_smoke(tmp_path):
             assert {r["batches"] for r in at_b} == {batches}
             assert sorted(r["loops"] for r in at_b if r["exit"] == "fixed") == [1, 2, 3, 4]
             exiting = [r for r in at_b if r["exit"] != "fixed"]
-            assert len(exiting) == 3 * 4 * 2 * (2 if b > 1 else 1)
+            assert len(exiting) == 3 * 4 * (5 if b > 1 else 3)  # async: copy and share
             for r in at_b:
                 assert 0 <= r["answer_accuracy"] <= 1 and math.isfinite(r["answer_ce"])
                 decoded = b * batches * (16 - 6)
                 assert r["tokens_per_s"] == pytest.approx(decoded / min(r["seconds"]))
-    assert len(info["verdicts"]) == 3 * 4 * 2 * 3
+    assert len(info["verdicts"]) == 3 * 4 * (3 + 5)
     for v in info["verdicts"]:
         assert len(v["answer_accuracy"]) == 3 and isinstance(v["beats_fixed_depth"], bool)
         assert v["beats_fixed_depth"] == (v["undominated"] and (v["by_accuracy"] or v["by_speed"]))
@@ -627,6 +630,7 @@ def test_adaptive_depth_smoke(tmp_path):
     assert report.startswith("# Adaptive depth against fixed depth")
     assert "**SMOKE run" in report and "- **Batch 1: " in report and "- **Batch 8: " in report
     assert report.count("\n| fixed K=") == 8 and "\n| gate 0.5 | " in report
+    assert "\n| gate 0.5 copy | " in report and "\n| confidence 0.9 recompute | " in report
     for b in (1, 8):
         assert (out / f"frontier_b{b}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # --report redraws the same report from the JSON
