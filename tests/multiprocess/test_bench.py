@@ -566,8 +566,7 @@ def test_generate_mini_smoke(tmp_path):
     assert f"# bench generate: {work / 'hf'}" in report
 
 
-@pytest.mark.one_at_a_time  # two worker lanes, then two pinned `bench generate` processes
-def test_adaptive_depth_smoke(tmp_path):
+def test_adaptive_depth_smoke(tmp_path):  # two worker lanes, then two pinned processes
     """SMOKE=1 bench/adaptive_depth: three seeds trained in two stages (exit-weighted, then the
     gate alone from stage 1's checkpoint) and exported, the per-token evidence over each kind of
     token, every run of `bench generate` at batch 1 and 8 over its batches, one verdict per exit
