@@ -1,11 +1,13 @@
 """What the miniature benches (repro_mini, study_mini, drift_regime, drift_drivers,
 final_norm_scale) share: the WikiText texts linked into their scratch folder, prepared with
 `megaloop prep`, the model their smoke runs train, the depth, halt and diagnose measurements of
-a trained run, and the figure of final-loop norms over training, one panel a run group."""
+a trained run, the figure of final-loop norms over training, one panel a run group, and their
+reports' paths written relative to the repository or the scratch folder."""
 
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -53,6 +55,14 @@ def small_multiples(
 def run(cmd: list, **kwargs) -> None:
     print("+", " ".join(map(str, cmd)), flush=True)
     subprocess.run(cmd, check=True, **kwargs)
+
+
+def relative_paths(path: Path, base: Path) -> None:
+    """Rewrite PATH (a report) with every absolute path under BASE written relative to BASE: a
+    report committed under docs/ names no machine's folders (`megaloop report` lists its inputs
+    and the models behind the measurements as they were given, absolute here)."""
+    prefix = re.escape(f"{Path(base).resolve()}/")
+    path.write_text(re.sub(rf"(?<![\w./-]){prefix}", "", path.read_text()))
 
 
 def prepare(bench: str, work: Path, source: Path, python: str, *prep_options: str) -> Path:

@@ -12,7 +12,8 @@
    (finished runs are skipped, so a rerun resumes), two at a time in the two worker processes
    of bench/workers.py, one thread each.
 3. Measurements on the validation text: `megaloop depth`, `halt` and `diagnose` of every run
-   (in the workers, two runs at a time), then `megaloop report` of everything into OUT.
+   (in the workers, two runs at a time), then `megaloop report` of everything into OUT, its
+   paths written relative to the repository (to REPRO_WORK when that lies outside it).
 
 Environment: REPRO_SOURCE, a folder holding wiki.test.raw and wiki.valid.raw (default:
 ../shared/data/wikitext-103 beside the repository); REPRO_WORK, the scratch folder (default
@@ -144,6 +145,8 @@ def main() -> None:
             str(out),
         ]
     )
+    # the inputs' paths relative to the repository (to the scratch folder when it lies outside)
+    miniature.relative_paths(out / "report.md", ROOT if work.is_relative_to(ROOT) else work)
     clock["reported"] = time.time()
     minutes = {
         f"{a}_to_{b}": round((clock[b] - clock[a]) / 60, 1) for a, b in zip(clock, list(clock)[1:])

@@ -586,9 +586,11 @@ def main() -> None:
     clock["measured"] = time.time()
     if clock["measured"] - clock["trained"] > 60:  # it measured, not only skipped
         spent(work, "measure", clock["measured"] - clock["trained"])
-    # paths relative to the scratch folder: the committed report names no machine's paths
+    # paths relative to the scratch folder: the committed report names no machine's paths (the
+    # inputs are given so; the models behind the measurements are recorded absolute, cut after)
     report = [python, "-m", "megaloop", "report", "runs/study", "measure/study"]
     miniature.run([*report, "--out", str(out.resolve() / "measurements")], cwd=work)
+    miniature.relative_paths(out / "measurements" / "report.md", work)
     trajectories = {
         row: {seed: trajectory(work / "runs" / "study" / row / f"seed{seed}") for seed in SEEDS}
         for row in ROWS

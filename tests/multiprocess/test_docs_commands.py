@@ -77,7 +77,7 @@ RUN = {
     "megaloop report runs/ --out runs/report": [],
 }
 DRY_RUN = [  # Slurm submissions: rendered and checked, not submitted
-    "megaloop slurm submit configs/experiments/fineweb/1p4b_42b_tokens.yaml --nodes 16 --gpus-per-node 8 --partition gpu --time 2-00:00:00 --sbatch-arg=--exclusive --dry-run train.dir=/scratch/megaloop/runs/fineweb-1p4b",
+    "megaloop slurm submit configs/experiments/fineweb/1p4b_42b_tokens.yaml --nodes 16 --gpus-per-node 8 --partition gpu --time 2-00:00:00 --sbatch-arg=--exclusive --dry-run train.dir=/path/to/shared/runs/fineweb-1p4b",
 ]
 SKIP = {
     "make demo": "the demo itself (tests/unit/test_demo.py runs it short)",

@@ -35,6 +35,8 @@ def test_smoke_run_of_repro_mini_writes_the_report(tmp_path):
     for variant in ("per_loop_norm", "per_loop_raw"):  # two seeds each, pooled
         assert f"| {variant} | 2 |" in text
     assert "No `megaloop" not in text
+    # its inputs relative to the scratch folder (REPRO_WORK lies outside the repository here)
+    assert str(tmp_path) not in text and "- run `runs/repro_mini/per_loop_norm/seed0`" in text
     assert {p.name for p in out.glob("*.png")} == {
         "ppl_vs_k.png",
         "frontier.png",

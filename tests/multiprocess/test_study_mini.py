@@ -71,6 +71,9 @@ def test_smoke_runs_of_study_mini_and_drift_drivers(tmp_path):
     report = (study / "report.md").read_text()
     assert "| per_loop_norm | 2 |" in report and "## Verdicts" in report
     assert (study / "growth.png").is_file() and (study / "measurements/report.md").is_file()
+    measurements = (study / "measurements/report.md").read_text()
+    assert str(tmp_path) not in measurements  # its paths relative to STUDY_WORK
+    assert "(model `runs/study/per_loop_norm/seed0`)" in measurements
     # --report rewrites the report from the JSON alone: the same text, once the runs are gone
     (study / "growth.png").unlink()
     (study / "report.md").rename(study / "report.first.md")
