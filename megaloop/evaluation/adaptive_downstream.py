@@ -108,9 +108,10 @@ def depth_counting_class():
 
 
 def run(settings: DownstreamSettings) -> dict:
-    """Fixed K, then each threshold; adaptive.json/.md and the figure over all of them."""
+    """Each fixed K up to K, then each threshold; adaptive.json/.md and the figure over all."""
     export = check_rule(settings)
     K, out = settings.loops, settings.out
+    baselines = tuple(range(1, K + 1))  # the fixed-K runs, one lm-eval pass each
     runs = []
     with downstream.task_setup(settings) as (tasks, task_manager):
         tokenizer = export.tokenizer()
@@ -119,7 +120,7 @@ def run(settings: DownstreamSettings) -> dict:
         lm_args = dict(
             pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size, device=device
         )
-        for k in range(1, K + 1):
+        for k in baselines:
             model.config.num_loops = k
             results = downstream.scored(
                 downstream.checked_lm(**lm_args), tasks, task_manager, settings.limit
