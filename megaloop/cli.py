@@ -42,7 +42,7 @@ def version() -> str:
 NO_MEGATRON = frozenset(name for name, c in COMMANDS.items() if not c.BUILDS_MODEL)
 """Commands that never build a model in this process (they read configs and print, or hand the
 work to other processes): they import neither torch, megatron-core nor wandb, and start in a
-fraction of a second."""
+fraction of a second. So does `train --print-config`."""
 
 
 class ReaderSafeStdout:
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:  # key=value overrides may also follow the options
         args.overrides = [*args.overrides, *extra]
-    if args.command not in NO_MEGATRON:
+    if args.command not in NO_MEGATRON and not getattr(args, "print_config", False):
         from megaloop import _cpu_compat
 
         _cpu_compat.apply()

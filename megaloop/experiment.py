@@ -165,8 +165,10 @@ def resolve_steps(cfg: ExperimentConfig) -> str | None:
     )
 
 
-def build_trainer(cfg: ExperimentConfig, log: bool = True):
-    """The chain: process groups → data → engine (model + parallelism) → trainer."""
+def build_trainer(cfg: ExperimentConfig, log: bool = True, dry_run: bool = False):
+    """The chain: process groups → data → engine (model + parallelism) → trainer. Building
+    writes nothing to train.dir but its lock (`fit` writes the rest); `dry_run` leaves even the
+    lock alone, only checking that no live run holds it."""
     from megaloop.parallel import distributed, layout
     from megaloop.train import callbacks, run_lock, start
     from megaloop.train.trainer import Trainer, default_callbacks
@@ -184,7 +186,7 @@ def build_trainer(cfg: ExperimentConfig, log: bool = True):
     )
     if note and log and distributed.is_main():
         print(f"megaloop: {note}", flush=True)
-    run_lock.hold(Path(cfg.train.dir))
+    run_lock.hold(Path(cfg.train.dir), probe_only=dry_run)
     start.check_start(cfg, distributed.world_size())
     t = cfg.train
     dataset = cfg.data.build(t.seed, train_samples=t.steps * t.global_batch_size)

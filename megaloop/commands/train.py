@@ -1,10 +1,15 @@
-"""`megaloop train CONFIG [key=value ...]`: train a looped model, print the final validation."""
+"""`megaloop train CONFIG [key=value ...]`: train a looped model, print the final validation.
+
+`--print-config` prints the resolved config and builds nothing; `--dry-run` builds everything
+the first step needs (data, model, layout) as a run would, then stops before it, having written
+nothing to train.dir."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+from pathlib import Path
 
 from megaloop.commands.options import load_config, with_config
 
@@ -12,16 +17,40 @@ BUILDS_MODEL = True
 
 
 def add_parser(sub) -> None:
-    with_config(sub.add_parser("train", help="train a looped model")).set_defaults(fn=run)
+    p = with_config(sub.add_parser("train", help="train a looped model"))
+    check = p.add_mutually_exclusive_group()
+    check.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config (files, defaults and overrides) as YAML and exit; "
+        "builds nothing",
+    )
+    check.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="open the data, build the model and layout as a run would, print a summary and "
+        "exit before the first step; writes nothing to train.dir",
+    )
+    p.set_defaults(fn=run)
 
 
 def run(args) -> int:
     cfg = load_config(args)
+    if args.print_config:
+        print(config_yaml(cfg), end="")
+        return 0
     from megaloop.experiment import build_trainer
     from megaloop.train.preemption import EXIT_PREEMPTED, Preempted
     from megaloop.train.watchdog import EXIT_UNHEALTHY, STOP_MARKER, UnhealthyRun
 
-    trainer = build_trainer(cfg)
+    trainer = build_trainer(cfg, dry_run=args.dry_run)
+    if args.dry_run:
+        from megaloop.parallel import distributed
+
+        summary = dry_run_summary(trainer, args.config)  # collective: every rank measures
+        if distributed.is_main():
+            print(summary)
+        return 0
     try:
         result = trainer.fit()
     except Preempted as e:
@@ -53,6 +82,61 @@ def run(args) -> int:
         )
     )
     return 0
+
+
+def config_yaml(cfg) -> str:
+    """The resolved config as YAML that loads back to the same values (and runs as a config
+    file)."""
+    import yaml
+
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False, allow_unicode=True)
+
+
+def dry_run_summary(trainer, config: str) -> str:
+    """What the run would be: parameters (counted, and as built on its ranks), layout, data
+    windows, steps, and where it would start."""
+    from megaloop.parallel import distributed
+    from megaloop.parallel.cost import parameter_counts
+
+    cfg, engine, dataset = trainer.cfg, trainer.engine, trainer.dataset
+    t = cfg.train
+    counts = parameter_counts(cfg.model)
+    built = max(r["params"] for r in engine.memory_report()["ranks"])
+    layout = engine.layout()
+    zero = f" ZeRO-{layout['zero_stage']}" if "zero_stage" in layout else ""
+    windows = t.steps * t.global_batch_size
+    valid = trainer.eval_microbatches * t.micro_batch_size
+    split = dataset.valid_windows
+    return "\n".join(
+        [
+            f"megaloop: dry run of {config}: nothing trained, nothing written to train.dir",
+            f"  parameters: {counts['total']:,} (embedding {counts['embedding']:,}, "
+            f"non-embedding {counts['non_embedding']:,}); the largest rank holds {built:,}",
+            f"  layout: engine={cfg.engine}{zero}, {distributed.world_size()} rank(s): "
+            f"TP={layout['tp']} PP={layout['pp']} DP={layout['dp']}",
+            f"  data: {cfg.data.kind}, {dataset.seq_len} tokens a window; micro-batch "
+            f"{t.micro_batch_size}, global batch {t.global_batch_size}",
+            f"  steps: {t.steps:,} = {windows:,} training windows "
+            f"({windows * dataset.seq_len:,} tokens)",
+            f"  validation: {valid:,} windows"
+            + (f" of the split's {split:,}" if split is not None else " (synthetic stream)"),
+            f"  train.dir: {t.dir} ({start_of(Path(t.dir), t.init_from)})",
+        ]
+    )
+
+
+def start_of(run_dir: Path, init_from: str | None) -> str:
+    """Where a run in `run_dir` would start, from what is there (read, never written)."""
+    weights = f"from the weights of {init_from}" if init_from else "fresh"
+    if not run_dir.exists():
+        return f"does not exist yet; the run creates it and starts {weights}"
+    latest = run_dir / "checkpoints" / "latest"
+    if latest.is_file():
+        return (
+            f"exists; resumes from its newest complete checkpoint, the latest marker names "
+            f"{latest.read_text().strip()}"
+        )
+    return f"exists, no checkpoint; starts {weights}"
 
 
 def collective_failure(e: Exception) -> int:

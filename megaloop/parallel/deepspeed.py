@@ -16,7 +16,6 @@ import json
 import logging
 import math
 import os
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -124,10 +123,7 @@ class DeepSpeedEngine:
         decay = [p for n, p in named if cfg.optim.decays(n, p)]
         no_decay = [p for n, p in named if not cfg.optim.decays(n, p)]
         groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
-        ds_json = deepspeed_config(cfg, self.dp_size)
-        if dist.get_rank() == 0:
-            Path(cfg.train.dir).mkdir(parents=True, exist_ok=True)
-            (Path(cfg.train.dir) / "deepspeed.json").write_text(json.dumps(ds_json, indent=1))
+        ds_json = self.ds_config = deepspeed_config(cfg, self.dp_size)
         factor = megatron_lr(cfg.optim, cfg.train.steps)
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=self.module,
@@ -239,6 +235,9 @@ class DeepSpeedEngine:
         if isinstance(flat, torch.Tensor):
             held[id(flat)] = flat.numel() * flat.element_size()
         return sum(held.values())
+
+    def run_files(self) -> dict[str, str]:
+        return {"deepspeed.json": json.dumps(self.ds_config, indent=1)}
 
     # -- checkpoints: DeepSpeed's own format, inside megaloop's atomic step folders ----------
 

@@ -76,6 +76,10 @@ class TrainingEngine(Protocol):
         """{"tp", "pp", "dp", ..., "ranks": [one dict per rank with RANK_REPORT_KEYS]},
         gathered on every rank: what each rank measures holding."""
 
+    def run_files(self) -> dict[str, str]:
+        """Files (name: text) the engine records in the run directory, written by the trainer
+        when the run starts: building an engine writes nothing (`megaloop train --dry-run`)."""
+
     def save_state(self, folder: Path, position: dict) -> None: ...
 
     def load_state(self, folder: Path, same_layout: bool) -> None: ...

@@ -268,6 +268,9 @@ class MegatronEngine:
             replica_id=0,
         )
 
+    def run_files(self) -> dict[str, str]:
+        return {}
+
     def save_state(self, folder, position: dict) -> None:
         state = self._sharded_state(loading=False)
         state.update(rng=self._rng_state(), scheduler=self.scheduler.state_dict(), **position)

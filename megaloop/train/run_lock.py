@@ -30,15 +30,16 @@ class RunDirBusy(ConfigError):
     """Another live run holds the run directory."""
 
 
-def hold(run_dir: Path) -> None:
-    """Rank 0 takes the lock; every rank stops if it could not (collective), before anything is
-    read or written in the run directory."""
+def hold(run_dir: Path, probe_only: bool = False) -> None:
+    """Rank 0 takes the lock (`probe_only`: only checks that no live run holds it, as a dry run
+    does, creating and writing nothing); every rank stops if it could not (collective), before
+    anything is read or written in the run directory."""
     from megaloop.parallel import comm, distributed
 
     busy = None
     if distributed.is_main():
         try:
-            acquire(run_dir)
+            (probe if probe_only else acquire)(run_dir)
         except RunDirBusy as e:
             busy = e
     if comm.any_rank(busy is not None):
@@ -59,12 +60,7 @@ def acquire(run_dir: Path) -> None:
         if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
             holder = _holder(fd)
             os.close(fd)
-            raise RunDirBusy(
-                f"train.dir={run_dir} is in use by another run ({holder}); two runs writing "
-                f"one directory would mix their checkpoints and metrics. Wait for it to end, "
-                f"stop it (its checkpoints stay and a relaunch resumes from them), or give "
-                f"this run another train.dir"
-            ) from None
+            raise _busy(run_dir, holder) from None
         os.close(fd)
         print(
             f"megaloop: warning: {run_dir} cannot be locked ({e.strerror}: the filesystem "
@@ -81,6 +77,32 @@ def acquire(run_dir: Path) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
     _held[run_dir] = fd
+
+
+def probe(run_dir: Path) -> None:
+    """RunDirBusy if a live run holds RUN_DIR/.lock. The lock file is only opened for reading
+    and a shared lock taken for an instant, so the directory is left exactly as it was."""
+    run_dir = Path(run_dir).resolve()
+    lock = run_dir / LOCK
+    if run_dir in _held or not lock.is_file():
+        return
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
+            raise _busy(run_dir, _holder(fd)) from None
+    finally:
+        os.close(fd)
+
+
+def _busy(run_dir: Path, holder: str) -> RunDirBusy:
+    return RunDirBusy(
+        f"train.dir={run_dir} is in use by another run ({holder}); two runs writing "
+        f"one directory would mix their checkpoints and metrics. Wait for it to end, "
+        f"stop it (its checkpoints stay and a relaunch resumes from them), or give "
+        f"this run another train.dir"
+    )
 
 
 def release(run_dir: Path) -> None:

@@ -161,8 +161,12 @@ class Trainer:
         raise UnhealthyRun(f"stopped at step {self.step}: {message}; {kept}")
 
     def start(self) -> None:
-        """Resume, run the callbacks' pre_train, open the run's metrics."""
+        """Write the engine's run files, resume, run the callbacks' pre_train, open the run's
+        metrics."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.is_main:
+            for name, text in self.engine.run_files().items():
+                (self.run_dir / name).write_text(text)
         self._clear_stop_marker()
         resumed = self.resume()
         if resumed is not None and self.log_enabled:

@@ -6,9 +6,12 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
-from megaloop.cli import NO_MEGATRON, build_parser
+from megaloop import experiment
+from megaloop.cli import NO_MEGATRON, build_parser, main
 from megaloop.commands import COMMANDS
+from megaloop.config import CONFIG_ROOT, shipped_configs
 from megaloop.evaluation.exported import EvalError
 from megaloop.evaluation.settings import (
     DepthSettings,
@@ -17,6 +20,7 @@ from megaloop.evaluation.settings import (
     FixedKSettings,
     HaltSettings,
 )
+from support import TINY
 
 MEASURE = ["model", "--data", "--seq-len", "--batch-size", "--batch", "--dtype"]
 SLURM_JOB = [
@@ -40,7 +44,7 @@ PREP += ["--max-array-size", "--job-name"]
 # (with its action) lists its options as typed, positionals by name; `--batch` is the refused
 # old spelling of `--batch-size`.
 OPTIONS = {
-    "train": ["config", "overrides"],
+    "train": ["config", "overrides", "--print-config", "--dry-run"],
     "params": ["config", "overrides", "--world"],
     "configs": [],
     "plan": ["config", "overrides", "--gpus", "--gpu-mem", "--tflops", "--mfu"]
@@ -212,3 +216,54 @@ def test_missing_config_file_is_one_clear_error(tmp_path):
     )
     assert proc.returncode == 2
     assert "config file 'nope.yaml'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_print_config_is_the_resolved_config_as_yaml(tmp_path, capsys):
+    overrides = ["train.steps=7", "model.readout=raw", f"train.dir={tmp_path / 'run'}"]
+    assert main(["train", TINY, *overrides, "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    resolved = experiment.load(TINY, overrides).to_dict()
+    assert printed == resolved
+    assert printed["train"]["steps"] == 7 and printed["model"]["readout"] == "raw"
+    assert printed["model"]["num_loops"] == 4  # from the model file the config composes
+    again = tmp_path / "printed.yaml"  # it runs as a config file of its own
+    again.write_text(yaml.safe_dump(printed))
+    assert experiment.load(again).to_dict() == resolved
+    assert not (tmp_path / "run").exists()
+
+
+def test_print_config_of_a_bad_config_is_the_one_line_error(capsys):
+    assert main(["train", TINY, "train.steps=x", "--print-config"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip().splitlines() == [
+        "megaloop: error: config key 'train.steps': got 'x'; expected an integer"
+    ]
+
+
+def test_print_config_and_dry_run_exclude_each_other(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["train", TINY, "--print-config", "--dry-run"])
+    assert exit_.value.code == 2 and "not allowed with" in capsys.readouterr().err
+
+
+def test_configs_lists_experiments_apart_from_fragments_with_descriptions(capsys):
+    assert main(["configs"]) == 0
+    out = capsys.readouterr().out
+    head, experiments, fragments = out.split("\n\n")
+    assert experiments.startswith("experiments (runnable")
+    assert fragments.startswith("fragments")
+    listed = {
+        line.split()[0]: (section, line.split(None, 1)[1])
+        for section, block in (("experiment", experiments), ("fragment", fragments))
+        for line in block.splitlines()[1:]
+    }
+    assert sorted(listed) == sorted(shipped_configs())  # every config once, by its name
+    assert len(out.splitlines()) == len(listed) + 5
+    first_comment = (CONFIG_ROOT / "experiments/tiny.yaml").read_text().splitlines()[0]
+    assert listed["experiments/tiny"] == ("experiment", first_comment.removeprefix("# "))
+    for name in ("experiments/study/44m/per_loop_norm", "experiments/fineweb/1p4b_baseline"):
+        assert listed[name][0] == "experiment", name
+    for name in ("model/129m", "data/fineweb", "experiments/study/base", "experiments/study/44m"):
+        assert listed[name][0] == "fragment", name
+    assert all(about for _, about in listed.values())

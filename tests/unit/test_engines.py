@@ -40,6 +40,7 @@ def test_every_engine_has_the_contracts_methods_and_parameters(engine):
             "step",
             "reduce",
             "memory_report",
+            "run_files",
             "save_state",
             "load_state",
             "load_weights",

@@ -80,6 +80,7 @@ def test_training_goes_on_when_its_reader_stops(tmp_path):
         ["configs"],
         ["params", "129m"],
         ["plan", "experiments/fineweb/1p4b_baseline", "--gpus", "8", "--gpu-mem", "80"],
+        ["train", "experiments/tiny", "train.steps=3", "--print-config"],
         ["slurm", "submit", "experiments/tiny", "--nodes", "1", "--gpus-per-node", "0"]
         + ["--dry-run"],
     ],

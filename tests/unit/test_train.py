@@ -1,15 +1,22 @@
 """Training on one process: the loss falls, and a run directory holds what it promises."""
 
+import fcntl
 import json
 import math
+import os
+import random
+import re
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from megaloop import experiment
+from megaloop.cli import main
+from megaloop.parallel.engines import ENGINES
 from multiproc import metrics as read_metrics
-from support import TINY, megaloop
+from support import TINY, article, megaloop
 
 
 def test_fifty_steps_of_the_tiny_config_reduce_the_loss(tmp_path):
@@ -293,3 +300,76 @@ def test_stage_two_trains_the_exit_gate_alone(tmp_path):
     moved = {name for name in before if not torch.equal(before[name], after[name])}
     assert moved and all("exit_gate." in name for name in moved), moved
     assert any("exit_gate.proj" in name for name in moved)
+
+
+def tree(root: Path) -> dict:
+    """Every path under `root` with its bytes (files) and modification time: what a dry run
+    must leave as it found it."""
+    return {
+        str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None, p.stat().st_mtime_ns)
+        for p in [root, *root.rglob("*")]
+    }
+
+
+def test_dry_run_builds_the_run_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    text = tmp_path / "text.txt"
+    text.write_text("\n\n".join(article(random.Random(s)) for s in range(100)))
+    run = tmp_path / "run"
+    args = ["data.kind=text", f"data.path={text}", "data.seq_len=32", f"train.dir={run}"]
+    assert main(["train", TINY, *args, "train.steps=5", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path)) == ["text.txt"]  # no run dir, metrics, wandb or lock
+    assert "nothing trained" in out
+    assert "parameters: 557,696 (embedding 32,768, non-embedding 524,928)" in out
+    assert "the largest rank holds 557,696" in out  # the model was built
+    assert "engine=megatron, 1 rank(s): TP=1 PP=1 DP=1" in out
+    assert "steps: 5 = 80 training windows (2,560 tokens)" in out
+    assert re.search(r"validation: 64 windows of the split's [\d,]+\n", out), out
+    assert f"train.dir: {run} (does not exist yet" in out
+
+
+def test_a_deepspeed_dry_run_writes_nothing_either(tmp_path, capsys):
+    """DeepSpeed's deepspeed.json is written when the run starts, not when its engine is built."""
+    run = tmp_path / "run"
+    args = [f"train.dir={run}", "engine=deepspeed", "deepspeed.zero_stage=3", "data.seq_len=32"]
+    assert main(["train", TINY, *args, "--dry-run"]) == 0
+    assert "engine=deepspeed ZeRO-3, 1 rank(s): TP=1 PP=1 DP=1" in capsys.readouterr().out
+    assert not run.exists()
+
+
+def test_dry_run_leaves_an_existing_run_dir_as_it_was(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "notes.txt").write_text("mine\n")
+    (run / ".lock").write_text('{"pid": 1, "host": "elsewhere"}\n')
+    (run / "STOPPED").write_text('{"message": "an earlier stop"}\n')  # fit would remove it
+    before = tree(run)
+    args = ["train", TINY, f"train.dir={run}", "train.steps=3", "--dry-run"]
+    assert main(args) == 0
+    assert "exists, no checkpoint; starts fresh" in capsys.readouterr().out
+    assert tree(run) == before
+    holder = os.open(run / ".lock", os.O_RDONLY)  # a live run holding the lock
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        assert main(args) == 2
+    finally:
+        os.close(holder)
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "is in use by another run (pid 1 on elsewhere" in err
+    assert tree(run) == before
+
+
+def test_dry_run_with_a_missing_data_file_fails_before_any_compute(tmp_path, capsys, monkeypatch):
+    def build(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(type(ENGINES["megatron"]), "build", build)
+    run, missing = tmp_path / "run", tmp_path / "missing.txt"
+    args = ["data.kind=text", f"data.path={missing}", f"train.dir={run}"]
+    assert main(["train", TINY, *args, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        f"megaloop: error: config key 'data.path': got '{missing}'; no such file"
+    ]
+    assert not run.exists()
