@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | cksum 
 # The Slurm tests bring up a real local cluster (slurm/local/up.sh): Debian's packages, ~13 MB.
 SLURM_PACKAGES := slurmctld slurmd slurm-client munge
 
-.PHONY: demo test test-fast lint install slurm clean
+.PHONY: demo test test-fast lint install slurm clean docs-config
 
 install: $(STAMP)
 
@@ -52,6 +52,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
+
+# docs/config.md, the config-key reference, from the config dataclasses (megaloop/config_reference.py;
+# tests/unit/test_config_reference.py fails when it is stale). Written whole or not at all.
+docs-config: $(STAMP)
+	$(PY) -m megaloop.config_reference > docs/config.md.tmp
+	mv docs/config.md.tmp docs/config.md
 
 # Everything but the multi-process and Slurm-cluster tests (markers in pyproject.toml): 8 min here.
 test-fast: $(STAMP)
