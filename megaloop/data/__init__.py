@@ -49,7 +49,10 @@ class DataConfig(Config):
     """What every kind has. `from_dict` returns the config class of `data.kind` (KINDS)."""
 
     kind: Literal["synthetic", "text", "indexed", "webdataset"] = "synthetic"
+    """Where windows come from: a built-in corpus, a text file, prepared token shards, or
+    webdataset shards; each kind adds its own keys."""
     seq_len: int = 128
+    """Tokens a training window feeds the model (the window holds one more, the last target)."""
     tokenizer: str = "bytes"
     """`bytes` (256 tokens) or a tokenizer.json path; indexed and webdataset data bring theirs."""
     epochs: ClassVar[int | None] = None
@@ -158,6 +161,7 @@ class _OnDisk(DataConfig):
     """A kind read from files at `path`, which it needs."""
 
     path: str | None = None
+    """The file or folder the data is read from."""
     needs: ClassVar[str]
     """What `path` names, for the error when it is missing."""
 
@@ -178,6 +182,7 @@ class TextConfig(_OnDisk):
     valid_path: str | None = None
     """A validation text file (else the last `valid_fraction` of `path`)."""
     valid_fraction: float = 0.05
+    """The share of `path` held out for validation when no `valid_path` is given."""
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)

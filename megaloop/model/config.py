@@ -34,8 +34,11 @@ not carry them. Every other field reaches the exported config's table (configura
 @dataclass
 class ModelConfig(Config):
     vocab_size: int = 20480
+    """Rows of the token embedding (and of W_out); at least the tokenizer's vocabulary."""
     hidden_size: int = 512
+    """d, the width of the hidden state H_k."""
     num_heads: int = 8
+    """Attention (query) heads; hidden_size must divide by it."""
     num_query_groups: int | None = None
     """Key/value heads (grouped-query attention); None = one per query head."""
     num_layers: int = 8
@@ -51,7 +54,9 @@ class ModelConfig(Config):
     """`rope` (rotary, in attention) or `learned`: an absolute position table added to the token
     embedding (the study's released 44M/129M code)."""
     rope_base: float = 10000.0
+    """The rotary base θ (`rope` positions)."""
     norm_eps: float = 1e-5
+    """ε of every RMSNorm."""
     init: Init = "megatron"
     """`megatron`: N(0, init_std²), the sublayer output projections scaled by 1/√(2L), the exit
     gate at zero; `pytorch`: PyTorch's module defaults, as the study's released code leaves them:
@@ -67,7 +72,11 @@ class ModelConfig(Config):
     tie_embeddings: bool = True
     """Tie W_out to the token embedding."""
     readout: ReadoutMode = "norm"
+    """How each exit reads H_k: `norm` (RMSNorm then W_out, scale-blind), `raw` (W_out on H_k),
+    `final_norm` (raw exits, RMSNorm at the trained depth only): the study's readouts."""
     recurrence: RecurrenceMode = "none"
+    """What loop k > 1 receives of H_{k-1}: `none` (H_{k-1} itself), `rmsnorm` (RMSNorm(H_{k-1}),
+    the scale removed) or `damping` (a learned factor in (0, 1), spectral damping)."""
     damping_init: float = 0.9
     """Initial factor of the `damping` recurrence, in (0, 1)."""
     damping_shape: DampingShape = "channel"

@@ -31,6 +31,7 @@ from megaloop.config import Config, check
 @dataclass
 class ObjectiveConfig(Config):
     kind: Literal["terminal", "per_loop", "exit_weighted", "exit_mixture", "gate_gain"] = "per_loop"
+    """The loss over the K exits (the table above)."""
     entropy_beta: float = 0.0
     """β: weight of the exit-distribution entropy bonus (exit_weighted only)."""
     gate_min_gain: float = 0.005

@@ -20,14 +20,17 @@ class TrainConfig(Config):
     """Optimizer steps. Null with data.epochs set: as many as those epochs take. Given together
     with data.epochs, train.steps wins (and the run says so)."""
     seed: int = 0
+    """Seeds the initialisation, the data order and dropout."""
     init_from: str | None = None
     """A checkpoint folder or run directory (e.g. a `megaloop import ouro` folder) whose model
     weights a new run starts from: weights only, fresh optimizer, any layout. A run directory
     that already holds a checkpoint resumes from that instead."""
     micro_batch_size: int = 8
+    """Samples a forward and backward pass takes on one data-parallel rank."""
     global_batch_size: int = 8
     """Samples per optimizer step (micro-batches are accumulated to reach it)."""
     log_every: int = 10
+    """Print and record training metrics every N steps."""
     eval_every: int = 0
     """Validation every N steps; 0 = only after the last step."""
     eval_batches: int | Literal["all"] = 4
@@ -36,6 +39,7 @@ class TrainConfig(Config):
     save_every: int = 0
     """Checkpoint every N steps; 0 = only after the last step."""
     keep_last: int = 2
+    """Loadable checkpoints kept; older ones are deleted once a newer one is complete."""
     recompute: Literal["none", "selective", "full", "loop"] = "none"
     """Activation recompute: `selective` (megatron-core's, core attention only: little to gain
     with SDPA, which keeps no score matrix), `full` (every layer keeps only its input), `loop`

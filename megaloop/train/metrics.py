@@ -39,7 +39,9 @@ class WandbConfig(Config):
     mode: Literal["offline", "online", "disabled"] = "offline"
     """offline writes the run under RUN_DIR/wandb for a later `wandb sync`."""
     project: str = "megaloop"
+    """The wandb project the run is logged under."""
     entity: str | None = None
+    """The wandb user or team; null: wandb's default."""
     name: str | None = None
     """The run's name in the wandb UI; null: the config's path and the seed. The run's id is
     RUN_DIR/wandb_id, made at the first start and kept by every resume and requeue."""

@@ -16,12 +16,14 @@ EMBEDDING_WEIGHTS = ("embedding.word_embeddings.weight", "readout.output_layer.w
 @dataclass
 class OptimConfig(Config):
     lr: float = 3e-4
+    """The peak learning rate, reached after the warmup."""
     min_lr: float = 3e-5
     """The floor of the cosine decay."""
     schedule: Literal["cosine", "constant"] = "cosine"
     """After the warmup: `cosine` from lr to min_lr over the run, or `constant` at lr (the
     study's released code: no warmup, no decay)."""
     warmup_steps: int = 100
+    """Steps of linear warmup from 0 to lr."""
     weight_decay: float = 0.1
     """Decoupled (AdamW), on the parameters `decay` names."""
     decay: Literal["matrices", "all"] = "matrices"
@@ -33,8 +35,11 @@ class OptimConfig(Config):
     (tied or not). Decay shrinks W_out, which a raw readout must then make up with a larger
     hidden state: one of the settings docs/drift_regime/ maps."""
     beta1: float = 0.9
+    """Adam's β1."""
     beta2: float = 0.95
+    """Adam's β2."""
     eps: float = 1e-8
+    """Adam's ε."""
     clip_grad: float = 1.0
     """Clip the global gradient norm to this; 0 turns clipping off."""
 
