@@ -512,6 +512,21 @@ def why_lines(info: dict) -> list[str]:
     return lines
 
 
+def exit_table(per_kind: dict, kinds: list[str], section: str, first: str, intro: str) -> list:
+    """A table of each run of `section` (a row) by token kind: mean exit loop (accuracy), the
+    mean over seeds."""
+    lines = ["", intro, "", f"| {first} | " + " | ".join(kinds) + " |"]
+    lines.append("|---|" + "---|" * len(kinds))
+    for run in per_kind[kinds[0]][0][section]:
+        cells = [
+            f"{mean([e[section][run]['mean_exit_loop'] for e in per_kind[k]]):.2f} "
+            f"({mean([e[section][run]['accuracy'] for e in per_kind[k]]):.3f})"
+            for k in kinds
+        ]
+        lines.append(f"| {run} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def write_report(info: dict, out: Path) -> None:
     """OUT/README.md: the verdict first, then the per-token evidence and the frontier tables."""
     seeds = len(info["seeds"])
@@ -558,42 +573,27 @@ def write_report(info: dict, out: Path) -> None:
             + f" | {mean([e['gate_mean_exit_loop'] for e in per_seed]):.2f} |"
         )
     kinds = [k for k, v in per_kind.items() if v]
-    lines += [
-        "",
-        "Where each rule stops each kind of token: its mean exit loop (and accuracy) "
-        "over the same sums, read by the no-cache reference of early exit (every earlier "
-        "token at full depth).",
-        "",
-        "| rule | " + " | ".join(kinds) + " |",
-        "|---|" + "---|" * len(kinds),
-    ]
-    for rule in next(iter(per_kind.values()))[0]["rules"]:
-        cells = [
-            f"{mean([e['rules'][rule]['mean_exit_loop'] for e in per_kind[k]]):.2f} "
-            f"({mean([e['rules'][rule]['accuracy'] for e in per_kind[k]]):.3f})"
-            for k in kinds
-        ]
-        lines.append(f"| {rule} | " + " | ".join(cells) + " |")
-    decoded = [k for k in kinds if "cached" in per_kind[k][0]]
-    lines += [
-        "",
-        "The same through the cache (teacher-forced, sync, the tokens after the prompt): "
-        "each policy at one threshold per rule, mean exit loop (and accuracy). Under `copy` "
-        "a later token's deeper loops read an exited token's keys and values of its exit "
-        "loop, and under `share` every loop reads each earlier token's last computed loop: "
-        "states this model never attended to in training. `recompute` runs the exited "
-        "tokens' missing loops instead, so it decodes as the no-cache reference above.",
-        "",
-        "| rule, policy | " + " | ".join(decoded) + " |",
-        "|---|" + "---|" * len(decoded),
-    ]
-    for run in per_kind[decoded[0]][0]["cached"]:
-        cells = [
-            f"{mean([e['cached'][run]['mean_exit_loop'] for e in per_kind[k]]):.2f} "
-            f"({mean([e['cached'][run]['accuracy'] for e in per_kind[k]]):.3f})"
-            for k in decoded
-        ]
-        lines.append(f"| {run} | " + " | ".join(cells) + " |")
+    lines += exit_table(
+        per_kind,
+        kinds,
+        "rules",
+        "rule",
+        "Where each rule stops each kind of token: its mean exit loop (and accuracy) over the "
+        "same sums, read by the no-cache reference of early exit (every earlier token at full "
+        "depth).",
+    )
+    lines += exit_table(
+        per_kind,
+        [k for k in kinds if "cached" in per_kind[k][0]],
+        "cached",
+        "rule, policy",
+        "The same through the cache (teacher-forced, sync, the tokens after the prompt): each "
+        "policy at one threshold per rule, mean exit loop (and accuracy). Under `copy` a later "
+        "token's deeper loops read an exited token's keys and values of its exit loop, and "
+        "under `share` every loop reads each earlier token's last computed loop: states this "
+        "model never attended to in training. `recompute` runs the exited tokens' missing "
+        "loops instead, so it decodes as the no-cache reference above.",
+    )
     for b in sizes:
         lines += [
             "",
