@@ -139,7 +139,7 @@ def train(work: Path) -> None:
         export = work / f"seed{seed}" / "hf"
         if not (export / "config.json").is_file():
             shutil.rmtree(export, ignore_errors=True)
-            argv = ["export", run_dir(work, seed, 2), export]
+            argv = ["export", run_dir(work, seed, 2), "--out", export]
             if workers.megaloop(argv, logs / f"seed{seed}-export.log") != 0:
                 sys.exit(f"adaptive_depth: exporting seed {seed} failed; see {logs}")
 
@@ -289,7 +289,7 @@ def bench(work: Path, seeds, valid: Path, python: str) -> dict[int, list[dict]]:
                     PROMPT,
                     "--task",
                     TASK,
-                    "--batch-sizes",
+                    "--batch-size",
                     b,
                     "--batches",
                     EPISODES[b] // b,

@@ -164,7 +164,7 @@ step_fixed_k() {
     data.path=null data.resampled=null data.valid_shards=null \
     train.steps=1 train.global_batch_size=1 train.eval_batches=1 wandb.mode=disabled \
     train.dir="$SCRATCH/1p4b" $(smoke_shape) >&2
-  "$PY" -m megaloop export "$SCRATCH/1p4b" "$SCRATCH/1p4b-hf" >&2
+  "$PY" -m megaloop export "$SCRATCH/1p4b" --out "$SCRATCH/1p4b-hf" >&2
   "$PY" -c "import numpy as np; np.save('$SCRATCH/tokens.npy', \
 np.random.default_rng(0).integers(0, 49152, ($n + $w) * $b * ($t + 1)))"
   "$PY" -m megaloop bench fixed-k "$SCRATCH/1p4b-hf" --data "$SCRATCH/tokens.npy" \

@@ -94,7 +94,7 @@ def train(work: Path, data: Path) -> None:
 
 
 def sweep_one(config: Path, seed: int, root: Path, overrides: list[str]) -> int:
-    """`megaloop sweep CONFIG --seeds SEED --root ROOT OVERRIDES` in this process (a worker)."""
+    """`megaloop sweep CONFIG --seeds SEED --out ROOT OVERRIDES` in this process (a worker)."""
     from megaloop import sweep
 
     (run,) = sweep.plan([str(config)], [seed], overrides, root)

@@ -38,18 +38,34 @@ __all__ = [
 def _executor_options(parser) -> None:
     d = ExecutorConfig()
     group = parser.add_argument_group("execution (datatrove)")
-    group.add_argument("--executor", choices=["local", "slurm"], default=d.executor)
+    group.add_argument(
+        "--executor",
+        choices=["local", "slurm"],
+        default=d.executor,
+        help="local: processes here; slurm: a Slurm job array",
+    )
     group.add_argument(
         "--workers",
         type=int,
         default=d.workers,
         help="local: processes; slurm: concurrent array tasks (-1: no limit)",
     )
-    group.add_argument("--partition", default=d.partition, help="slurm partition")
+    group.add_argument(
+        "--partition",
+        default=d.partition,
+        help="slurm partition (required with --executor slurm)",
+    )
     group.add_argument("--time", default=d.time, help="slurm time limit per task")
-    group.add_argument("--cpus-per-task", type=int, default=d.cpus_per_task)
-    group.add_argument("--max-array-size", type=int, default=d.max_array_size)
-    group.add_argument("--job-name", default=d.job_name)
+    group.add_argument(
+        "--cpus-per-task", type=int, default=d.cpus_per_task, help="slurm: CPUs of each task"
+    )
+    group.add_argument(
+        "--max-array-size",
+        type=int,
+        default=d.max_array_size,
+        help="slurm: the most tasks one job array holds (the cluster's MaxArraySize)",
+    )
+    group.add_argument("--job-name", default=d.job_name, help="slurm: job name")
 
 
 def _corpus(sub, config: type[RecipeConfig], help: str):
@@ -83,16 +99,19 @@ def add_parsers(sub) -> list[argparse.ArgumentParser]:
         "--tokenizer",
         default=WikiTextConfig.tokenizer,
         help="tokenizer.json path, hub name, train:N (byte-level BPE) or words:N (the study's "
-        f"word-level vocabulary, e.g. words:20000); default {WikiTextConfig.tokenizer}",
+        "word-level vocabulary, e.g. words:20000)",
     )
-    wt.add_argument("--out", required=True)
+    wt.add_argument(
+        "--out",
+        required=True,
+        help="output folder: each split's indexed dataset (.bin, .idx) and manifest",
+    )
     wt.add_argument(
         "--layout",
         choices=["articles", "stream"],
         default=WikiTextConfig.layout,
         help="articles: one document per article, each ending with EOS; stream: the study's, "
-        "non-empty lines joined by blank lines, one EOS at the end (default "
-        f"{WikiTextConfig.layout})",
+        "non-empty lines joined by blank lines, one EOS at the end",
     )
     wt.add_argument(
         "--eos-token",
@@ -114,24 +133,37 @@ def add_parsers(sub) -> list[argparse.ArgumentParser]:
         help="hub dataset path (HuggingFaceFW/fineweb/sample/10BT) or a local folder",
     )
     fw.add_argument("--tokenizer", required=True, help="tokenizer.json path or hub name")
-    fw.add_argument("--out", required=True)
-    fw.add_argument("--seq-len", type=int, required=True)
+    fw.add_argument(
+        "--out", required=True, help="output folder: the webdataset shards and their manifest"
+    )
+    fw.add_argument(
+        "--seq-len", type=int, required=True, help="tokens per packed sequence (a training window)"
+    )
     fw.add_argument(
         "--shard-size",
         type=int,
         default=FineWebConfig.shard_size,
         help="sequences per tar shard",
     )
+    fw.add_argument("--eos-token", default=EOS, help="the token that ends each document")
     fw.add_argument(
-        "--eos-token", default=EOS, help=f"the token that ends each document (default {EOS})"
+        "--max-doc-bytes",
+        type=int,
+        default=FineWebConfig.max_doc_bytes,
+        help="larger single documents are dropped (and counted)",
     )
-    fw.add_argument("--max-doc-bytes", type=int, default=FineWebConfig.max_doc_bytes)
     fw.add_argument(
         "--lang-model",
         default=FineWebConfig.lang_model,
-        help="local fastText language-ID model (optional; needs the fasttext package)",
+        help="local fastText language-ID model; needs the fasttext package (default: none, no "
+        "language filter)",
     )
-    fw.add_argument("--lang-threshold", type=float, default=FineWebConfig.lang_threshold)
+    fw.add_argument(
+        "--lang-threshold",
+        type=float,
+        default=FineWebConfig.lang_threshold,
+        help="least English score a document keeps (with --lang-model)",
+    )
     _executor_options(fw)
     return [wt, fw]
 

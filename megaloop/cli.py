@@ -14,6 +14,7 @@ import warnings
 
 from megaloop import known_warnings
 from megaloop.commands import COMMANDS
+from megaloop.commands.options import show_defaults
 from megaloop.config import ConfigError
 from megaloop.parallel.launch import LaunchError
 
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS.values():
         command.add_parser(sub)
+    show_defaults(parser)
     return parser
 
 

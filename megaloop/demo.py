@@ -10,6 +10,7 @@ come out the same way, and clearly (MIN_EFFECT), in every one of its seeds.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -289,28 +290,27 @@ def run_demo(
     steps: int | None = None,
     out: str = "runs/demo",
     tokenizer: str = "bytes",
-    seed: int = 0,
-    seeds: int = 4,
+    seeds: Sequence[int] = (0, 1, 2, 3),
     workers: int = 1,
     initializer=None,
 ) -> dict:
-    """Both readouts for seeds seed .. seed+seeds-1; results[seed][readout]. `workers` > 1
+    """Both readouts for each of `seeds`; results[seed][readout]. `workers` > 1
     trains that many runs at a time in processes of their own (one thread each; started with
     `initializer`, e.g. the CPU compatibility layer an entry point applies)."""
     out_dir = Path(out)
     steps = steps or DEFAULT_STEPS
     print(
-        f"== demo: norm and raw readouts, per-loop CE, no inter-loop norm, seeds {seed} to "
-        f"{seed + seeds - 1}, {steps} steps each on "
+        f"== demo: norm and raw readouts, per-loop CE, no inter-loop norm, seeds "
+        f"{', '.join(map(str, seeds))}, {steps} steps each on "
         f"{'the text ' + text if text else 'the built-in addition corpus'}",
         flush=True,
     )
     jobs = [
         (readout, s, out_dir, text, tokenizer, steps, workers > 1)
-        for s in range(seed, seed + seeds)
+        for s in seeds
         for readout in READOUTS
     ]
-    results: dict = {s: {} for s in range(seed, seed + seeds)}
+    results: dict = {s: {} for s in seeds}
     if workers > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor

@@ -40,7 +40,7 @@ def plan(configs: list[str], seeds: list[int], overrides: list[str], root: Path)
         if key in given:
             raise ConfigError(
                 f"{key} cannot be given to a sweep: every run gets its own "
-                f"(--seeds, and --root for where the run directories go)"
+                f"(--seeds, and --out for where the run directories go)"
             )
     if not seeds:
         raise ConfigError("--seeds: give at least one seed, e.g. --seeds 0,1,2")

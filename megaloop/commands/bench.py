@@ -4,7 +4,7 @@ fixed K (tokens/s, mean loops, CE) under each exit rule, threshold and KV policy
 
 from __future__ import annotations
 
-from megaloop.commands.options import measurement, measurement_settings
+from megaloop.commands.options import deprecated, measurement, measurement_settings
 from megaloop.extras import require
 
 BUILDS_MODEL = True
@@ -16,12 +16,13 @@ def add_parser(sub) -> None:
     ).add_subparsers(dest="bench_command", required=True, metavar="ACTION")
     p = actions.add_parser("fixed-k", help="tokens/s and CE per token at each fixed K")
     measurement(p, longest=128, batch=1, study="; study: 2048, --batch-size 2")
-    p.add_argument("--loops", default="1,2,3,4")
+    p.add_argument("--loops", default="1,2,3,4", help="loop counts K to time, comma-separated")
     p.add_argument("--batches", type=int, default=8, help="timed batches (study: 128)")
     p.add_argument("--warmup", type=int, default=2, help="untimed batches first")
     p.add_argument(
         "--out",
-        help="JSON file of the results (and a PNG of the PPL-throughput frontier beside it)",
+        help="JSON file of the results, and a PNG of the PPL-throughput frontier beside it "
+        "(default: the table is printed only)",
     )
     p.set_defaults(fn=fixed_k)
 
@@ -33,13 +34,15 @@ def add_parser(sub) -> None:
     measurement(p, longest=128, batch=None)
     p.add_argument(
         "--exit",
-        help="exit rules, comma-separated (default: margin, and gate if the model has one)",
+        help="exit rules, comma-separated (default: margin and confidence, and gate if the "
+        "model has an exit gate)",
     )
     p.add_argument(
-        "--thresholds",
+        "--threshold",
         help="every rule's thresholds, comma-separated (default per rule: gate 0.3,0.5,0.7,0.9; "
         "margin 0.5,1,2,4; confidence 0.5,0.7,0.9,0.97)",
     )
+    deprecated(p, "--thresholds", "--threshold")
     p.add_argument("--kv", default="copy,share,recompute", help="KV policies, comma-separated")
     p.add_argument(
         "--batching",
@@ -47,7 +50,10 @@ def add_parser(sub) -> None:
         help="sync (every row at the same token) and/or async (every row at its own loop: "
         "copy and share, batch > 1), comma-separated",
     )
-    p.add_argument("--batch-sizes", default="1,8", help="rows decoded together, comma-separated")
+    p.add_argument(
+        "--batch-size", default="1,8", help="rows decoded together, comma-separated: one run each"
+    )
+    deprecated(p, "--batch-sizes", "--batch-size")
     p.add_argument(
         "--prompt-tokens", type=int, default=4, help="tokens prefilled at full depth (untimed)"
     )
@@ -64,7 +70,8 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--task",
         help="the built-in corpus (addition, lookup, chase) --data was written from: also "
-        "score its answers (CE, accuracy) and draw the frontier in accuracy",
+        "score its answers (CE, accuracy) and draw the frontier in accuracy (default: none, "
+        "any text, CE only)",
     )
     p.add_argument("--out", required=True, help="folder for generate.json, .md and .png")
     p.set_defaults(fn=generate)
@@ -91,16 +98,18 @@ def generate(args) -> int:
     from megaloop.evaluation import generate_bench
     from megaloop.evaluation.settings import GenerateBenchSettings, numbers
 
+    batch_sizes = numbers("--batch-size", args.batch_size, int, "1,8")
     settings = measurement_settings(
         GenerateBenchSettings,
         args,
         rules=None if args.exit is None else tuple(args.exit.split(",")),
         thresholds=None
-        if args.thresholds is None
-        else numbers("--thresholds", args.thresholds, float, "0.5,0.9"),
+        if args.threshold is None
+        else numbers("--threshold", args.threshold, float, "0.5,0.9"),
         policies=tuple(args.kv.split(",")),
         batching=tuple(args.batching.split(",")),
-        batch_sizes=numbers("--batch-sizes", args.batch_sizes, int, "1,8"),
+        batch_size=batch_sizes[-1],
+        batch_sizes=batch_sizes,
         prompt=args.prompt_tokens,
         repeats=args.repeats,
         batches=args.batches,

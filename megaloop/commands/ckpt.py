@@ -1,9 +1,11 @@
-"""`megaloop ckpt consolidate CHECKPOINT OUT`: one safetensors file from any layout."""
+"""`megaloop ckpt consolidate CHECKPOINT --out DIR`: one safetensors file from any layout."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+
+from megaloop.commands.options import need_out, out_folder
 
 BUILDS_MODEL = True
 
@@ -17,17 +19,18 @@ def add_parser(sub) -> None:
         help="one safetensors file of the whole model from a checkpoint of any layout",
     )
     p.add_argument("checkpoint", help="a run directory or a checkpoints/step_* folder")
-    p.add_argument("out", help="output folder (model.safetensors, config.json)")
+    out_folder(p, "output folder: model.safetensors and config.json")
     p.set_defaults(fn=consolidate)
 
 
 def consolidate(args) -> int:
+    out = need_out(args)
     from megaloop import experiment
     from megaloop.parallel import distributed
 
     distributed.init(seed=0)
     try:
-        path = experiment.consolidate(Path(args.checkpoint), Path(args.out))
+        path = experiment.consolidate(Path(args.checkpoint), Path(out))
     except ValueError as e:
         print(f"megaloop: error: {e}", file=sys.stderr)
         return 2

@@ -12,14 +12,16 @@ def add_parser(sub) -> None:
     p = measurement(
         sub.add_parser("depth", help="fixed-depth CE/PPL at each K from one pass (Table 5)")
     )
-    p.add_argument("--loops", default="1,2,3,4", help="depths to read, e.g. 1,2,3,4,8")
+    p.add_argument(
+        "--loops", default="1,2,3,4", help="loop counts K to read, comma-separated, e.g. 1,2,3,4,8"
+    )
     p.add_argument(
         "--clamp",
         action="store_true",
         help="hold every loop at its loop-1 RMS (the recurrent-scale clamp)",
     )
     p.add_argument("--sequences", type=int, default=160, help="windows in the slice")
-    p.add_argument("--out", required=True, help="writes OUT/depth.json and OUT/depth.md")
+    p.add_argument("--out", required=True, help="folder: writes OUT/depth.json and OUT/depth.md")
     p.set_defaults(fn=run)
 
 

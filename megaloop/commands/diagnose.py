@@ -17,7 +17,9 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--tokens", type=int, default=4096, help="held-out tokens in the slice")
     p.add_argument("--rollout", type=int, default=30, help="loops of the rollout")
-    p.add_argument("--out", required=True, help="writes OUT/diagnose.json and OUT/diagnose.md")
+    p.add_argument(
+        "--out", required=True, help="folder: writes OUT/diagnose.json and OUT/diagnose.md"
+    )
     p.set_defaults(fn=run)
 
 

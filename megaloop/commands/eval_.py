@@ -18,14 +18,22 @@ def add_parser(sub) -> None:
     )
     down = actions.add_parser("downstream", help="lm-eval multiple-choice tasks at K loops")
     down.add_argument("model", help="a folder from `megaloop export`")
-    down.add_argument("--loops", type=int, required=True, help="K at evaluation")
+    down.add_argument(
+        "--loops",
+        type=int,
+        required=True,
+        help="K, the loops every token runs (K_max under --exit)",
+    )
     down.add_argument("--tasks", help="comma-separated lm-eval tasks (default: the study's nine)")
-    down.add_argument("--limit", type=int, help="at most this many examples per task")
+    down.add_argument(
+        "--limit", type=int, help="at most this many examples per task (default: all of them)"
+    )
     down.add_argument(
         "--data-dir",
-        help="run the built-in tasks from DIR/<task>/<split>.jsonl (hub schema) instead of the hub",
+        help="run the built-in tasks from DIR/<task>/<split>.jsonl (hub schema) instead of the hub "
+        "(default: the hub)",
     )
-    batch_size(down, 8)
+    batch_size(down, 8, help="examples per forward pass")
     down.add_argument(
         "--split",
         choices=list(SPLITS),
@@ -37,21 +45,27 @@ def add_parser(sub) -> None:
         "--exit",
         choices=list(EXIT_RULES),
         help="also score with adaptive depth under this exit rule (K_max = --loops), "
-        "once per --threshold, beside fixed K",
+        "once per --threshold, beside fixed K (default: fixed K only)",
     )
     down.add_argument(
         "--threshold",
-        help="comma-separated thresholds of the --exit rule: gate, a cumulative exit "
-        "probability; margin, a top-1 minus top-2 logit; confidence, a top-1 probability",
+        help="the --exit rule's thresholds, comma-separated: gate, a cumulative exit "
+        "probability; margin, a top-1 minus top-2 logit; confidence, a top-1 probability "
+        "(required with --exit)",
     )
-    down.add_argument("--out", required=True, help="results folder (results, samples, summary)")
+    down.add_argument(
+        "--out", required=True, help="folder of the results (results, samples, summary)"
+    )
     down.set_defaults(fn=downstream)
     cmp = actions.add_parser("compare", help="paired bootstrap CIs between two results folders")
-    cmp.add_argument("a")
-    cmp.add_argument("b")
-    cmp.add_argument("--resamples", type=int, default=10_000)
-    cmp.add_argument("--seed", type=int, default=0)
-    cmp.add_argument("--out", help="write the table (.md) or the numbers (.json)")
+    cmp.add_argument("a", help="results folder of the first model (A), from eval downstream")
+    cmp.add_argument("b", help="results folder of the second model (B); the table is B - A")
+    cmp.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples")
+    cmp.add_argument("--seed", type=int, default=0, help="seed of the bootstrap's random draws")
+    cmp.add_argument(
+        "--out",
+        help="file: the table (.md) or the numbers (.json) (default: the table is printed only)",
+    )
     cmp.set_defaults(fn=compare)
 
 

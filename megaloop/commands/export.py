@@ -1,10 +1,11 @@
-"""`megaloop export SOURCE OUT [--format ouro]`: a checkpoint as a transformers model folder."""
+"""`megaloop export SOURCE --out DIR [--format ouro]`: a checkpoint as a transformers model."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+from megaloop.commands.options import need_out, out_folder
 from megaloop.extras import require
 
 BUILDS_MODEL = True
@@ -19,7 +20,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "source", help="a run directory or a checkpoints/step_* folder (any layout or engine)"
     )
-    p.add_argument("out", help="output folder")
+    out_folder(p, "output folder: the transformers model")
     p.add_argument(
         "--format",
         choices=("megaloop", "ouro"),
@@ -31,6 +32,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    folder = need_out(args)
     require("eval", "megaloop export", ("transformers",))
     from megaloop.export import export
     from megaloop.ouro import export_ouro
@@ -38,7 +40,7 @@ def run(args) -> int:
 
     distributed.init(seed=0)
     try:
-        out = (export_ouro if args.format == "ouro" else export)(Path(args.source), Path(args.out))
+        out = (export_ouro if args.format == "ouro" else export)(Path(args.source), Path(folder))
     except ValueError as e:
         print(f"megaloop: error: {e}", file=sys.stderr)
         return 2

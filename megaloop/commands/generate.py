@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from megaloop.commands.options import deprecated
 from megaloop.evaluation.settings import BATCHING, DTYPES, EXITS, KV_POLICIES
 from megaloop.extras import require
 
@@ -25,7 +26,12 @@ def add_parser(sub) -> None:
         help="gate: Ouro's cumulative exit probability >= T; margin: top-1 minus top-2 logit "
         ">= T; fixed (or none): every token runs K loops",
     )
-    p.add_argument("--threshold", type=float, help="the rule's T (e.g. `megaloop halt`'s)")
+    p.add_argument(
+        "--threshold",
+        type=float,
+        help="the --exit rule's T, e.g. the one `megaloop halt` calibrated (required with gate, "
+        "margin or confidence)",
+    )
     p.add_argument(
         "--loops", type=int, help="K, the most loops a token runs (default: the model's)"
     )
@@ -43,11 +49,21 @@ def add_parser(sub) -> None:
         "row at its own loop, no row waiting for the deepest (copy, share; printed when done); "
         "auto: async for a batch of prompts under an exit rule with copy or share, else sync",
     )
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampling")
-    p.add_argument("--top-k", type=int, help="sample from the k most likely tokens")
-    p.add_argument("--top-p", type=float, help="sample from the smallest set of mass >= p")
-    p.add_argument("--seed", type=int, help="torch.manual_seed before sampling (reproducible)")
+    p.add_argument(
+        "--top-k", type=int, help="sample from the k most likely tokens (default: all of them)"
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        help="sample from the smallest set of mass >= p (default: all tokens)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        help="torch.manual_seed before sampling, for reproducible draws (default: unseeded)",
+    )
     p.add_argument("--batch-size", type=int, default=8, help="prompts of --prompts at a time")
     p.add_argument(
         "--show-depth",
@@ -62,8 +78,11 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--device", help="e.g. cpu, cuda:0 (default: a GPU when there is one)")
     p.add_argument(
-        "--json", help="write prompts, completions, each token's exit loop and the summary here"
+        "--out",
+        help="JSON file: the settings, prompts, completions, each token's exit loop and the "
+        "summary (default: none written)",
     )
+    deprecated(p, "--json", "--out")
     p.set_defaults(fn=run)
 
 
@@ -88,7 +107,7 @@ def run(args) -> int:
         show_depth=args.show_depth,
         dtype=args.dtype,
         device=args.device,
-        json=args.json,
+        out=args.out,
     )
     require("eval", "megaloop generate", ("transformers",))
     from megaloop.evaluation import generation

@@ -1,9 +1,11 @@
-"""`megaloop import ouro SOURCE OUT`: a published checkpoint as a megaloop checkpoint."""
+"""`megaloop import ouro SOURCE --out DIR`: a published checkpoint as a megaloop checkpoint."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+
+from megaloop.commands.options import need_out, out_folder
 
 BUILDS_MODEL = True
 
@@ -16,22 +18,23 @@ def add_parser(sub) -> None:
         "ouro", help="an Ouro folder (config.json + safetensors, e.g. ByteDance/Ouro-1.4B)"
     )
     p.add_argument("source", help="the Ouro folder")
-    p.add_argument("out", help="a new checkpoint folder")
+    out_folder(p, "a new checkpoint folder")
     p.set_defaults(fn=ouro)
 
 
 def ouro(args) -> int:
+    folder = need_out(args)
     from megaloop.ouro import import_ouro
     from megaloop.parallel import distributed
 
     distributed.init(seed=0)
     try:
-        out = import_ouro(Path(args.source), Path(args.out))
+        out = import_ouro(Path(args.source), Path(folder))
     except ValueError as e:
         print(f"megaloop: error: {e}", file=sys.stderr)
         return 2
     print(
-        f"wrote {out}: a megaloop checkpoint (megaloop export {out} OUT, megaloop depth "
+        f"wrote {out}: a megaloop checkpoint (megaloop export {out} --out DIR, megaloop depth "
         f"{out} ..., or train.init_from={out})"
     )
     return 0

@@ -1,4 +1,4 @@
-"""Options that several commands share, spelled one way everywhere.
+"""Options that several commands share, spelled one way everywhere (docs/cli.md).
 
 Imported to build the parser of every command, so it imports nothing heavy: `megaloop configs`
 and `plan` start without torch.
@@ -7,7 +7,9 @@ and `plan` start without torch.
 from __future__ import annotations
 
 import argparse
+import sys
 
+from megaloop.config import ConfigError
 from megaloop.evaluation.settings import DTYPES
 
 MODEL_HELP = "a run directory, a checkpoint folder or a `megaloop export` folder"
@@ -22,6 +24,85 @@ class Renamed(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         parser.error(f"{option_string} is now {self.new}: give {self.new} N")
+
+
+class Deprecated(argparse.Action):
+    """An option's old spelling, kept for one release (docs/cli.md): hidden from the help, it
+    warns on stderr and stores its value where the new spelling does, so scripts keep working
+    while they are moved to the new name."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs):
+        kwargs.setdefault("default", argparse.SUPPRESS)
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        old = option_string or f"the positional {self.metavar}"
+        warn(f"{old} is deprecated, use {self.new}")
+        setattr(namespace, self.dest, values)
+
+
+def warn(text: str) -> None:
+    print(f"megaloop: warning: {text}", file=sys.stderr)
+
+
+def deprecated(p: argparse.ArgumentParser, old: str, new: str, **kwargs) -> None:
+    """`old`, a hidden Deprecated alias of `new` (same dest unless `dest` is given)."""
+    if old.startswith("-"):
+        kwargs.setdefault("dest", new.lstrip("-").replace("-", "_"))
+    p.add_argument(old, action=Deprecated, new=new, **kwargs)
+
+
+def out_folder(p: argparse.ArgumentParser, help: str) -> None:
+    """A required `--out` folder, where the old spelling was a positional OUT (kept, deprecated,
+    for one release: argparse cannot require `--out` and still take the positional, so `need_out`
+    checks it)."""
+    p.add_argument("--out", help=f"{help} (required)")
+    deprecated(p, "old_out", "--out", nargs="?", metavar="OUT")
+
+
+def need_out(args) -> str:
+    """`out_folder`'s folder: --out, or the deprecated positional OUT, exactly one of them."""
+    old = getattr(args, "old_out", None)
+    if old is not None and args.out is not None:
+        raise ConfigError("the positional OUT and --out both name the output: give --out alone")
+    if old is None and args.out is None:
+        raise ConfigError("the following argument is required: --out")
+    return args.out if old is None else old
+
+
+def seed_list(text: str) -> list[int] | None:
+    """`--seeds 0,1,2` as seeds; None when the text is not a comma list of integers."""
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        return None
+    return seeds or None
+
+
+class ShowsDefaults:
+    """A help formatter mixin: an option's help ends with its default, unless the text already
+    says it (`(default...`) or there is none to show (None, a flag, a required option)."""
+
+    def _get_help_string(self, action):
+        help = action.help or ""
+        default = action.default
+        if "(default" in help or action.required or not action.option_strings or action.nargs == 0:
+            return help
+        if default is None or default is argparse.SUPPRESS or default == []:
+            return help
+        return f"{help} (default: %(default)s)"
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every parser under `parser` (itself included) shows its options' defaults."""
+    if not issubclass(parser.formatter_class, ShowsDefaults):
+        base = parser.formatter_class
+        parser.formatter_class = type(f"ShowsDefaults{base.__name__}", (ShowsDefaults, base), {})
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                show_defaults(child)
 
 
 def with_config(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -41,7 +122,7 @@ def load_config(args):
     return experiment.load(args.config, args.overrides)
 
 
-def batch_size(p: argparse.ArgumentParser, default: int, help: str | None = None) -> None:
+def batch_size(p: argparse.ArgumentParser, default: int, help: str = "windows per batch") -> None:
     p.add_argument("--batch-size", type=int, default=default, help=help)
     p.add_argument("--batch", action=Renamed, new="--batch-size")
 
@@ -80,19 +161,24 @@ def measurement_settings(cls, args, **settings):
     shared = dict(model=args.model, data=args.data, seq_len=args.seq_len, dtype=args.dtype)
     if "batch_size" in args:
         shared["batch_size"] = args.batch_size
-    return cls(**shared, out=args.out, **settings)
+    return cls(**{**shared, "out": args.out, **settings})
 
 
 def slurm_job(p: argparse.ArgumentParser, required: bool) -> None:
     """What a Slurm job asks for (`slurm submit`, `sweep --executor slurm`)."""
-    p.add_argument("--nodes", type=int, required=required)
+    also = "" if required else " (required with --executor slurm)"
+    p.add_argument("--nodes", type=int, required=required, help=f"nodes of each job{also}")
     p.add_argument(
         "--gpus-per-node",
         type=int,
         required=required,
-        help="GPUs per node, one rank each (0: CPU nodes)",
+        help=f"GPUs per node, one rank each (0: CPU nodes){also}",
     )
-    p.add_argument("--tasks-per-node", type=int, help="ranks per node on CPU nodes")
+    p.add_argument(
+        "--tasks-per-node",
+        type=int,
+        help="ranks per node on CPU nodes (default: one per GPU, or 1 on CPU nodes)",
+    )
     p.add_argument(
         "--cpus-per-task",
         type=int,
@@ -105,20 +191,28 @@ def slurm_job(p: argparse.ArgumentParser, required: bool) -> None:
         default=300,
         help="USR1 this long before the limit: checkpoint and requeue",
     )
-    p.add_argument("--partition")
-    p.add_argument("--account")
+    p.add_argument("--partition", help="Slurm partition (default: the cluster's)")
+    p.add_argument("--account", help="Slurm account to charge (default: yours)")
     p.add_argument(
-        "--gpu-memory-gib", type=float, default=80.0, help="memory per GPU, for choosing the layout"
+        "--gpu-mem", type=float, default=80.0, help="memory per GPU in GiB, to choose the layout"
     )
+    deprecated(p, "--gpu-memory-gib", "--gpu-mem", type=float)
     p.add_argument(
         "--sbatch-arg",
         action="append",
         default=[],
         metavar="ARG",
-        help="extra #SBATCH line, e.g. --sbatch-arg=--exclusive (repeatable)",
+        help="extra #SBATCH line, e.g. --sbatch-arg=--exclusive; repeatable (default: none)",
     )
-    p.add_argument("--job-name")
-    p.add_argument("--program", help="what each rank runs in place of `python -m megaloop`")
+    p.add_argument(
+        "--job-name",
+        help="Slurm job name (default: megaloop-RUN, RUN the run directory's name; a sweep: "
+        "megaloop-sweep)",
+    )
+    p.add_argument(
+        "--program",
+        help="what each rank runs in place of `python -m megaloop` (default: that)",
+    )
     p.add_argument(
         "--dry-run",
         action="store_true",
@@ -141,7 +235,7 @@ def train_job(args, config: str, overrides: list):
         warning_seconds=args.warning_seconds,
         partition=args.partition,
         account=args.account,
-        gpu_memory_gib=args.gpu_memory_gib,
+        gpu_memory_gib=args.gpu_mem,
         sbatch_args=tuple(args.sbatch_arg),
         job_name=args.job_name,
         program=args.program,

@@ -16,7 +16,8 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--world",
         type=int,
-        help="also show memory per rank for the config's parallel.tp/pp on this many ranks",
+        help="also show memory per rank for the config's parallel.tp/pp on this many ranks "
+        "(default: the counts only)",
     )
     p.set_defaults(fn=run)
 

@@ -17,20 +17,22 @@ def add_parser(sub) -> None:
         )
     )
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the run (DP = N/(TP*PP))")
-    p.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU, GiB")
+    p.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU in GiB")
     p.add_argument(
         "--tflops",
         type=float,
         default=989.4,
-        help="dense bf16 peak per GPU (default: H100/H200 SXM)",
+        help="dense bf16 peak TFLOP/s per GPU (default: %(default)s, H100/H200 SXM)",
     )
     p.add_argument(
         "--mfu",
         type=float,
         default=0.4,
-        help="model FLOPs utilization to assume (default 0.4: our choice)",
+        help="model FLOPs utilization to assume (default: %(default)s, our choice)",
     )
-    p.add_argument("--gpus-per-node", type=int, default=8, help="TP stays within a node")
+    p.add_argument(
+        "--gpus-per-node", type=int, default=8, help="GPUs per node: TP stays within a node"
+    )
     p.add_argument(
         "--search",
         action="store_true",

@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
         help="run directories (metrics.jsonl) and folders or JSON files written by "
         "depth / halt / diagnose",
     )
-    p.add_argument("--out", required=True, help="writes OUT/report.md and OUT/*.png")
+    p.add_argument("--out", required=True, help="folder: writes OUT/report.md and OUT/*.png")
     p.set_defaults(fn=run)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from megaloop.commands.options import slurm_job, train_job
+from megaloop.commands.options import deprecated, seed_list, slurm_job, train_job
 
 BUILDS_MODEL = False
 
@@ -22,7 +22,9 @@ def add_parser(sub) -> None:
         metavar="CONFIG",
         help="YAML configs, then key=value overrides for every run",
     )
-    p.add_argument("--seeds", default="0", help="e.g. 0,1,2")
+    p.add_argument(
+        "--seeds", default="0", help="seeds, comma-separated: one run per config and seed"
+    )
     p.add_argument(
         "--executor",
         choices=["local", "slurm"],
@@ -30,10 +32,11 @@ def add_parser(sub) -> None:
         help="local: one run after another here; slurm: one job array",
     )
     p.add_argument(
-        "--root",
+        "--out",
         default="runs",
-        help="run directories go to ROOT/<config path under configs/experiments>/seedN",
+        help="folder: the run directories go to OUT/<config path under configs/experiments>/seedN",
     )
+    deprecated(p, "--root", "--out")
     slurm_job(p, required=False)
     p.set_defaults(fn=run, overrides=[])
 
@@ -43,16 +46,13 @@ def run(args) -> int:
 
     configs = [c for c in args.configs if "=" not in c]
     overrides = [c for c in args.configs if "=" in c] + args.overrides
-    try:
-        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    except ValueError:
-        seeds = []
+    seeds = seed_list(args.seeds)
     if not configs or not seeds:
         print(
             "megaloop: error: give one or more config files and --seeds like 0,1,2", file=sys.stderr
         )
         return 2
-    root = Path(args.root)
+    root = Path(args.out)
     runs = sweep.plan(configs, seeds, overrides, root)
     todo = [r for r in runs if not sweep.finished(r)]
     for run in runs:

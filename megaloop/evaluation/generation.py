@@ -195,7 +195,7 @@ def marked(tokenizer, result: dict, show_depth: bool) -> str:
 def run(settings: GenerateSettings, out: TextIO | None = None, err: TextIO | None = None) -> dict:
     """Generate, print on `out` (streamed for one prompt), then the summary on `err` (default:
     standard output and error); returns the prompts' results and the summary (written to
-    settings.json too, when given)."""
+    settings.out too, when given)."""
     out, err = out or sys.stdout, err or sys.stderr
     texts = settings.texts()
     model, tokenizer = open_export(settings)
@@ -233,9 +233,9 @@ def run(settings: GenerateSettings, out: TextIO | None = None, err: TextIO | Non
     summary["batching"] = list(engines)  # what auto chose: a last, shorter chunk may differ
     print(summary_line(summary), file=err)
     record = {"settings": settings_record(settings), "results": results, "summary": summary}
-    if settings.json is not None:
-        settings.json.parent.mkdir(parents=True, exist_ok=True)
-        settings.json.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+    if settings.out is not None:
+        settings.out.parent.mkdir(parents=True, exist_ok=True)
+        settings.out.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
     return record
 
 
@@ -267,7 +267,7 @@ def summary_line(s: dict) -> str:
 
 def settings_record(settings: GenerateSettings) -> dict:
     """The settings as the JSON records them (GenerateSettings(**record) rebuilds them)."""
-    record = {k: v for k, v in vars(settings).items() if k != "json"}
+    record = {k: v for k, v in vars(settings).items() if k != "out"}
     return {
         **record,
         "model": str(settings.model),

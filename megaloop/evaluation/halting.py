@@ -257,8 +257,8 @@ def run(settings: HaltSettings) -> dict:
     model = opened.model
     if settings.rule == "gate" and model.exit_gate is None:
         raise EvalError(
-            f"--rule gate: {settings.model} has no exit gate (trained without "
-            f"model.exit_gate); use --rule margin"
+            f"--exit gate: {settings.model} has no exit gate (trained without "
+            f"model.exit_gate); use --exit margin"
         )
     settings = settings.fitted(model.config.max_position_embeddings)
     tokens = harness.read_tokens(settings.data, opened.encode)

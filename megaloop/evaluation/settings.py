@@ -176,10 +176,10 @@ class HaltSettings(Measurement):
             )
         super().validate()
         positive(
-            "an empty slice measures nothing", k_max=self.k_max, calib=self.calib, bench=self.bench
+            "an empty slice measures nothing", loops=self.k_max, calib=self.calib, bench=self.bench
         )
         if self.rule not in RULES:
-            raise EvalError(f"--rule {self.rule}: give one of {', '.join(RULES)}")
+            raise EvalError(f"--exit {self.rule}: give one of {', '.join(RULES)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,10 +231,10 @@ DEFAULT_THRESHOLDS: dict[str, tuple[float, ...]] = {
     "margin": (0.5, 1.0, 2.0, 4.0),
     "confidence": (0.5, 0.7, 0.9, 0.97),
 }
-"""`bench generate`'s thresholds per rule when --thresholds is not given: from early exits to late
+"""`bench generate`'s thresholds per rule when --threshold is not given: from early exits to late
 ones on a trained model (gate: cumulative exit probability, Ouro's range; margin: top-1 minus
 top-2 logit, around the study's calibrated τ; confidence: the top-1 probability). `megaloop
-halt`'s calibrated value is the point to add with --thresholds."""
+halt`'s calibrated value is the point to add with --threshold."""
 
 
 def names(option_: str, text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
@@ -301,14 +301,14 @@ class GenerateBenchSettings(Measurement):
             thresholds = tuple(sorted(set(map(float, self.thresholds))))
             if not thresholds or any(not 0 <= t < float("inf") for t in thresholds):
                 raise EvalError(
-                    f"--thresholds {','.join(map(str, self.thresholds))!r}: give finite numbers "
+                    f"--threshold {','.join(map(str, self.thresholds))!r}: give finite numbers "
                     ">= 0, e.g. 0.5,0.9 (a gate's cumulative probability, a margin in logits)"
                 )
             set_(self, "thresholds", thresholds)
         batch_sizes = tuple(sorted(set(self.batch_sizes)))
         if not batch_sizes or batch_sizes[0] < 1:
             raise EvalError(
-                f"--batch-sizes {','.join(map(str, self.batch_sizes))!r}: give batch sizes >= 1, "
+                f"--batch-size {','.join(map(str, self.batch_sizes))!r}: give batch sizes >= 1, "
                 "e.g. 1,8"
             )
         set_(self, "batch_sizes", batch_sizes)
@@ -378,8 +378,8 @@ class DownstreamSettings:
         positive("an empty evaluation measures nothing", limit=self.limit)
         if self.split not in SPLITS:
             raise EvalError(f"--split {self.split}: give one of {', '.join(SPLITS)}")
-        if self.exit is not None and self.exit not in RULES:
-            raise EvalError(f"--exit {self.exit}: give one of {', '.join(RULES)}")
+        if self.exit is not None and self.exit not in EXIT_RULES:
+            raise EvalError(f"--exit {self.exit}: give one of {', '.join(EXIT_RULES)}")
         if (self.exit is None) != (not self.thresholds):
             given, missing = ("--exit", "--threshold") if self.exit else ("--threshold", "--exit")
             raise EvalError(
@@ -432,13 +432,13 @@ class GenerateSettings:
     show_depth: bool = False
     dtype: str = "auto"
     device: str | None = None
-    json: Path | None = None
-    """Where to write prompts, completions, each token's exit loop and the summary."""
+    out: Path | None = None
+    """A JSON file: prompts, completions, each token's exit loop and the summary."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "model", Path(self.model))
-        for name in ("prompts", "json"):
+        for name in ("prompts", "out"):
             if getattr(self, name) is not None:
                 set_(self, name, Path(getattr(self, name)))
         if (self.prompt is None) == (self.prompts is None):

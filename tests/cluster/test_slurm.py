@@ -123,10 +123,10 @@ def test_dry_run_of_the_1p4b_run_on_16_nodes_of_8_gpus(capsys):
     # K=4 loops of 24 layers at 4,096 tokens: ~66 GiB of activations per sequence (`megaloop
     # plan`), so without recompute even 80 GiB GPUs need TP=2; with it, DP alone fits
     assert "layout: TP=2 PP=1 DP=64" in proc.stderr
-    full = submit_1p4b(capsys, "--gpu-memory-gib", "24", "--dry-run", "train.recompute=full")
+    full = submit_1p4b(capsys, "--gpu-mem", "24", "--dry-run", "train.recompute=full")
     assert full.returncode == 0, full.stderr
     assert "layout: TP=1 PP=1 DP=128" in full.stderr
-    small = submit_1p4b(capsys, "--gpu-memory-gib", "16", "--dry-run", "train.recompute=full")
+    small = submit_1p4b(capsys, "--gpu-mem", "16", "--dry-run", "train.recompute=full")
     assert "layout: TP=2 PP=1 DP=64" in small.stderr
     explicit = submit_1p4b(capsys, "--dry-run", "parallel.tp=2", "parallel.pp=2")
     assert "layout: TP=2 PP=2 DP=32" in explicit.stderr and "given on the command line" in (
@@ -150,7 +150,7 @@ def test_program_is_what_each_rank_runs(capsys):
     [
         (["--time", "1", "--warning-seconds", "60"], "--warning-seconds 60 must lie in [1, 60)"),
         (["--time", "soon"], "--time 'soon'"),
-        (["--gpu-memory-gib", "4"], "no layout fits 4 GiB per GPU"),
+        (["--gpu-mem", "4"], "no layout fits 4 GiB per GPU"),
         (["--tasks-per-node", "4"], "--tasks-per-node 4 with --gpus-per-node 8"),
         (["--cpus-per-task", "0"], "--cpus-per-task must be >= 1"),
         (["--program", "'python -m megaloop"], '--program "\'python -m megaloop": No closing'),

@@ -34,10 +34,10 @@ RUN = {
     ],
     "torchrun --nproc-per-node 4 -m megaloop train configs/experiments/tiny.yaml parallel.tp=2 "
     "parallel.pp=2 train.micro_batch_size=4 train.dir=runs/tiny-tp2pp2": ["train.steps=2"],
-    "megaloop ckpt consolidate runs/tiny-tp2pp2 runs/tiny-tp2pp2/consolidated": [],
+    "megaloop ckpt consolidate runs/tiny-tp2pp2 --out runs/tiny-tp2pp2/consolidated": [],
     "torchrun --nproc-per-node 2 -m megaloop train configs/experiments/tiny.yaml engine=deepspeed "
     "deepspeed.zero_stage=3 train.micro_batch_size=4 train.dir=runs/tiny-zero3": ["train.steps=2"],
-    "megaloop export runs/tiny runs/tiny/hf": [],
+    "megaloop export runs/tiny --out runs/tiny/hf": [],
     "megaloop bench fixed-k runs/tiny/hf --data held_out.txt --loops 1,2,3,4": [
         "--batches",
         "2",
@@ -46,8 +46,8 @@ RUN = {
         "--seq-len",
         "64",
     ],
-    "megaloop bench generate runs/tiny/hf --data held_out.txt --batch-sizes 1,8 --out "
-    "runs/tiny/bench-generate": ["--seq-len", "16", "--repeats", "1", "--thresholds", "0.5"],
+    "megaloop bench generate runs/tiny/hf --data held_out.txt --batch-size 1,8 --out "
+    "runs/tiny/bench-generate": ["--seq-len", "16", "--repeats", "1", "--threshold", "0.5"],
     'megaloop generate runs/tiny/hf --prompt "12+34=" --exit margin --threshold 2 --show-depth': [
         "--max-new-tokens",
         "8",
@@ -91,9 +91,9 @@ SKIP = {
     "megaloop eval downstream runs/tiny/hf --loops 4 --out runs/tiny/eval-K4": "the tasks' data come from the hub (tests/unit/test_downstream_tasks.py runs it on local task files)",
     "megaloop eval downstream runs/tiny/hf --loops 8 --out runs/tiny/eval-K8": "the tasks' data come from the hub (tests/unit/test_downstream_tasks.py)",
     "megaloop eval compare runs/tiny/eval-K4 runs/tiny/eval-K8": "reads the two downstream runs above (tests/unit/test_evaluation.py compares generated ones)",
-    "megaloop import ouro path/to/Ouro-1.4B runs/ouro-1p4b": "Ouro-1.4B's weights from the hub (tests/unit/test_ouro.py imports a generated Ouro folder)",
+    "megaloop import ouro path/to/Ouro-1.4B --out runs/ouro-1p4b": "Ouro-1.4B's weights from the hub (tests/unit/test_ouro.py imports a generated Ouro folder)",
     "megaloop train configs/experiments/fineweb/1p4b_baseline.yaml train.init_from=runs/ouro-1p4b": "a 1.4B model (tests/unit/test_ouro.py trains from an import)",
-    "megaloop export runs/fineweb/1p4b_baseline/seed0 runs/1p4b-ouro --format ouro": "a 1.4B run (tests/unit/test_ouro.py exports a small one in Ouro's format)",
+    "megaloop export runs/fineweb/1p4b_baseline/seed0 --out runs/1p4b-ouro --format ouro": "a 1.4B run (tests/unit/test_ouro.py exports a small one in Ouro's format)",
     "megaloop prep wikitext103 --source Salesforce/wikitext --tokenizer words:20000 --layout stream --out data/wikitext103_study": "WikiText-103 from the hub (tests/unit/test_study_data.py prepares generated text the same way)",
     "megaloop sweep configs/experiments/study/44m/*.yaml --seeds 0,1,2 --executor slurm --nodes 1 --gpus-per-node 1 --partition gpu": "a Slurm cluster with GPUs (tests/cluster/test_slurm.py)",
     "megaloop sweep configs/experiments/study/129m/*.yaml --seeds 0,1,2 --executor slurm --nodes 1 --gpus-per-node 1 --partition gpu": "a Slurm cluster with GPUs (tests/cluster/test_slurm.py)",

@@ -1,7 +1,9 @@
 """The command line: every subcommand is listed, options change only on purpose, one spelling
-per option across commands, and the measurements' defaults follow the model."""
+per option across commands (docs/cli.md), every option has help and shows its default, old
+spellings still work for a release and warn, and the measurements' defaults follow the model."""
 
 import argparse
+import re
 import subprocess
 import sys
 
@@ -10,8 +12,9 @@ import yaml
 
 from megaloop import experiment
 from megaloop.cli import NO_MEGATRON, build_parser, main
-from megaloop.commands import COMMANDS
-from megaloop.config import CONFIG_ROOT, shipped_configs
+from megaloop.commands import COMMANDS, demo, halt
+from megaloop.commands.options import Deprecated, Renamed, need_out
+from megaloop.config import CONFIG_ROOT, ConfigError, shipped_configs
 from megaloop.evaluation.exported import EvalError
 from megaloop.evaluation.settings import (
     DepthSettings,
@@ -20,7 +23,7 @@ from megaloop.evaluation.settings import (
     FixedKSettings,
     HaltSettings,
 )
-from support import TINY
+from support import ROOT, TINY
 
 MEASURE = ["model", "--data", "--seq-len", "--batch-size", "--batch", "--dtype"]
 SLURM_JOB = [
@@ -32,6 +35,7 @@ SLURM_JOB = [
     "--warning-seconds",
     "--partition",
     "--account",
+    "--gpu-mem",
     "--gpu-memory-gib",
     "--sbatch-arg",
     "--job-name",
@@ -40,32 +44,34 @@ SLURM_JOB = [
 ]
 PREP = ["--executor", "--workers", "--partition", "--time", "--cpus-per-task"]
 PREP += ["--max-array-size", "--job-name"]
-# Frozen on purpose: changing the CLI means changing this table (and the README). Each command
-# (with its action) lists its options as typed, positionals by name; `--batch` is the refused
-# old spelling of `--batch-size`.
+# Frozen on purpose: changing the CLI means changing this table (and the README, docs/cli.md).
+# Each command (with its action) lists its options as typed, positionals by name, hidden old
+# spellings after their new one: `--batch` is refused, the others deprecated (docs/cli.md).
 OPTIONS = {
     "train": ["config", "overrides", "--print-config", "--dry-run"],
     "params": ["config", "overrides", "--world"],
     "configs": [],
     "plan": ["config", "overrides", "--gpus", "--gpu-mem", "--tflops", "--mfu"]
     + ["--gpus-per-node", "--search"],
-    "demo": ["--text", "--tokenizer", "--steps", "--out", "--seed", "--seeds"],
+    "demo": ["--text", "--tokenizer", "--steps", "--out", "--seeds", "--seed"],
     "prep wikitext103": ["--source", "--tokenizer", "--out", "--layout", "--eos-token"]
     + ["--max-doc-bytes"]
     + PREP,
     "prep fineweb": ["--source", "--tokenizer", "--out", "--seq-len", "--shard-size"]
     + ["--eos-token", "--max-doc-bytes", "--lang-model", "--lang-threshold", *PREP],
-    "ckpt consolidate": ["checkpoint", "out"],
-    "export": ["source", "out", "--format"],
-    "import ouro": ["source", "out"],
+    "ckpt consolidate": ["checkpoint", "--out", "old_out"],
+    "export": ["source", "--out", "old_out", "--format"],
+    "import ouro": ["source", "--out", "old_out"],
     "eval downstream": ["model", "--loops", "--tasks", "--limit", "--data-dir", "--batch-size"]
     + ["--batch", "--split", "--exit", "--threshold", "--out"],
     "eval compare": ["a", "b", "--resamples", "--seed", "--out"],
     "bench fixed-k": [*MEASURE, "--loops", "--batches", "--warmup", "--out"],
-    "bench generate": ["model", "--data", "--seq-len", "--dtype", "--exit", "--thresholds"]
+    "bench generate": ["model", "--data", "--seq-len", "--dtype", "--exit", "--threshold"]
     + [
+        "--thresholds",
         "--kv",
         "--batching",
+        "--batch-size",
         "--batch-sizes",
         "--prompt-tokens",
         "--repeats",
@@ -83,11 +89,12 @@ OPTIONS = {
         "--seed",
         "--batch-size",
     ]
-    + ["--show-depth", "--dtype", "--device", "--json"],
+    + ["--show-depth", "--dtype", "--device", "--out", "--json"],
     "depth": [*MEASURE, "--loops", "--clamp", "--sequences", "--out"],
-    "halt": [*MEASURE, "--k-max", "--rho", "--calib", "--bench", "--rule", "--tau", "--q", "--out"],
+    "halt": [*MEASURE, "--loops", "--k-max", "--rho", "--calib", "--bench", "--exit", "--rule"]
+    + ["--threshold", "--tau", "--q", "--out"],
     "diagnose": [*MEASURE, "--tokens", "--rollout", "--out"],
-    "sweep": ["configs", "--seeds", "--executor", "--root", *SLURM_JOB],
+    "sweep": ["configs", "--seeds", "--executor", "--out", "--root", *SLURM_JOB],
     "report": ["inputs", "--out"],
     "slurm submit": ["config", "overrides", *SLURM_JOB],
 }
@@ -164,6 +171,224 @@ def test_the_old_batch_spelling_is_refused_naming_the_new_one(path, capsys):
     assert "--batch is now --batch-size" in capsys.readouterr().err.splitlines()[-1]
 
 
+CLI_DOC = ROOT / "docs/cli.md"
+
+
+def doc_table(heading: str) -> list[dict[str, str]]:
+    """The first Markdown table under `## heading` in docs/cli.md, as {column: cell} rows."""
+    section = CLI_DOC.read_text().split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    lines = section[section.index("\n|") + 1 :].split("\n\n", 1)[0].splitlines()
+    head, _, *rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
+    return [dict(zip(head, row, strict=True)) for row in rows]
+
+
+def code(cell: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", cell)
+
+
+VOCABULARY = {row["concept"]: row for row in doc_table("Vocabulary")}
+FLAGS = {concept: code(row["flag"])[0] for concept, row in VOCABULARY.items()}
+OLD_SPELLINGS = [
+    (path, old, FLAGS[concept])
+    for concept, row in VOCABULARY.items()
+    for old, paths in re.findall(
+        r"`([^`]+)` \(([^)]+)\)", row["old spellings (hidden, deprecated)"]
+    )
+    for path in paths.split(", ")
+]
+"""(command, old spelling, the concept's flag) for every deprecated alias docs/cli.md names."""
+
+
+def shown(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The actions --help lists (the hidden old spellings and -h left out)."""
+    return [
+        a
+        for a in parser._actions
+        if a.help != argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)
+    ]
+
+
+def dest_of(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_").lower()
+
+
+def test_every_option_has_help_and_shows_its_default():
+    for path, parser in commands(build_parser()):
+        formatter = parser._get_formatter()
+        chosen = {  # one of a required group: no default to show
+            a for g in parser._mutually_exclusive_groups if g.required for a in g._group_actions
+        }
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            name = f"{path} {action.option_strings or action.dest}"
+            if action.help == argparse.SUPPRESS:
+                assert isinstance(action, (Deprecated, Renamed)), f"{name}: hidden, not an alias"
+                continue
+            assert action.help and action.help.strip(), f"{name} has no help"
+            if action.option_strings and action.nargs != 0 and not action.required:
+                if action not in chosen:
+                    text = formatter._expand_help(action)
+                    assert "(default" in text or "(required" in text, f"{name}: {text}"
+
+
+def test_help_shows_the_defaults():
+    parsers = dict(commands(build_parser()))
+    text = " ".join(parsers["depth"].format_help().split())
+    assert "--loops LOOPS loop counts K to read, comma-separated, e.g. 1,2,3,4,8 (default: " in text
+    assert "1,2,3,4)" in text and "windows per batch (default: 8)" in text
+
+
+OTHER_CONCEPTS = {"--data-dir": "eval downstream's local lm-eval task data, not held-out tokens"}
+"""Options whose name extends a flag of docs/cli.md but name another concept, and why."""
+
+
+def respelt(option: str, flags: set[str]) -> bool:
+    """A flag of docs/cli.md under another name: longer (--thresholds, --gpu-memory) or shorter
+    (--loop, --batch)."""
+    return option not in flags | set(OTHER_CONCEPTS) and any(
+        option.startswith(f) or f.startswith(option) for f in flags if f.startswith("--")
+    )
+
+
+def test_one_flag_per_concept_in_every_command():
+    """A concept of docs/cli.md is spelled by its flag wherever it is shown: no command shows an
+    old spelling, a respelling of a flag, or another option under a concept's name (its dest)."""
+    flags = set(FLAGS.values())
+    used = set()
+    for path, parser in commands(build_parser()):
+        for action in shown(parser):
+            strings = action.option_strings or [action.dest.upper()]
+            used.update(strings)
+            old = [o for p, o, _ in OLD_SPELLINGS if o in strings and o not in flags]
+            assert not old, f"{path} shows {old}, an old spelling (docs/cli.md)"
+            assert not [s for s in strings if respelt(s, flags)], f"{path}: {strings} (docs/cli.md)"
+            for flag in flags:
+                if action.dest == dest_of(flag):
+                    assert flag in strings, f"{path} spells {flag} as {strings} (docs/cli.md)"
+    assert flags <= used, f"docs/cli.md names flags no command has: {flags - used}"
+
+
+def test_every_documented_old_spelling_is_a_hidden_alias_of_its_concepts_flag():
+    parsers = dict(commands(build_parser()))
+    assert len(OLD_SPELLINGS) >= 10
+    for path, old, flag in OLD_SPELLINGS:
+        aliases = [
+            a
+            for a in parsers[path]._actions
+            if isinstance(a, Deprecated) and old in (a.option_strings or [a.metavar])
+        ]
+        assert len(aliases) == 1, f"{path}: {old} is not a deprecated alias (docs/cli.md)"
+        assert flag in aliases[0].new.split(), f"{path}: {old} points at {aliases[0].new}"
+
+
+def test_the_per_command_table_is_each_commands_options():
+    columns = ["--loops", "--exit", "--threshold", "--out"]
+    rows = {row["command"]: row for row in doc_table("Per command")}
+    for path, parser in commands(build_parser()):
+        options_shown = {s for a in shown(parser) for s in a.option_strings}
+        if not options_shown & set(columns):
+            assert path not in rows, path
+            continue
+        assert path in rows, f"docs/cli.md's per-command table lacks {path}"
+        for column in columns:
+            documented = rows[path][f"`{column}`"] != "—"
+            assert documented == (column in options_shown), f"{path} {column}: docs/cli.md"
+
+
+BASE = {
+    "halt": ["m", "--data", "d", "--out", "o"],
+    "bench generate": ["m", "--data", "d", "--out", "o"],
+    "demo": [],
+    "sweep": ["c.yaml"],
+    "generate": ["m", "--prompt", "p"],
+    "slurm submit": ["c.yaml", "--nodes", "1", "--gpus-per-node", "0"],
+    "export": ["src"],
+    "import ouro": ["src"],
+    "ckpt consolidate": ["src"],
+}
+"""The least each command with an old spelling takes."""
+ALIASES = {
+    ("halt", "--k-max"): (["--k-max", "6"], ["--loops", "6"], "loops"),
+    ("halt", "--rule"): (["--rule", "gate"], ["--exit", "gate"], "exit"),
+    ("halt", "--tau"): (["--tau", "1.5"], ["--exit", "margin", "--threshold", "1.5"], None),
+    ("halt", "--q"): (
+        ["--exit", "gate", "--q", "0.5"],
+        ["--exit", "gate", "--threshold", "0.5"],
+        None,
+    ),
+    ("bench generate", "--thresholds"): (
+        ["--thresholds", "1,2"],
+        ["--threshold", "1,2"],
+        "threshold",
+    ),
+    ("bench generate", "--batch-sizes"): (
+        ["--batch-sizes", "1,4"],
+        ["--batch-size", "1,4"],
+        "batch_size",
+    ),
+    ("demo", "--seed"): (["--seed", "2", "--seeds", "3"], ["--seeds", "2,3,4"], None),
+    ("sweep", "--root"): (["--root", "r"], ["--out", "r"], "out"),
+    ("generate", "--json"): (["--json", "g.json"], ["--out", "g.json"], "out"),
+    ("sweep", "--gpu-memory-gib"): (["--gpu-memory-gib", "24"], ["--gpu-mem", "24"], "gpu_mem"),
+    ("slurm submit", "--gpu-memory-gib"): (
+        ["--gpu-memory-gib", "24"],
+        ["--gpu-mem", "24"],
+        "gpu_mem",
+    ),
+    ("export", "OUT"): (["dst"], ["--out", "dst"], None),
+    ("import ouro", "OUT"): (["dst"], ["--out", "dst"], None),
+    ("ckpt consolidate", "OUT"): (["dst"], ["--out", "dst"], None),
+}
+"""(command, old spelling) → (its words, the new words, the setting both give: a dest, or None
+for what the command resolves itself, READ)."""
+READ = {"halt": halt.threshold, "demo": demo.seeds_of}
+READ.update(dict.fromkeys(["export", "import ouro", "ckpt consolidate"], need_out))
+
+
+@pytest.mark.parametrize("path, old", list(ALIASES))
+def test_each_old_spelling_still_works_and_warns(path, old, capsys):
+    assert set(ALIASES) == {(p, o) for p, o, _ in OLD_SPELLINGS}  # docs/cli.md's, every one
+    old_words, new_words, dest = ALIASES[path, old]
+    read = READ[path] if dest is None else (lambda args: getattr(args, dest))
+    parse = build_parser().parse_args
+    new = read(parse([*path.split(), *BASE[path], *new_words]))
+    assert capsys.readouterr().err == ""
+    assert read(parse([*path.split(), *BASE[path], *old_words])) == new
+    said = "the positional OUT" if old == "OUT" else old
+    assert f"megaloop: warning: {said} is deprecated, use " in capsys.readouterr().err
+
+
+def test_old_and_new_spellings_together_are_refused():
+    parse = build_parser().parse_args
+    for words in (["--out", "a", "src", "b"], ["src", "b", "--out", "a"]):
+        with pytest.raises(ConfigError, match="give --out alone"):
+            need_out(parse(["export", *words]))
+    with pytest.raises(EvalError, match="give --threshold alone"):
+        halt.threshold(parse(["halt", *BASE["halt"], "--tau", "1", "--threshold", "2"]))
+    with pytest.raises(EvalError, match="--tau is the margin rule's threshold"):
+        halt.threshold(parse(["halt", *BASE["halt"], "--exit", "gate", "--tau", "1"]))
+    with pytest.raises(ConfigError, match="give the --seeds alone"):
+        demo.seeds_of(parse(["demo", "--seed", "1", "--seeds", "1,2"]))
+
+
+def test_out_is_required_where_it_replaced_a_positional():
+    for words in (["export", "src"], ["import", "ouro", "src"], ["ckpt", "consolidate", "src"]):
+        args = build_parser().parse_args(words)
+        with pytest.raises(ConfigError, match="required: --out"):
+            args.fn(args)
+
+
+@pytest.mark.parametrize(
+    "seeds, expected",
+    [(None, [0, 1, 2, 3]), ("5,", [5]), ("3,1,7", [3, 1, 7]), ("2", [0, 1])],
+)
+def test_demo_takes_its_seeds_as_a_list(seeds, expected, capsys):
+    args = build_parser().parse_args(["demo", *(["--seeds", seeds] if seeds else [])])
+    assert demo.seeds_of(args) == expected
+    assert ("as a count of seeds is deprecated" in capsys.readouterr().err) == (seeds == "2")
+
+
 def test_seq_len_defaults_to_the_models_positions():
     depth = DepthSettings(model="m", data="d")
     assert depth.fitted(128).seq_len == 128 and depth.fitted(4096).seq_len == 256
@@ -180,7 +405,8 @@ def test_seq_len_defaults_to_the_models_positions():
         (lambda: DepthSettings(model="m", data="d", loops=(0, 2)), "--loops '0,2'"),
         (lambda: HaltSettings(model="m", data="d", rho=0.9), "--rho 0.9"),
         (lambda: HaltSettings(model="m", data="d", batch_size=0), "--batch-size 0"),
-        (lambda: HaltSettings(model="m", data="d", rule="best"), "--rule best"),
+        (lambda: HaltSettings(model="m", data="d", rule="best"), "--exit best"),
+        (lambda: HaltSettings(model="m", data="d", k_max=0), "--loops 0"),
         (lambda: DiagnoseSettings(model="m", data="d", rollout=1), "--rollout 1"),
         (lambda: DiagnoseSettings(model="m", data="d", dtype="fp16"), "--dtype fp16"),
         (lambda: FixedKSettings(model="m", data="d", warmup=-1), "--warmup -1"),
@@ -191,6 +417,12 @@ def test_seq_len_defaults_to_the_models_positions():
 def test_settings_refuse_bad_values_naming_the_option(build, message):
     with pytest.raises(EvalError, match=message):
         build()
+
+
+def test_eval_downstream_takes_every_exit_rule_its_parser_offers():
+    choices = dict(commands(build_parser()))["eval downstream"]._option_string_actions["--exit"]
+    for rule in choices.choices:
+        assert DownstreamSettings(model="m", loops=4, exit=rule, thresholds=(0.5,)).exit == rule
 
 
 def test_settings_record_what_ran():

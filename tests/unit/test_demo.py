@@ -11,7 +11,7 @@ from megaloop.train.metrics import read as read_metrics
 
 
 def test_demo_prints_the_table_for_both_readouts_over_seeds(tmp_path, capsys):
-    results = run_demo(steps=4, out=str(tmp_path), seed=5, seeds=2)
+    results = run_demo(steps=4, out=str(tmp_path), seeds=(5, 6))
     out = capsys.readouterr().out
     assert "CE (all tokens)" in out and "hidden RMS" in out and "CE (answer digits)" in out
     assert "2 seeds (5, 6): mean [min, max] over seeds" in out and "Findings:" in out
@@ -86,9 +86,7 @@ def test_the_demo_command_trains_its_runs_in_two_worker_processes(tmp_path):
             "--steps",
             "3",
             "--seeds",
-            "1",
-            "--seed",
-            "2",
+            "2,",
             "--out",
             str(tmp_path),
         ],

@@ -224,7 +224,7 @@ def test_export_of_a_tp2_pp2_checkpoint_loads_offline_in_a_fresh_process(tmp_pat
     run = tmp_path / "run"
     train(4, run, ["parallel.tp=2", "parallel.pp=2", "model.num_query_groups=2"])
     out = tmp_path / "hf"
-    assert main(["export", str(run), str(out)]) == 0
+    assert main(["export", str(run), "--out", str(out)]) == 0
     assert json.loads((out / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == (
         "modeling_megaloop.MegaloopForCausalLM"
     )

@@ -21,7 +21,7 @@ def without(monkeypatch):
 @pytest.mark.parametrize(
     "modules, argv, extra",
     [
-        (("transformers",), ["export", "{tmp}/run", "{tmp}/out"], "eval"),
+        (("transformers",), ["export", "{tmp}/run", "--out", "{tmp}/out"], "eval"),
         (
             ("lm_eval",),
             ["eval", "downstream", "{tmp}/m", "--loops", "4", "--out", "{tmp}/out"],

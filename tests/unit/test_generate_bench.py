@@ -37,8 +37,8 @@ def bench(tmp_path_factory):
     text = "".join(f"{a:04d}+{b:04d}={a + b:05d}\n" for a, b in rng.integers(0, 10**4, (60, 2)))
     (root / "held_out.txt").write_text(text)
     args = ["--data", root / "held_out.txt", "--seq-len", SEQ, "--repeats", "1"]
-    args += ["--batch-sizes", ",".join(map(str, BATCHES)), "--out", root / "out"]
-    args += ["--thresholds", ",".join(map(str, THRESHOLDS)), "--prompt-tokens", PROMPT]
+    args += ["--batch-size", ",".join(map(str, BATCHES)), "--out", root / "out"]
+    args += ["--threshold", ",".join(map(str, THRESHOLDS)), "--prompt-tokens", PROMPT]
     args += ["--task", "addition"]
     assert main(["bench", "generate", str(export), *map(str, args)]) == 0
     result = json.loads((root / "out/generate.json").read_text())
@@ -195,14 +195,14 @@ def gateless(tmp_path_factory):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--thresholds", ""], "--thresholds '': give comma-separated numbers"),
-        (["--thresholds", "0.5,high"], "--thresholds '0.5,high': give comma-separated numbers"),
-        (["--thresholds", "nan"], "--thresholds 'nan': give finite numbers >= 0"),
+        (["--threshold", ""], "--threshold '': give comma-separated numbers"),
+        (["--threshold", "0.5,high"], "--threshold '0.5,high': give comma-separated numbers"),
+        (["--threshold", "nan"], "--threshold 'nan': give finite numbers >= 0"),
         (["--kv", "foo"], "--kv 'foo': give one or more of copy, share, recompute"),
         (["--batching", "fast"], "--batching 'fast': give one or more of sync, async"),
         (["--exit", "fixed"], "--exit 'fixed': give one or more of gate, margin"),
         (["--exit", "gate"], "--exit gate: .* has no exit gate; give --exit margin"),
-        (["--batch-sizes", "1,0"], "--batch-sizes '0,1': give batch sizes >= 1"),
+        (["--batch-size", "1,0"], "--batch-size '0,1': give batch sizes >= 1"),
         (["--seq-len", "4"], "--seq-len 4: must exceed --prompt-tokens 4"),
         (["--prompt-tokens", "1"], "--prompt-tokens 1: give 2 or more"),
     ],

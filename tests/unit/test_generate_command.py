@@ -66,7 +66,7 @@ def generate(megaloop_here):
 def generated(export, tmp_path, *args, prompt="the river", name="out.json"):
     """Settings from `args` run through the library, its JSON record."""
     path = tmp_path / name
-    settings = dict(model=export, prompt=prompt, max_new_tokens=10, json=path, device="cpu")
+    settings = dict(model=export, prompt=prompt, max_new_tokens=10, out=path, device="cpu")
     flags = dict(zip(args[::2], args[1::2]))
     generation.run(GenerateSettings(**settings, **flags))
     return json.loads(path.read_text())
@@ -95,7 +95,7 @@ def test_show_depth_marks_every_new_token_with_its_exit_loop(
 ):
     out = tmp_path / "g.json"
     flags = ["--prompt", "the river", "--exit", "gate", "--threshold", threshold, "--show-depth"]
-    code, stdout, stderr = generate(request.getfixturevalue(wiring), *flags, "--json", out)
+    code, stdout, stderr = generate(request.getfixturevalue(wiring), *flags, "--out", out)
     assert code == 0, stderr
     (result,) = json.loads(out.read_text())["results"]
     visible = [t for t in result["tokens"] if t != 0]  # end of text (id 0) is not marked
@@ -139,7 +139,7 @@ def test_a_batch_of_prompts_completes_each_as_alone(gated, generate, tmp_path, r
     prompts.write_text(f"{PROMPTS[0]}\n\n{PROMPTS[1]}\n{PROMPTS[2]}\n")
     out = tmp_path / "batch.json"
     code, stdout, stderr = generate(
-        gated, "--prompts", prompts, "--exit", *rule, "--json", out, "--batching", batching
+        gated, "--prompts", prompts, "--exit", *rule, "--out", out, "--batching", batching
     )
     assert code == 0, stderr
     batch = json.loads(out.read_text())["results"]

@@ -344,7 +344,7 @@ def test_bad_input_gets_one_clear_error_before_any_compute(runs, tmp_path, capsy
             "missing.txt: no such file",
         ),
         (["halt", "nowhere", "--data", data, "--rho", "0.99"], "--rho 0.99"),
-        (["halt", run, "--data", data, "--rule", "gate"], "has no exit gate"),
+        (["halt", run, "--data", data, "--exit", "gate"], "has no exit gate"),
         (["depth", "nowhere", "--data", data, "--sequences", "0"], "empty slice"),
         (
             ["depth", run, "--data", data, "--sequences", "5000", "--seq-len", str(SEQ)],

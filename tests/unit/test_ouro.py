@@ -178,7 +178,7 @@ def reference(w: dict, tokens: torch.Tensor, loops: int) -> tuple[list, list]:
 def imported(tmp_path_factory):
     root = tmp_path_factory.mktemp("ouro")
     src = write_ouro(root / "published")
-    proc = megaloop("import", "ouro", src, root / "imported")
+    proc = megaloop("import", "ouro", src, "--out", root / "imported")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return src, root / "imported"
 
@@ -187,7 +187,7 @@ def test_import_then_export_computes_ouros_per_loop_logits(imported, tmp_path):
     from transformers import AutoModelForCausalLM
 
     src, ckpt = imported
-    proc = megaloop("export", ckpt, tmp_path / "hf")
+    proc = megaloop("export", ckpt, "--out", tmp_path / "hf")
     assert proc.returncode == 0, proc.stderr[-3000:]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
     weights = {k: v.double() for k, v in ouro_weights().items()}
@@ -211,7 +211,7 @@ def test_an_imported_checkpoint_decodes_with_early_exit(imported, tmp_path):
     from transformers import AutoModelForCausalLM
 
     _, ckpt = imported
-    assert megaloop("export", ckpt, tmp_path / "hf").returncode == 0
+    assert megaloop("export", ckpt, "--out", tmp_path / "hf").returncode == 0
     tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(4))
     logits, gates = reference({k: v.double() for k, v in ouro_weights().items()}, tokens, 4)
     survive, cumulative = torch.ones_like(gates[0]), []
@@ -286,7 +286,7 @@ def test_table6_diagnostics_of_an_imported_model(imported, tmp_path):
 
 def test_export_in_ouros_format_round_trips_bit_for_bit(imported, tmp_path):
     src, ckpt = imported
-    proc = megaloop("export", ckpt, tmp_path / "ouro", "--format", "ouro")
+    proc = megaloop("export", ckpt, "--out", tmp_path / "ouro", "--format", "ouro")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = load_file(tmp_path / "ouro/model.safetensors")
     original = ouro_weights()
@@ -312,7 +312,7 @@ def test_export_in_ouros_format_round_trips_bit_for_bit(imported, tmp_path):
 )
 def test_import_refuses_what_the_architecture_cannot_represent(tmp_path, change, key):
     src = write_ouro(tmp_path / "src", {**CONFIG, **change})
-    proc = megaloop("import", "ouro", src, tmp_path / "out")
+    proc = megaloop("import", "ouro", src, "--out", tmp_path / "out")
     assert proc.returncode == 2 and f"'{key}'" in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "out").exists()
 
@@ -321,7 +321,7 @@ def test_import_names_a_missing_weight(tmp_path):
     weights = ouro_weights()
     del weights["model.layers.1.input_layernorm_2.weight"]
     proc = megaloop(
-        "import", "ouro", write_ouro(tmp_path / "src", weights=weights), tmp_path / "out"
+        "import", "ouro", write_ouro(tmp_path / "src", weights=weights), "--out", tmp_path / "out"
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "'model.layers.1.input_layernorm_2.weight' is missing" in proc.stderr
@@ -330,7 +330,7 @@ def test_import_names_a_missing_weight(tmp_path):
 
 def test_export_in_ouros_format_refuses_another_architecture(reference_run, tmp_path):
     run_dir, _ = reference_run("per_loop+penalty")
-    proc = megaloop("export", run_dir, tmp_path / "ouro", "--format", "ouro")
+    proc = megaloop("export", run_dir, "--out", tmp_path / "ouro", "--format", "ouro")
     assert proc.returncode == 2 and "model.layer_norms='pre'" in proc.stderr, proc.stderr
     assert not (tmp_path / "ouro").exists()
 

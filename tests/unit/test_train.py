@@ -75,7 +75,7 @@ def test_train_cli_writes_checkpoint_metrics_and_offline_wandb_run(tmp_path):
     meta = json.loads((ckpt / "meta.json").read_text())
     assert meta["consumed_samples"] == 6 * 16 and meta["layout"] == {"tp": 1, "pp": 1, "dp": 1}
     out = tmp_path / "consolidated"
-    proc = megaloop("ckpt", "consolidate", run, out)
+    proc = megaloop("ckpt", "consolidate", run, "--out", out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     weights = load_file(out / "model.safetensors")
     assert weights["embedding.word_embeddings.weight"].shape == (256, 128)

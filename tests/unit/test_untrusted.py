@@ -175,11 +175,13 @@ def test_a_pickle_payload_is_refused_by_resume_export_and_consolidate(
     assert not list((run_dir / "checkpoints").glob(".tmp_*"))
 
     out = tmp_path / "hf"
-    assert_refused(megaloop_here("export", run_dir, out, extra_env=NO_WEIGHTS_ONLY), path, marker)
+    assert_refused(
+        megaloop_here("export", run_dir, "--out", out, extra_env=NO_WEIGHTS_ONLY), path, marker
+    )
     assert not out.exists()
     single = tmp_path / "single"
     assert_refused(
-        megaloop_here("ckpt", "consolidate", run_dir, single, extra_env=NO_WEIGHTS_ONLY),
+        megaloop_here("ckpt", "consolidate", run_dir, "--out", single, extra_env=NO_WEIGHTS_ONLY),
         path,
         marker,
     )
