@@ -87,7 +87,7 @@ SKIP = {
     "megaloop sweep configs/experiments/wikitext103/44m/*.yaml --seeds 0,1,2": "33 full runs (tests/unit/test_sweep.py sweeps the tiny config)",
     "megaloop sweep configs/experiments/wikitext103/44m/*.yaml --seeds 0,1,2 --executor slurm --nodes 1 --gpus-per-node 8 --partition gpu --time 1-00:00:00": "a Slurm cluster with GPUs (tests/cluster/test_slurm.py submits sweeps to a local cluster)",
     "megaloop sweep configs/experiments/fineweb/1p4b_{baseline,no_readout_norm}.yaml --seeds 0 --executor slurm --nodes 2 --gpus-per-node 8 --partition gpu": "a Slurm cluster with GPUs (tests/cluster/test_slurm.py)",
-    "megaloop prep fineweb --source HuggingFaceFW/fineweb/sample/10BT --tokenizer tokenizer.json --seq-len 4096 --out data/fineweb --executor slurm --partition cpu": "FineWeb from the hub, on a Slurm cluster (tests/unit/test_data.py and tests/cluster/test_slurm.py prepare generated JSONL, locally and as a Slurm job)",
+    "megaloop prep fineweb --source HuggingFaceFW/fineweb/sample/10BT --tokenizer tokenizer.json --seq-len 1664 --out data/fineweb_1664 --executor slurm --partition cpu": "FineWeb from the hub, on a Slurm cluster (tests/unit/test_data.py and tests/cluster/test_slurm.py prepare generated JSONL, locally and as a Slurm job)",
     "megaloop eval downstream runs/tiny/hf --loops 4 --out runs/tiny/eval-K4": "the tasks' data come from the hub (tests/unit/test_downstream_tasks.py runs it on local task files)",
     "megaloop eval downstream runs/tiny/hf --loops 8 --out runs/tiny/eval-K8": "the tasks' data come from the hub (tests/unit/test_downstream_tasks.py)",
     "megaloop eval compare runs/tiny/eval-K4 runs/tiny/eval-K8": "reads the two downstream runs above (tests/unit/test_evaluation.py compares generated ones)",
@@ -131,6 +131,41 @@ def test_every_documented_command_is_run_here_or_says_why_not():
     )
     stale = [c for c in [*RUN, *DRY_RUN, *SKIP] if c not in documented()]
     assert not stale, "listed here, documented nowhere: " + "\n".join(stale)
+
+
+def test_prepared_data_is_what_the_configs_after_it_read():
+    """The commands chain: a config a README block trains or sweeps after `megaloop prep` reads
+    the folder prep wrote, at the window prep packed (data.path, data.seq_len)."""
+    from megaloop import experiment
+
+    prepared = {}
+    for command in documented():
+        words = command.split()
+        if words[:2] == ["megaloop", "prep"] and "--out" in words and "--seq-len" in words:
+            out, seq_len = words[words.index("--out") + 1], words[words.index("--seq-len") + 1]
+            prepared[out] = int(seq_len)
+        elif words[:2] in (["megaloop", "sweep"], ["megaloop", "train"]) and prepared:
+            for pattern in (w for w in words[2:] if w.startswith("configs/")):
+                for config in expand(pattern):
+                    data = experiment.load(ROOT / config).data
+                    path = getattr(data, "path", None)
+                    if data.kind in ("indexed", "webdataset") and path in prepared:
+                        assert prepared[path] == data.seq_len, (config, path)
+                    elif data.kind in ("indexed", "webdataset"):
+                        near = [p for p in prepared if p.split("_")[0] == path.split("_")[0]]
+                        assert not near, f"{config} reads {path}; the docs prepare {near}"
+
+
+def expand(pattern: str) -> list[str]:
+    """A shell word's configs: {a,b} alternatives and * globs, as bash expands them."""
+    match = re.search(r"\{([^}]*)\}", pattern)
+    if match:
+        return [
+            c
+            for alt in match.group(1).split(",")
+            for c in expand(pattern[: match.start()] + alt + pattern[match.end() :])
+        ]
+    return sorted(str(p.relative_to(ROOT)) for p in ROOT.glob(pattern)) or [pattern]
 
 
 def argv(command: str, extra: list[str]) -> list[str]:
