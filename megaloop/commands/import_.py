@@ -15,9 +15,11 @@ def add_parser(sub) -> None:
         "import", help="a published checkpoint of another format as a megaloop checkpoint"
     ).add_subparsers(dest="import_command", required=True, metavar="FORMAT")
     p = formats.add_parser(
-        "ouro", help="an Ouro folder (config.json + safetensors, e.g. ByteDance/Ouro-1.4B)"
+        "ouro",
+        help="a local Ouro folder (config.json + safetensors), e.g. a download of "
+        "ByteDance/Ouro-1.4B from the hub: a path, not a hub id",
     )
-    p.add_argument("source", help="the Ouro folder")
+    p.add_argument("source", help="the local Ouro folder (a path; nothing is fetched)")
     out_folder(p, "a new checkpoint folder")
     p.set_defaults(fn=ouro)
 
