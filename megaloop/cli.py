@@ -14,7 +14,7 @@ import warnings
 
 from megaloop import known_warnings
 from megaloop.commands import COMMANDS
-from megaloop.commands.options import show_defaults
+from megaloop.commands.options import late_out, show_defaults
 from megaloop.config import ConfigError
 from megaloop.parallel.launch import LaunchError
 
@@ -91,6 +91,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("WANDB_SILENT", "true")
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    extra = late_out(args, extra)
     if extra and (
         not hasattr(args, "overrides") or any(a.startswith("-") or "=" not in a for a in extra)
     ):

@@ -59,6 +59,20 @@ def out_folder(p: argparse.ArgumentParser, help: str) -> None:
     checks it)."""
     p.add_argument("--out", help=f"{help} (required)")
     deprecated(p, "old_out", "--out", nargs="?", metavar="OUT")
+    p.set_defaults(positional_out=True)
+
+
+def late_out(args, extra: list[str]) -> list[str]:
+    """The deprecated positional OUT given after an option (`export SRC --format ouro OUT`):
+    argparse fills an optional positional only from the run of positionals it starts in, so the
+    trailing one comes back unparsed; it still names the output, as it did before `--out`."""
+    unfilled = getattr(args, "positional_out", False) and args.out is None
+    unfilled = unfilled and getattr(args, "old_out", None) is None
+    if unfilled and len(extra) == 1 and not extra[0].startswith("-"):
+        warn("the positional OUT is deprecated, use --out")
+        args.old_out = extra[0]
+        return []
+    return extra
 
 
 def need_out(args) -> str:

@@ -13,7 +13,7 @@ import yaml
 from megaloop import experiment
 from megaloop.cli import NO_MEGATRON, build_parser, main
 from megaloop.commands import COMMANDS, demo, halt
-from megaloop.commands.options import Deprecated, Renamed, need_out
+from megaloop.commands.options import Deprecated, Renamed, late_out, need_out
 from megaloop.config import CONFIG_ROOT, ConfigError, shipped_configs
 from megaloop.evaluation.exported import EvalError
 from megaloop.evaluation.settings import (
@@ -499,3 +499,18 @@ def test_configs_lists_experiments_apart_from_fragments_with_descriptions(capsys
     for name in ("model/129m", "data/fineweb", "experiments/study/base", "experiments/study/44m"):
         assert listed[name][0] == "fragment", name
     assert all(about for _, about in listed.values())
+
+
+def test_the_positional_out_after_an_option_still_names_the_output(capsys):
+    """`export SRC --format ouro DST` parsed before `--out` existed; argparse leaves a trailing
+    optional positional unparsed, so the entry point hands it back to OUT."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(["export", "src", "--format", "ouro", "dst"])
+    assert extra == ["dst"]
+    assert late_out(args, extra) == [] and need_out(args) == "dst"
+    assert "the positional OUT is deprecated" in capsys.readouterr().err
+    for words in (["--out", "a", "dst"], ["dst", "--format", "ouro", "more"]):
+        args, extra = parser.parse_known_args(["export", "src", *words])
+        assert late_out(args, extra) == extra != []  # still an unrecognised argument
+    args, extra = parser.parse_known_args(["train", "tiny", "--dry-run", "lr=1"])
+    assert late_out(args, extra) == ["lr=1"]  # overrides are not an output
