@@ -10,8 +10,8 @@
 #   bash bench/gpu.sh [OUT]      (OUT: figures and steps.tsv; default runs/gpu)
 #   SMOKE=1 bash bench/gpu.sh    (the same flow, tiny shapes, on a CPU with gloo: ~2 min, 2 cores)
 #
-# Steps on the H200, each under its own limit (s). The first call (2026-12-04, docs/benchmarks.md
-# "GPU (H200)") measured the seconds below; fixed_k ran past its first limit (120 s) after its
+# Steps on the H200, each under its own limit (s). The first call (2026-12-04, docs/gpu/README.md
+# "First calls") measured the seconds below; fixed_k ran past its first limit (120 s) after its
 # training step, somewhere in the 1.4B checkpoint (16 GiB), the export or the timed batches.
 #   step              what                                                 measured  limit
 #   install           offline pip install of WHEELS into a temporary site dir     0     30

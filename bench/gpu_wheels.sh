@@ -8,7 +8,7 @@
 #   bash bench/gpu_wheels.sh [--python-version 3.12] [--dest .whl]
 #
 # What gpu.sh imports beyond the image (every step traced with WANDB_MODE=disabled, and run on
-# torch 2.11 with only these wheels added; docs/benchmarks.md "GPU kit"):
+# torch 2.11 with only these wheels added; docs/benchmarks.md "GPU kit", docs/gpu/README.md):
 #   megatron-core   training (its own needs: torch, numpy, packaging: all in the image)
 # Not needed, so not carried: wandb (gpu.sh passes wandb.mode=disabled to every run), deepspeed
 # (sdist only; imported by engine=deepspeed alone), webdataset (data.kind=synthetic), datatrove

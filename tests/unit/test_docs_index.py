@@ -82,6 +82,45 @@ def test_every_relative_link_names_a_file_that_exists():
     assert not broken, "links to files that do not exist:\n" + "\n".join(broken)
 
 
+def anchors(page: Path) -> set[str]:
+    """The #fragments a page's headings answer to, as GitHub makes them: lower case, punctuation
+    but `-` and `_` dropped, spaces as `-`, a repeated heading numbered -1, -2, ..."""
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", FENCE.sub("", page.read_text()), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        seen[slug] = seen.get(slug, -1) + 1
+        yield slug if seen[slug] == 0 else f"{slug}-{seen[slug]}"
+
+
+def test_every_anchor_names_a_heading_of_its_page():
+    broken = []
+    for page in [ROOT / "README.md", *pages()]:
+        for target in markdown_links(page):
+            if "#" not in target or SCHEME.match(target):
+                continue
+            found = page if target.startswith("#") else local_target(page, target)
+            if found.is_file() and found.suffix == ".md":
+                if target.split("#", 1)[1] not in set(anchors(found)):
+                    broken.append(f"{page.relative_to(ROOT)}: ({target})")
+    assert not broken, "links to headings that do not exist:\n" + "\n".join(broken)
+
+
+def test_anchors_are_githubs(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# Generation with early exit: a token\n## Downstream tasks (`eval downstream --exit`)\n"
+        "```bash\n# not a heading\n```\n## Fixed-K throughput (CPU, 2026-12-01)\n"
+        "## Notes\n## Notes\n"
+    )
+    assert list(anchors(page)) == [
+        "generation-with-early-exit-a-token",
+        "downstream-tasks-eval-downstream---exit",
+        "fixed-k-throughput-cpu-2026-12-01",
+        "notes",
+        "notes-1",
+    ]
+
+
 def test_the_link_reader_finds_links_and_skips_code():
     """What the two tests above rely on, on a page written for it."""
     page = DOCS_DIR / "page.md"
