@@ -1,23 +1,23 @@
-"""`megaloop eval downstream|compare`: lm-eval tasks on an export, paired bootstrap CIs."""
+"""`megaloop eval downstream|compare`: lm-eval tasks on a model, paired bootstrap CIs."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from megaloop.commands.options import batch_size
+from megaloop.commands.options import MODEL_HELP, batch_size
 from megaloop.evaluation.settings import EXIT_RULES, SPLITS
 from megaloop.extras import require
 
-BUILDS_MODEL = False
+BUILDS_MODEL = False  # `eval compare` builds none; `eval downstream` applies the CPU layer itself
 
 
 def add_parser(sub) -> None:
-    actions = sub.add_parser("eval", help="evaluate exported models").add_subparsers(
+    actions = sub.add_parser("eval", help="evaluate models on downstream tasks").add_subparsers(
         dest="eval_command", required=True, metavar="ACTION"
     )
     down = actions.add_parser("downstream", help="lm-eval multiple-choice tasks at K loops")
-    down.add_argument("model", help="a folder from `megaloop export`")
+    down.add_argument("model", help=MODEL_HELP)
     down.add_argument(
         "--loops",
         type=int,
@@ -71,6 +71,7 @@ def add_parser(sub) -> None:
 
 def downstream(args) -> int:
     require("eval", "megaloop eval downstream")
+    from megaloop import _cpu_compat
     from megaloop.evaluation import adaptive_downstream, downstream
     from megaloop.evaluation.settings import DownstreamSettings, parse_thresholds
 
@@ -86,6 +87,7 @@ def downstream(args) -> int:
         exit=args.exit,
         thresholds=parse_thresholds(args.threshold) if args.threshold is not None else (),
     )
+    _cpu_compat.apply()  # a run directory's checkpoint is consolidated by megatron-core
     if settings.exit is not None:
         print(adaptive_downstream.table(adaptive_downstream.run(settings)))
         print(f"runs in {args.out}/<run>/, adaptive.json|md and accuracy_vs_depth.png beside")

@@ -1,8 +1,8 @@
-"""`megaloop generate EXPORT (--prompt TEXT | --prompts FILE)`: text with per-token early exit."""
+"""`megaloop generate MODEL (--prompt TEXT | --prompts FILE)`: text with per-token early exit."""
 
 from __future__ import annotations
 
-from megaloop.commands.options import deprecated
+from megaloop.commands.options import MODEL_HELP, deprecated
 from megaloop.evaluation.settings import BATCHING, DTYPES, EXITS, KV_POLICIES
 from megaloop.extras import require
 
@@ -11,9 +11,9 @@ BUILDS_MODEL = True
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
-        "generate", help="text from an export, each new token stopping at its exit loop"
+        "generate", help="text from a model, each new token stopping at its exit loop"
     )
-    p.add_argument("model", help="a `megaloop export` folder")
+    p.add_argument("model", help=MODEL_HELP)
     given = p.add_mutually_exclusive_group(required=True)
     given.add_argument("--prompt", help="the text to continue (printed as it is generated)")
     given.add_argument(

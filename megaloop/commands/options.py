@@ -10,9 +10,9 @@ import argparse
 import sys
 
 from megaloop.config import ConfigError
-from megaloop.evaluation.settings import DTYPES
+from megaloop.evaluation.settings import DTYPES, MODEL_KINDS
 
-MODEL_HELP = "a run directory, a checkpoint folder or a `megaloop export` folder"
+MODEL_HELP = MODEL_KINDS
 
 
 class Renamed(argparse.Action):

@@ -26,20 +26,19 @@ from pathlib import Path
 
 import numpy as np
 
-from megaloop.evaluation import downstream
+from megaloop.evaluation import downstream, harness
 from megaloop.evaluation.exported import (
     EvalError,
     Export,
     open_export,
-    placement,
 )
 from megaloop.evaluation.settings import DownstreamSettings
 
 
-def check_rule(settings: DownstreamSettings) -> Export:
-    """The export, opened; EvalError, before any task or model is built, for a gate rule on a
-    model without one."""
-    export = open_export(settings.model)
+def check_rule(settings: DownstreamSettings, folder: Path) -> Export:
+    """The export `folder` (MODEL's, harness.as_export), opened; EvalError, before its model is
+    built, for a gate rule on a model without one."""
+    export = open_export(folder)
     if settings.exit == "gate" and not export.config.get("exit_gate"):
         raise EvalError(
             f"--exit gate: {settings.model} has no exit gate (it was trained without "
@@ -109,14 +108,15 @@ def depth_counting_class():
 
 def run(settings: DownstreamSettings) -> dict:
     """Each fixed K up to K, then each threshold; adaptive.json/.md and the figure over all."""
-    export = check_rule(settings)
     K, out = settings.loops, settings.out
     baselines = tuple(range(1, K + 1))  # the fixed-K runs, one lm-eval pass each
     runs = []
-    with downstream.task_setup(settings) as (tasks, task_manager):
-        tokenizer = export.tokenizer()
-        device, dtype = placement(settings.device)
-        model = export.model(device, dtype, num_loops=K)
+    with (
+        downstream.task_setup(settings) as (tasks, task_manager),
+        harness.as_export(settings.model) as (export_folder, source),
+    ):
+        export = check_rule(settings, export_folder)
+        model, tokenizer, device = downstream.loaded(export, settings)
         lm_args = dict(
             pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size, device=device
         )
@@ -125,7 +125,7 @@ def run(settings: DownstreamSettings) -> dict:
             results = downstream.scored(
                 downstream.checked_lm(**lm_args), tasks, task_manager, settings.limit
             )
-            info = downstream.run_info(settings, results) | {"loops": k}
+            info = downstream.run_info(settings, results, source) | {"loops": k}
             fixed = {"exit": "fixed", "threshold": None, "mean_loops": float(k)}
             depth = {task: {"mean_loops": float(k)} for task in results["configs"]}
             folder = out / f"fixed-k{k}"
@@ -141,7 +141,7 @@ def run(settings: DownstreamSettings) -> dict:
             runs.append(record(downstream.write(results, folder, info | rule, depth), folder))
     place(runs)
     summary = {
-        **{k: info[k] for k in ("model", "loops", "limit", "data_dir", "split", "splits")},
+        **{k: info[k] for k in ("model", "step", "loops", "limit", "data_dir", "split", "splits")},
         "exit": settings.exit,
         "mean_loops_over": "each request's continuation tokens (the positions lm-eval scores)",
         "runs": runs,

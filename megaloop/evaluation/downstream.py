@@ -1,5 +1,9 @@
 """Downstream multiple-choice tasks with lm-eval (HFLM) on an exported model at a chosen K.
 
+MODEL is an export, or a run directory or checkpoint folder exported for the command into a
+temporary folder (harness.as_export, once the tasks are checked); the results record MODEL as
+given and, for a run, the checkpoint's step.
+
 Continuation likelihood, zero-shot, the study's nine tasks by default, each on its validation
 split (`split="validation"`, the study's protocol) or on the split lm-eval evaluates by default
 (`split="default"`: its test split where the config names one). Both the split and `data_dir`
@@ -26,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megaloop.evaluation.exported import EvalError, open_export, placement
+from megaloop.evaluation import harness
+from megaloop.evaluation.exported import EvalError, Export, open_export, placement
 from megaloop.evaluation.settings import SPLITS, DownstreamSettings
 
 STUDY_TASKS = (
@@ -247,10 +252,12 @@ def scored(lm, tasks: tuple[str, ...], task_manager, limit: int | None) -> dict:
     )
 
 
-def run_info(settings: DownstreamSettings, results: dict) -> dict:
-    """What results.json and summary.json record of the run."""
+def run_info(settings: DownstreamSettings, results: dict, source: dict) -> dict:
+    """What results.json and summary.json record of the run; `source`: harness.as_export's
+    record of the model (its checkpoint step, None for an export)."""
     return {
         "model": str(settings.model),
+        "step": source["step"],
         "loops": settings.loops,
         "limit": settings.limit,
         "data_dir": str(settings.data_dir) if settings.data_dir else None,
@@ -259,17 +266,27 @@ def run_info(settings: DownstreamSettings, results: dict) -> dict:
     }
 
 
+def loaded(export: Export, settings: DownstreamSettings):
+    """The export's model at K = settings.loops, its tokenizer and their device. The model is
+    named MODEL as given: lm-eval records its _name_or_path as results.json's config.model,
+    which for a run would be the temporary export folder."""
+    device, dtype = placement(settings.device)
+    model = export.model(device, dtype, num_loops=settings.loops)
+    model.config._name_or_path = str(settings.model)
+    return model, export.tokenizer(), device
+
+
 def run(settings: DownstreamSettings) -> dict:
-    with task_setup(settings) as (tasks, task_manager):
-        export = open_export(settings.model)
-        tokenizer = export.tokenizer()
-        device, dtype = placement(settings.device)
-        model = export.model(device, dtype, num_loops=settings.loops)
+    with (
+        task_setup(settings) as (tasks, task_manager),
+        harness.as_export(settings.model) as (folder, source),
+    ):
+        model, tokenizer, device = loaded(open_export(folder), settings)
         lm = checked_lm(
             pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size, device=device
         )
         results = scored(lm, tasks, task_manager, settings.limit)
-    return write(results, settings.out, run_info(settings, results))
+    return write(results, settings.out, run_info(settings, results, source))
 
 
 def write(results: dict, out: Path, run_info: dict, depth: dict[str, dict] | None = None) -> dict:

@@ -1,11 +1,12 @@
-"""Text from an export with per-token early exit: what `megaloop generate` runs.
+"""Text from a model with per-token early exit: what `megaloop generate` runs.
 
-The export is opened as every measurement opens it (megaloop.evaluation.exported: its code
-checked, megaloop's own classes, safetensors only) with the exit rule, threshold, K and KV
-policy set in its config, and decoded by transformers' `generate()` through a `LoopCache`,
-which records each forward's exit loops and counts the loops run. A generated token's exit loop
-is the loop at which the forward that chose it stopped: the prompt's last position's for the
-first new token, then each decoded token's.
+MODEL is an export, or a run directory or checkpoint folder exported for the command into a
+temporary folder (harness.as_export). The export is opened as every measurement opens it
+(megaloop.evaluation.exported: its code checked, megaloop's own classes, safetensors only) with
+the exit rule, threshold, K and KV policy set in its config, and decoded by transformers'
+`generate()` through a `LoopCache`, which records each forward's exit loops and counts the
+loops run. A generated token's exit loop is the loop at which the forward that chose it
+stopped: the prompt's last position's for the first new token, then each decoded token's.
 
 One prompt is printed as it is generated; several are generated in left-padded batches and
 each completion printed when its batch is done. `--show-depth` follows each token's text with
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 from typing import TextIO
 
 import torch
@@ -83,10 +85,11 @@ class DepthStreamer(BaseStreamer):
         self.out.flush()
 
 
-def open_export(settings: GenerateSettings):
-    """The export's model, its config set to the settings' rule, threshold, K and KV policy,
-    and its tokenizer padding on the left (with end of text, or id 0, as the pad)."""
-    export = exported.open_export(settings.model)
+def open_export(settings: GenerateSettings, folder: Path | None = None):
+    """The model of the export `folder` (default: settings.model), its config set to the
+    settings' rule, threshold, K and KV policy, and its tokenizer padding on the left (with end
+    of text, or id 0, as the pad)."""
+    export = exported.open_export(settings.model if folder is None else folder)
     if settings.early_exit == "gate" and not export.config.get("exit_gate"):
         raise EvalError(
             f"{settings.model}: this model has no exit gate (trained without model.exit_gate), "
@@ -194,11 +197,13 @@ def marked(tokenizer, result: dict, show_depth: bool) -> str:
 
 def run(settings: GenerateSettings, out: TextIO | None = None, err: TextIO | None = None) -> dict:
     """Generate, print on `out` (streamed for one prompt), then the summary on `err` (default:
-    standard output and error); returns the prompts' results and the summary (written to
-    settings.out too, when given)."""
+    standard output and error); returns the model it ran (MODEL as given, and the checkpoint
+    step of a run), the prompts' results and the summary (written to settings.out too, when
+    given)."""
     out, err = out or sys.stdout, err or sys.stderr
     texts = settings.texts()
-    model, tokenizer = open_export(settings)
+    with harness.as_export(settings.model) as (folder, source):
+        model, tokenizer = open_export(settings, folder)
     trained = model.config.num_loops_trained
     notes = [settings.threshold_note()]
     if settings.loops is not None and settings.loops > trained:
@@ -211,6 +216,8 @@ def run(settings: GenerateSettings, out: TextIO | None = None, err: TextIO | Non
         print(f"megaloop generate: note: {note}", file=err)
     if settings.seed is not None:
         torch.manual_seed(settings.seed)
+    else:  # unseeded, though exporting a run seeded torch (distributed.init)
+        torch.seed()
     size = settings.batch_size
     chunks = [texts[i : i + size] for i in range(0, len(texts), size)]
     results, caches, seconds, engines = [], [], 0.0, {}
@@ -232,7 +239,12 @@ def run(settings: GenerateSettings, out: TextIO | None = None, err: TextIO | Non
     summary = summarize(results, caches, seconds, model.config.num_loops, settings.kv)
     summary["batching"] = list(engines)  # what auto chose: a last, shorter chunk may differ
     print(summary_line(summary), file=err)
-    record = {"settings": settings_record(settings), "results": results, "summary": summary}
+    record = {
+        "settings": settings_record(settings),
+        "model": source,
+        "results": results,
+        "summary": summary,
+    }
     if settings.out is not None:
         settings.out.parent.mkdir(parents=True, exist_ok=True)
         settings.out.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")

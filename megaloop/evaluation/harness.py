@@ -4,7 +4,9 @@ MODEL is a run directory, a checkpoint folder or a `megaloop export` folder. Eve
 as the exported model (plain PyTorch, megaloop/model/modeling_megaloop.py): a run is
 consolidated and converted in memory, so a measurement of a run equals the same measurement of
 its export. The measurements drive that model one loop at a time through its `embed`, `loops`,
-`readout` and `exit_probability`.
+`readout` and `exit_probability`. The commands that need the export folder itself (`generate`,
+`eval downstream`) take every kind through `as_export`: a run is exported into a temporary
+folder for the command's duration.
 
 --data is held-out text (tokenised with the model's tokenizer), a .npy of token ids, a prepared
 indexed split (the PREFIX of PREFIX.bin/.idx from `megaloop prep wikitext103`), or webdataset
@@ -15,8 +17,11 @@ at token i·seq_len: every command reads the same tokens for every model.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from megaloop.evaluation.exported import EvalError, open_export
+from megaloop.evaluation.settings import MODEL_KINDS
 
 DATA_KINDS = (
     "a text file, a .npy of token ids, an indexed split PREFIX (PREFIX.bin/.idx) or "
@@ -47,20 +53,34 @@ class Opened:
         return self.info["num_loops_trained"]
 
 
+def model_kind(path: Path) -> str:
+    """export, checkpoint or run: what MODEL names, told from the files in it (nothing is read
+    or checked yet); EvalError naming the path and the three kinds for anything else."""
+    path = Path(path)
+    if not path.is_dir():
+        raise EvalError(f"MODEL {path}: no such folder (give {MODEL_KINDS})")
+    if (path / "meta.json").is_file():
+        return "checkpoint"
+    if (path / "config.json").is_file():
+        return "export"
+    if (path / "checkpoints").is_dir():
+        return "run"
+    raise EvalError(
+        f"MODEL {path}: not a run directory (no checkpoints/), a checkpoint folder (no "
+        "meta.json) or a `megaloop export` folder (no config.json)"
+    )
+
+
 def open_model(path: Path, device: str = "cpu", dtype: str = "float32") -> Opened:
     """A run directory, a checkpoint folder or an export, as the exported model in eval mode."""
     path = Path(path)
-    if not path.exists():
-        raise EvalError(
-            f"MODEL {path}: no such folder (give a run directory, a checkpoint "
-            f"folder or a `megaloop export` folder)"
-        )
-    if (path / "config.json").is_file() and not (path / "meta.json").is_file():
+    kind = model_kind(path)
+    if kind == "export":
         export = open_export(path)
         model, tokenizer = export.model(device, dtype), export.tokenizer()
         info = {
             "path": str(path),
-            "kind": "export",
+            "kind": kind,
             "step": None,
             "num_loops_trained": model.config.num_loops_trained,
             "run_config": getattr(model.config, "run_config", None),
@@ -81,13 +101,44 @@ def open_model(path: Path, device: str = "cpu", dtype: str = "float32") -> Opene
     tokenizer = megaloop_tokenizer(cfg.data.tokenizer_spec())
     info = {
         "path": str(path),
-        "kind": "checkpoint" if folder == path else "run",
+        "kind": kind,
         "checkpoint": str(folder),
         "step": checkpoint.read_meta(folder)["step"],
         "num_loops_trained": cfg.model.num_loops,
         "run_config": cfg.to_dict(),
     }
     return Opened(model, tokenizer.encode, info)
+
+
+@contextlib.contextmanager
+def as_export(path: Path) -> Iterator[tuple[Path, dict]]:
+    """MODEL as a `megaloop export` folder, for the commands that hand one on (`generate`,
+    `eval downstream`), and where it came from ({"path": MODEL, "kind"} and, but for an
+    export, the "checkpoint" folder and its "step": what their results record). An export is
+    itself; a run's newest complete checkpoint, or a checkpoint folder, is exported into a
+    temporary folder that is deleted when the block ends."""
+    path = Path(path)
+    kind = model_kind(path)
+    if kind == "export":
+        yield path, {"path": str(path), "kind": kind, "step": None}
+        return
+    from megaloop.export import export
+    from megaloop.parallel import distributed
+    from megaloop.train import checkpoint
+
+    distributed.init(seed=0)
+    try:
+        folder = checkpoint.resolve(path)
+    except ValueError as e:
+        raise EvalError(f"MODEL {path}: {e}") from None
+    step = checkpoint.read_meta(folder)["step"]
+    print(f"megaloop: exporting {folder} (step {step}) to a temporary folder", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="megaloop-export-") as tmp:
+        try:
+            export(folder, Path(tmp))
+        except ValueError as e:
+            raise EvalError(f"MODEL {path}: {e}") from None
+        yield Path(tmp), {"path": str(path), "kind": kind, "checkpoint": str(folder), "step": step}
 
 
 def check_data(data: Path) -> None:

@@ -33,6 +33,9 @@ DTYPES = {
 """`--dtype`'s values (the short spellings too). auto, every measurement's default: bfloat16 on
 a GPU (the study's precision), float32 on a CPU."""
 
+MODEL_KINDS = "a run directory, a checkpoint folder or a `megaloop export` folder"
+"""What MODEL may name, for every command that reads a model (its help, its errors)."""
+
 Rule = Literal["margin", "gate"]
 RULES: tuple[Rule, ...] = ("margin", "gate")
 SPLITS = ("validation", "default")
@@ -347,10 +350,10 @@ class GenerateBenchSettings(Measurement):
 
 @dataclass(frozen=True, kw_only=True)
 class DownstreamSettings:
-    """`megaloop eval downstream`: lm-eval multiple-choice tasks on an export at K loops."""
+    """`megaloop eval downstream`: lm-eval multiple-choice tasks on a model at K loops."""
 
     model: Path
-    """A `megaloop export` folder."""
+    """A run directory, a checkpoint folder or a `megaloop export` folder."""
     loops: int
     tasks: tuple[str, ...] | None = None
     """lm-eval task names; None: the study's nine."""
@@ -404,10 +407,11 @@ the one place an exit rule changes name between the command line and the model."
 
 @dataclass(frozen=True, kw_only=True)
 class GenerateSettings:
-    """`megaloop generate`: text from an export, each new token stopping at its exit loop."""
+    """`megaloop generate`: text from a model, each new token stopping at its exit loop."""
 
     model: Path
-    """A `megaloop export` folder (or `megaloop import ouro` then `export`)."""
+    """A run directory, a checkpoint folder or a `megaloop export` folder (Ouro's weights:
+    `megaloop import ouro` then `export`)."""
     prompt: str | None = None
     prompts: Path | None = None
     """A text file, one prompt per line (blank lines skipped); give it or `prompt`."""

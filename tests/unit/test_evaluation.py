@@ -99,6 +99,37 @@ def test_local_task_data_must_hold_the_evaluated_split(export_dir, tmp_path, cap
     assert "unknown lm-eval task(s): nope" in capsys.readouterr().err
 
 
+def test_a_run_directory_is_evaluated_as_its_export(export_dir, tmp_path, capsys):
+    """MODEL a run directory: exported for the command, then the same accuracies as its export,
+    on the plain path and under --exit; the results record MODEL as given and the step."""
+    run = export_dir.parent / "run"
+    options = ["--tasks", "arc_easy,boolq", "--data-dir", write_tasks(tmp_path / "data")]
+    options += ["--split", "default", "--batch-size", "4"]
+    for model in (export_dir, run):
+        assert eval_downstream(model, tmp_path / model.name, 2, *options) == 0
+    of_export, of_run = (
+        json.loads((tmp_path / name / "summary.json").read_text()) for name in ("hf", "run")
+    )
+    assert of_run["tasks"] == of_export["tasks"] and of_run["n"] == 12
+    assert (of_export["model"], of_export["step"]) == (str(export_dir), None)
+    assert (of_run["model"], of_run["step"]) == (str(run), 6)
+    results = json.loads((tmp_path / "run/results.json").read_text())
+    assert results["megaloop"]["model"] == results["config"]["model"] == str(run)
+    assert "megaloop: exporting" in capsys.readouterr().err
+    out = tmp_path / "adaptive"
+    assert eval_downstream(run, out, 1, *options, "--exit", "margin", "--threshold", "0") == 0
+    adaptive = json.loads((out / "adaptive.json").read_text())
+    assert (adaptive["model"], adaptive["step"]) == (str(run), 6)
+    assert json.loads((out / "margin-0.0/summary.json").read_text())["model"] == str(run)
+    (tmp_path / "empty").mkdir()
+    assert eval_downstream(tmp_path / "empty", tmp_path / "r", 1, *options) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"megaloop: error: MODEL {tmp_path / 'empty'}: not a run directory (no checkpoints/), "
+        "a checkpoint folder (no meta.json) or a `megaloop export` folder (no config.json)"
+    )
+    assert not (tmp_path / "r").exists()
+
+
 def test_paired_bootstrap_reproduces_the_normal_theory_ci():
     rng = np.random.default_rng(1)
     diffs = rng.normal(0.2, 1.0, size=4000)

@@ -291,3 +291,53 @@ def test_loops_past_the_trained_depth_get_a_note(gated, generate):
     assert f"--loops {K + 2} runs past the depth the model was trained at (K_train = {K})" in err
     rc, _, err = generate(gated, "--prompt", "the river", "--loops", str(K), new_tokens=2)
     assert rc == 0 and "runs past the depth" not in err
+
+
+def test_a_run_directory_generates_what_its_export_does(export_dir, generate, tmp_path):
+    """MODEL a run directory or a checkpoint folder: exported for the command (one line on
+    stderr says which step), then the same greedy tokens and exit loops as its `megaloop
+    export`; the JSON records MODEL as given and the step, not the temporary export."""
+    run = export_dir.parent / "run"
+    (checkpoint,) = (run / "checkpoints").glob("step_*")
+    prompt = ["--prompt", "the river", "--exit", "margin", "--threshold", "2"]
+    code, expected, _ = generate(export_dir, *prompt, "--out", tmp_path / "export.json")
+    assert code == 0
+    reference = json.loads((tmp_path / "export.json").read_text())
+    assert reference["model"] == {"path": str(export_dir), "kind": "export", "step": None}
+    for model, kind in ((run, "run"), (checkpoint, "checkpoint")):
+        out = tmp_path / f"{kind}.json"
+        code, stdout, stderr = generate(model, *prompt, "--out", out)
+        assert code == 0, stderr
+        assert stdout == expected
+        assert f"megaloop: exporting {checkpoint} (step 6) to a temporary folder" in stderr
+        record = json.loads(out.read_text())
+        assert record["results"] == reference["results"]
+        assert record["settings"]["model"] == str(model)
+        assert record["model"] == {
+            "path": str(model),
+            "kind": kind,
+            "checkpoint": str(checkpoint),
+            "step": 6,
+        }
+
+
+def test_a_folder_that_holds_no_model_is_refused_naming_the_three_kinds(
+    megaloop_here, monkeypatch, tmp_path
+):
+    calls = never_loads(monkeypatch)
+    (tmp_path / "notes").mkdir()
+    for folder, message in (
+        (
+            tmp_path / "notes",
+            "not a run directory (no checkpoints/), a checkpoint folder (no meta.json) or a "
+            "`megaloop export` folder (no config.json)",
+        ),
+        (
+            tmp_path / "missing",
+            "no such folder (give a run directory, a checkpoint folder or a `megaloop export` "
+            "folder)",
+        ),
+    ):
+        code, stdout, stderr = megaloop_here("generate", folder, "--prompt", "a")
+        assert code == 2 and stdout == "" and not calls
+        assert stderr.strip().splitlines() == [f"megaloop: error: MODEL {folder}: {message}"]
