@@ -98,7 +98,8 @@ def main(argv=None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:  # key=value overrides may also follow the options
         args.overrides = [*args.overrides, *extra]
-    if args.command not in NO_MEGATRON and not getattr(args, "print_config", False):
+    builds_model = getattr(args, "builds_model", args.command not in NO_MEGATRON)
+    if builds_model and not getattr(args, "print_config", False):
         from megaloop import _cpu_compat
 
         _cpu_compat.apply()

@@ -3,6 +3,7 @@
 Every module declares BUILDS_MODEL: whether the command builds a model in this process (and so
 needs megatron-core, and the CPU compatibility layer on a CPU). The others read configs and
 print, or hand the work to other processes, and import none of torch, megatron-core or wandb.
+A command whose actions differ sets `builds_model` on the action's parser (`eval downstream`).
 """
 
 from megaloop.commands import (

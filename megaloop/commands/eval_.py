@@ -9,7 +9,7 @@ from megaloop.commands.options import MODEL_HELP, batch_size
 from megaloop.evaluation.settings import EXIT_RULES, SPLITS
 from megaloop.extras import require
 
-BUILDS_MODEL = False  # `eval compare` builds none; `eval downstream` applies the CPU layer itself
+BUILDS_MODEL = False  # `eval compare` builds none; `eval downstream` says it does (builds_model)
 
 
 def add_parser(sub) -> None:
@@ -56,7 +56,7 @@ def add_parser(sub) -> None:
     down.add_argument(
         "--out", required=True, help="folder of the results (results, samples, summary)"
     )
-    down.set_defaults(fn=downstream)
+    down.set_defaults(fn=downstream, builds_model=True)  # a run is exported: megatron-core
     cmp = actions.add_parser("compare", help="paired bootstrap CIs between two results folders")
     cmp.add_argument("a", help="results folder of the first model (A), from eval downstream")
     cmp.add_argument("b", help="results folder of the second model (B); the table is B - A")
@@ -71,7 +71,6 @@ def add_parser(sub) -> None:
 
 def downstream(args) -> int:
     require("eval", "megaloop eval downstream")
-    from megaloop import _cpu_compat
     from megaloop.evaluation import adaptive_downstream, downstream
     from megaloop.evaluation.settings import DownstreamSettings, parse_thresholds
 
@@ -87,7 +86,6 @@ def downstream(args) -> int:
         exit=args.exit,
         thresholds=parse_thresholds(args.threshold) if args.threshold is not None else (),
     )
-    _cpu_compat.apply()  # a run directory's checkpoint is consolidated by megatron-core
     if settings.exit is not None:
         print(adaptive_downstream.table(adaptive_downstream.run(settings)))
         print(f"runs in {args.out}/<run>/, adaptive.json|md and accuracy_vs_depth.png beside")
