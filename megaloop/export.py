@@ -184,11 +184,16 @@ def save_tokenizer(spec: str, out: Path) -> None:
 
 def export(source: Path, out: Path) -> Path:
     """A run directory or checkpoint folder (any engine, any layout) → a transformers folder."""
-    from safetensors.torch import save_file
-
     from megaloop import experiment
 
-    state, cfg, folder = experiment.consolidated(source)
+    return write(*experiment.consolidated(source), out)
+
+
+def write(state: dict, cfg, folder: Path, out: Path) -> Path:
+    """`experiment.consolidated`'s tensors, config and checkpoint folder as a transformers
+    folder `out`."""
+    from safetensors.torch import save_file
+
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").unlink(missing_ok=True)  # an earlier export's: written again last
     tensors = to_hf(state, cfg.model)

@@ -122,22 +122,23 @@ def as_export(path: Path) -> Iterator[tuple[Path, dict]]:
     if kind == "export":
         yield path, {"path": str(path), "kind": kind, "step": None}
         return
-    from megaloop.export import export
+    from megaloop import experiment, export
     from megaloop.parallel import distributed
     from megaloop.train import checkpoint
 
     distributed.init(seed=0)
     try:
-        folder = checkpoint.resolve(path)
+        state, cfg, folder = experiment.consolidated(path)
     except ValueError as e:
         raise EvalError(f"MODEL {path}: {e}") from None
     step = checkpoint.read_meta(folder)["step"]
     print(f"megaloop: exporting {folder} (step {step}) to a temporary folder", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="megaloop-export-") as tmp:
         try:
-            export(folder, Path(tmp))
+            export.write(state, cfg, folder, Path(tmp))
         except ValueError as e:
             raise EvalError(f"MODEL {path}: {e}") from None
+        del state
         yield Path(tmp), {"path": str(path), "kind": kind, "checkpoint": str(folder), "step": step}
 
 
