@@ -108,6 +108,7 @@ def depth_counting_class():
 
 def run(settings: DownstreamSettings) -> dict:
     """Each fixed K up to K, then each threshold; adaptive.json/.md and the figure over all."""
+    harness.model_kind(settings.model)  # a folder of no model: refused before lm-eval's scan
     K, out = settings.loops, settings.out
     baselines = tuple(range(1, K + 1))  # the fixed-K runs, one lm-eval pass each
     runs = []

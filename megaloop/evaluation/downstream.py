@@ -277,6 +277,7 @@ def loaded(export: Export, settings: DownstreamSettings):
 
 
 def run(settings: DownstreamSettings) -> dict:
+    harness.model_kind(settings.model)  # a folder of no model: refused before lm-eval's scan
     with (
         task_setup(settings) as (tasks, task_manager),
         harness.as_export(settings.model) as (folder, source),

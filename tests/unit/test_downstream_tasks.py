@@ -374,11 +374,11 @@ def test_the_hub_path_keeps_the_dataset_and_nulls_the_test_split(tmp_path):
     assert not downstream.task_configs(("arc_challenge",), "default", None, tmp_path / "none")
 
 
-def test_a_task_without_a_validation_split_is_refused_before_loading(tmp_path):
+def test_a_task_without_a_validation_split_is_refused_before_loading(export_dir, tmp_path):  # noqa: F811
     with pytest.raises(EvalError, match="lambada_openai has no validation split"):
         downstream.run(
             DownstreamSettings(
-                model=tmp_path / "no-model",
+                model=export_dir,
                 loops=1,
                 tasks=("boolq", "lambada_openai"),
                 out=tmp_path / "r",

@@ -128,6 +128,9 @@ def test_a_run_directory_is_evaluated_as_its_export(export_dir, tmp_path, capsys
         "a checkpoint folder (no meta.json) or a `megaloop export` folder (no config.json)"
     )
     assert not (tmp_path / "r").exists()
+    for exit_rule in ([], ["--exit", "margin", "--threshold", "0"]):  # before lm-eval's task scan
+        assert eval_downstream(tmp_path / "empty", tmp_path / "r", 1, "--tasks", "nope", *exit_rule)
+        assert "MODEL" in capsys.readouterr().err
 
 
 def test_paired_bootstrap_reproduces_the_normal_theory_ci():
