@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from megaloop.commands.options import MODEL_HELP, batch_size
-from megaloop.evaluation.settings import EXIT_RULES, SPLITS
+from megaloop.commands.options import batch_size
+from megaloop.evaluation.settings import EXIT_RULES, MODEL_KINDS, SPLITS
 from megaloop.extras import require
 
 BUILDS_MODEL = False  # `eval compare` builds none; `eval downstream` says it does (builds_model)
@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
         dest="eval_command", required=True, metavar="ACTION"
     )
     down = actions.add_parser("downstream", help="lm-eval multiple-choice tasks at K loops")
-    down.add_argument("model", help=MODEL_HELP)
+    down.add_argument("model", help=MODEL_KINDS)
     down.add_argument(
         "--loops",
         type=int,

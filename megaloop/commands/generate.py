@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from megaloop.commands.options import MODEL_HELP, deprecated
-from megaloop.evaluation.settings import BATCHING, DTYPES, EXITS, KV_POLICIES
+from megaloop.commands.options import deprecated
+from megaloop.evaluation.settings import BATCHING, DTYPES, EXITS, KV_POLICIES, MODEL_KINDS
 from megaloop.extras import require
 
 BUILDS_MODEL = True
@@ -13,7 +13,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "generate", help="text from a model, each new token stopping at its exit loop"
     )
-    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("model", help=MODEL_KINDS)
     given = p.add_mutually_exclusive_group(required=True)
     given.add_argument("--prompt", help="the text to continue (printed as it is generated)")
     given.add_argument(

@@ -12,8 +12,6 @@ import sys
 from megaloop.config import ConfigError
 from megaloop.evaluation.settings import DTYPES, MODEL_KINDS
 
-MODEL_HELP = MODEL_KINDS
-
 
 class Renamed(argparse.Action):
     """An option's old spelling: refused while the arguments are parsed, naming the new one."""
@@ -147,7 +145,7 @@ def measurement(
     """MODEL, --data, --seq-len, --batch-size and --dtype: what every measurement of a model
     over held-out tokens takes (megaloop.evaluation.settings.Measurement). `batch` None: no
     --batch-size (the command takes its batch sizes another way)."""
-    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("model", help=MODEL_KINDS)
     p.add_argument(
         "--data",
         required=True,

@@ -85,11 +85,11 @@ class DepthStreamer(BaseStreamer):
         self.out.flush()
 
 
-def open_export(settings: GenerateSettings, folder: Path | None = None):
-    """The model of the export `folder` (default: settings.model), its config set to the
+def open_export(settings: GenerateSettings, folder: Path):
+    """The model of the export `folder` (MODEL's, harness.as_export), its config set to the
     settings' rule, threshold, K and KV policy, and its tokenizer padding on the left (with end
     of text, or id 0, as the pad)."""
-    export = exported.open_export(settings.model if folder is None else folder)
+    export = exported.open_export(folder)
     if settings.early_exit == "gate" and not export.config.get("exit_gate"):
         raise EvalError(
             f"{settings.model}: this model has no exit gate (trained without model.exit_gate), "

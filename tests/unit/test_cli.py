@@ -514,3 +514,18 @@ def test_the_positional_out_after_an_option_still_names_the_output(capsys):
         assert late_out(args, extra) == extra != []  # still an unrecognised argument
     args, extra = parser.parse_known_args(["train", "tiny", "--dry-run", "lr=1"])
     assert late_out(args, extra) == ["lr=1"]  # overrides are not an output
+
+
+def test_eval_downstream_gets_the_cpu_layer_from_the_entry_point(tmp_path, monkeypatch, capsys):
+    """`eval` builds no model, but `eval downstream` exports a run (megatron-core): its parser
+    says so, and the entry point applies the CPU layer for it alone."""
+    from megaloop import _cpu_compat
+
+    applied = []
+    monkeypatch.setattr(_cpu_compat, "apply", lambda: applied.append(True))
+    (tmp_path / "empty").mkdir()
+    down = ["eval", "downstream", str(tmp_path / "empty"), "--loops", "1", "--out", "o"]
+    assert main(down) == 2 and applied == [True]
+    assert "MODEL" in capsys.readouterr().err
+    assert main(["eval", "compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    assert applied == [True]

@@ -5,6 +5,7 @@ names a file that exists, and no committed doc or config records a build machine
 
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -82,7 +83,7 @@ def test_every_relative_link_names_a_file_that_exists():
     assert not broken, "links to files that do not exist:\n" + "\n".join(broken)
 
 
-def anchors(page: Path) -> set[str]:
+def anchors(page: Path) -> Iterator[str]:
     """The #fragments a page's headings answer to, as GitHub makes them: lower case, punctuation
     but `-` and `_` dropped, spaces as `-`, a repeated heading numbered -1, -2, ..."""
     seen: dict[str, int] = {}

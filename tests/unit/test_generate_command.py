@@ -120,7 +120,9 @@ def test_each_tokens_depth_is_the_exit_of_the_forward_that_chose_it(gated, tmp_p
     stdout = capsys.readouterr().out
     visible = [d for t, d in zip(result["tokens"], result["exit_loops"]) if t != 0]
     assert depths_printed(stdout) == visible
-    model, tokenizer = generation.open_export(GenerateSettings(**record["settings"]))
+    model, tokenizer = generation.open_export(
+        GenerateSettings(**record["settings"]), record["model"]["path"]
+    )
     prompt = tokenizer("the river")["input_ids"]
     ids = torch.tensor([prompt + result["tokens"][:-1]])
     with torch.no_grad():
@@ -266,7 +268,9 @@ def test_a_threshold_out_of_the_rules_range_says_what_it_means():
 @pytest.mark.parametrize("kv", ["copy", "share", "recompute"])
 def test_the_summary_reports_the_kv_policys_cache_bytes_per_token(gated, tmp_path, kv):
     record = generated(gated, tmp_path, "exit", "gate", "threshold", 0.5, "kv", kv)
-    model, _ = generation.open_export(GenerateSettings(**record["settings"]))
+    model, _ = generation.open_export(
+        GenerateSettings(**record["settings"]), record["model"]["path"]
+    )
     assert record["summary"]["kv_bytes_per_token"] == model.cache_bytes_per_token(kv)
     assert record["summary"]["kv"] == kv
 
@@ -280,7 +284,7 @@ def test_an_export_is_checked_once_per_open(gated, monkeypatch):
     real = exported.check_export
     monkeypatch.setattr(exported, "check_export", lambda p: checks.append(p) or real(p))
     settings = GenerateSettings(model=gated, prompt="a", exit="margin", threshold=1.0)
-    model, _ = generation.open_export(settings)
+    model, _ = generation.open_export(settings, settings.model)
     assert checks == [gated]
     assert model.config.early_exit == "margin" and model.config.exit_threshold == 1.0
 
@@ -293,7 +297,9 @@ def test_loops_past_the_trained_depth_get_a_note(gated, generate):
     assert rc == 0 and "runs past the depth" not in err
 
 
-def test_a_run_directory_generates_what_its_export_does(export_dir, generate, tmp_path):
+def test_a_run_directory_generates_what_its_export_does(
+    export_dir, generate, tmp_path, monkeypatch
+):
     """MODEL a run directory or a checkpoint folder: exported for the command (one line on
     stderr says which step), then the same greedy tokens and exit loops as its `megaloop
     export`; the JSON records MODEL as given and the step, not the temporary export."""
@@ -304,10 +310,17 @@ def test_a_run_directory_generates_what_its_export_does(export_dir, generate, tm
     assert code == 0
     reference = json.loads((tmp_path / "export.json").read_text())
     assert reference["model"] == {"path": str(export_dir), "kind": "export", "step": None}
+    from megaloop.train import checkpoint as checkpoints
+
+    verified = []
+    real = checkpoints.verify
+    monkeypatch.setattr(checkpoints, "verify", lambda f: verified.append(f) or real(f))
     for model, kind in ((run, "run"), (checkpoint, "checkpoint")):
         out = tmp_path / f"{kind}.json"
         code, stdout, stderr = generate(model, *prompt, "--out", out)
         assert code == 0, stderr
+        assert verified == [checkpoint]  # its files read and checked once
+        verified.clear()
         assert stdout == expected
         assert f"megaloop: exporting {checkpoint} (step 6) to a temporary folder" in stderr
         record = json.loads(out.read_text())
@@ -319,6 +332,7 @@ def test_a_run_directory_generates_what_its_export_does(export_dir, generate, tm
             "checkpoint": str(checkpoint),
             "step": 6,
         }
+        assert torch.initial_seed() != 0  # unseeded: exporting seeded torch with 0, not kept
 
 
 def test_a_folder_that_holds_no_model_is_refused_naming_the_three_kinds(
