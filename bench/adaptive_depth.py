@@ -208,7 +208,7 @@ def evidence(export: str, valid: str) -> dict:
     with torch.no_grad():
         h0, rope = model.embed(inputs)
         for k, h in model.loops(h0, rope, model.config.num_loops):
-            logits = model.readout(h, k)
+            logits = model.readout(h, k, model.config.num_loops)
             ce.append(harness.token_ce(logits, targets))
             right.append((logits.argmax(-1) == targets).float())
             gates.append(model.exit_probability(h)[..., 0])

@@ -84,13 +84,13 @@ def measure(run_dir: Path, text: Path) -> dict:
         for batch in harness.batches(windows, 8, "final_norm_scale"):
             inputs, targets = batch[:, :-1], batch[:, 1:]
             for k, h in harness.trajectory(model, inputs, K):
-                logits = model.readout(h, k)
+                logits = model.readout(h, k, K)
                 ce[k - 1] += harness.token_ce(logits, targets).double().sum().item()
                 rms[k - 1] += h.double().pow(2).mean(-1).sqrt().sum().item()
                 if k == K:
                     for i, t in enumerate(TEMPERATURES):
                         tempered[i] += harness.token_ce(t * logits, targets).double().sum().item()
-                    raw = model.readout(h, K - 1)  # exit K read the way exits 1..K-1 are
+                    raw = model.readout(h, K - 1, K)  # exit K read the way exits 1..K-1 are
                     raw_k += harness.token_ce(raw, targets).double().sum().item()
             tokens += targets.numel()
     best = int(np.argmin(tempered))

@@ -100,6 +100,14 @@ class ExperimentConfig(Config):
             f"use train.nonfinite={spec.nonfinite[0]}",
         )
         check(
+            not (self.model.fp32_residual and self.train.bf16) or spec.bf16_autocast,
+            "model.fp32_residual",
+            self.model.fp32_residual,
+            f"engine={spec.name} trains bf16 with bf16 weights, so its residual stream is bf16; "
+            f"keep it fp32 with {names(lambda e: e.bf16_autocast)} (bf16 autocast over fp32 "
+            f"weights), or set model.fp32_residual=false",
+        )
+        check(
             self.train.init_from is None or spec.init_from,
             "train.init_from",
             self.train.init_from,

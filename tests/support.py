@@ -237,7 +237,7 @@ def middle_thresholds(hf) -> dict[str, float]:
         for k, h in hf.loops(h0, rope, hf.config.num_loops - 1, hf.config.clamp):
             survival.step(hf.exit_probability(h)[..., 0])
             scores["gate"].append(survival.cumulative())
-            logits = hf.readout(h, k)
+            logits = hf.readout(h, k, hf.config.num_loops - 1)
             scores["margin"].append(top1_margin(logits))
             scores["confidence"].append(top1_probability(logits))
     return {rule: torch.cat(s).median().item() for rule, s in scores.items()}

@@ -1,8 +1,9 @@
 """Fixed-depth perplexity at each K (the study's Table 5 columns, its "slice harness").
 
 One pass at K_max reads every requested exit: exit k of a pass at K_max is what a pass at K = k
-returns, since loop k never depends on the loops after it and `final_norm` reads each exit by the
-trained depth, not the requested one. With `clamp`, every loop is held at its loop-1 RMS.
+returns, since loop k never depends on the loops after it and each exit is read as the last
+loop of its own pass (what `last_norm` normalises; `final_norm` reads each exit by the trained
+depth, not the requested one). With `clamp`, every loop is held at its loop-1 RMS.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def run(settings: DepthSettings) -> dict:
             for k, h in harness.trajectory(model, inputs, deepest, clamp):
                 if k in totals:
                     totals[k] += (
-                        harness.token_ce(model.readout(h, k), targets).double().sum().item()
+                        harness.token_ce(model.readout(h, k, k), targets).double().sum().item()
                     )
             tokens += targets.numel()
     rows = [

@@ -37,13 +37,14 @@ def rms(h: torch.Tensor) -> torch.Tensor:
 
 
 def radial_terms(
-    model, h: torch.Tensor, loop: int, targets: torch.Tensor
+    model, h: torch.Tensor, loop: int, last: int, targets: torch.Tensor
 ) -> tuple[torch.Tensor, float]:
-    """Per-token radial share ⟨g, u⟩²/‖g‖² of exit `loop`'s CE gradient, and Σ_t ⟨g_t, H_t⟩
-    (with the CE summed over tokens, so each token's gradient is its own CE's)."""
+    """Per-token radial share ⟨g, u⟩²/‖g‖² of exit `loop`'s CE gradient in a run of `last`
+    loops, and Σ_t ⟨g_t, H_t⟩ (with the CE summed over tokens, so each token's gradient is its
+    own CE's)."""
     h = h.detach().requires_grad_(True)
     with torch.enable_grad():
-        loss = harness.token_ce(model.readout(h, loop), targets).sum()
+        loss = harness.token_ce(model.readout(h, loop, last), targets).sum()
         (grad,) = torch.autograd.grad(loss, h)
     g, x = grad.double(), h.detach().double()
     inner = (g * x).sum(-1)
@@ -138,18 +139,21 @@ class Tally:
         previous, mixed, survival = None, None, semantics.Survival()
         for k, h in harness.trajectory(model, inputs, self.deepest):
             self.token_rms[k - 1].append(rms(h).flatten().cpu())
-            logits = model.readout(h, k)
-            self.ce[k - 1] += harness.token_ce(logits, targets).double().sum().item()
+            # the rollout's CE at k is a k-loop run's (as `depth` reads it); the exits up to K
+            # are read as in the trained K-loop run
+            ce = harness.token_ce(model.readout(h, k, k), targets)
+            self.ce[k - 1] += ce.double().sum().item()
             if self.gated and k <= K:
                 lam = model.exit_probability(h)[..., 0]
+                logits = model.readout(h, k, K)
                 mixed = mix_exit(mixed, survival, logits, lam, last=k == K)
             if k <= K:
-                share, inner = radial_terms(model, h, k, targets)
+                share, inner = radial_terms(model, h, k, K, targets)
                 self.shares[k - 1].append(share.flatten().cpu())
             if k == K:
                 self.signed_g += inner
                 for i, c in enumerate(SCALES):
-                    ce = harness.token_ce(model.readout(c * h, k), targets)
+                    ce = harness.token_ce(model.readout(c * h, k, K), targets)
                     self.sweep[i] += ce.double().sum().item()
             if previous is not None:
                 self.rollout_step(k, previous, h)
@@ -174,7 +178,7 @@ class Tally:
             loop1 = rms(h) if loop1 is None else loop1
             self.clamp_drift = max(self.clamp_drift, ((rms(h) / loop1) - 1).abs().max().item())
             if k == self.K:
-                ce = harness.token_ce(self.model.readout(h, k), targets)
+                ce = harness.token_ce(self.model.readout(h, k, k), targets)
                 self.clamped_ce += ce.double().sum().item()
                 self.clamped_rms.append(rms(h).flatten().cpu())
 

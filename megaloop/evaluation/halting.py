@@ -91,7 +91,7 @@ def cached_pass(
             inputs, targets = batch[:, :-1], batch[:, 1:]
             loop_ce, loop_score, survival = [], [], Survival()
             for k, h in harness.trajectory(model, inputs, k_max):
-                logits = model.readout(h, k)
+                logits = model.readout(h, k, k_max)
                 token_ce = harness.token_ce(logits, targets).double()
                 if rule == "margin":
                     loop_ce.append(token_ce.sum(1))
@@ -118,7 +118,8 @@ def fixed_depth(model, batch: torch.Tensor, k: int) -> tuple[float, int]:
     """Summed CE of one batch at fixed depth k, and its loop×token forward steps."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
     h = next(h for loop, h in harness.trajectory(model, inputs, k) if loop == k)
-    return harness.token_ce(model.readout(h, k), targets).double().sum().item(), k * inputs.numel()
+    ce = harness.token_ce(model.readout(h, k, k), targets).double().sum().item()
+    return ce, k * inputs.numel()
 
 
 def reaches(score: torch.Tensor, threshold: float | None, last: bool) -> torch.Tensor:
@@ -173,7 +174,7 @@ class DynamicBatch:
         return True
 
     def margin_halts(self, h: torch.Tensor, k: int) -> torch.Tensor:
-        logits = self.model.readout(h, k)
+        logits = self.model.readout(h, k, self.k_max)
         halt = reaches(sequence_margin(logits), self.threshold, k == self.k_max)
         if halt.any():
             ce = harness.token_ce(logits[halt], self.targets[self.rows[halt]])
@@ -187,7 +188,7 @@ class DynamicBatch:
             self.exited = torch.zeros_like(cumulative, dtype=torch.bool)
         new = reaches(cumulative, self.threshold, k == self.k_max) & ~self.exited
         if new.any():  # only the tokens that exit here are read out
-            logits = self.model.readout(h[new], k)
+            logits = self.model.readout(h[new], k, self.k_max)
             ce = harness.token_ce(logits[None], self.targets[self.rows][new][None])
             self.total_ce += ce.double().sum().item()
             self.token_exit += [k] * int(new.sum())

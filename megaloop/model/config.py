@@ -25,7 +25,15 @@ Recompute = Literal["none", "selective", "full", "loop"]
 Init = Literal["megatron", "pytorch"]
 
 
-TRAINING_ONLY = ("init", "init_std", "embedding_init_std", "dropout", "damping_init", "attention")
+TRAINING_ONLY = (
+    "init",
+    "init_std",
+    "embedding_init_std",
+    "dropout",
+    "damping_init",
+    "attention",
+    "fp32_residual",
+)
 """ModelConfig's fields that say how the model is trained, not what it computes: an export does
 not carry them. Every other field reaches the exported config's table (configuration_megaloop
 .FIELDS; tests/unit/test_export.py changes each one and looks for it there)."""
@@ -73,7 +81,9 @@ class ModelConfig(Config):
     """Tie W_out to the token embedding."""
     readout: ReadoutMode = "norm"
     """How each exit reads H_k: `norm` (RMSNorm then W_out, scale-blind), `raw` (W_out on H_k),
-    `final_norm` (raw exits, RMSNorm at the trained depth only): the study's readouts."""
+    `final_norm` (raw exits, RMSNorm from the trained depth on, at any K run) or `last_norm` (raw
+    exits, RMSNorm at the last loop of whatever K is run: the study's released code). The last
+    two train alike at K = K_train and read other depths differently."""
     recurrence: RecurrenceMode = "none"
     """What loop k > 1 receives of H_{k-1}: `none` (H_{k-1} itself), `rmsnorm` (RMSNorm(H_{k-1}),
     the scale removed) or `damping` (a learned factor in (0, 1), spectral damping)."""
@@ -85,7 +95,13 @@ class ModelConfig(Config):
     """Ouro's per-token exit gate λ_k (needed by the exit-weighted objective)."""
     exit_gate_input: GateInput = "normed"
     """What the gate reads: H_k/‖H_k‖_rms (`normed`, no weights: CE stays blind to scale through
-    the gate) or H_k (`raw`, an ablation)."""
+    the gate) or H_k (`raw`, the study's released gate: the exit-weighted CE sees scale
+    through λ_k)."""
+    fp32_residual: bool = False
+    """Under bf16 autocast (train.bf16), keep the residual stream in fp32: each sublayer's bf16
+    output is added to the fp32 H, as the study's released code does under autocast. Off:
+    megatron-core's bias-dropout-add casts the sum to bf16, so H is bf16 between sublayers and
+    loops, and an update below H's bf16 spacing (|H|/256) is lost. Nothing changes in fp32."""
     layer_norms: LayerNorms = "pre"
     """`pre`: x + f(N(x)) per sublayer; `sandwich`: x + N₂(f(N₁(x))), Ouro's four norms a layer."""
     loop_norm: LoopNorm = "separate"

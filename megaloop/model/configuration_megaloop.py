@@ -56,7 +56,8 @@ FIELDS = (
     Field("rope_theta", 10000.0, "rope_base", shape=True),
     Field("rms_norm_eps", 1e-5, "norm_eps", shape=True),
     # what exit k reads (semantics.READOUTS): norm, W_out·RMSNorm(H_k); raw, W_out·H_k;
-    # final_norm, raw for k < num_loops_trained, normalised from there on
+    # final_norm, raw for k < num_loops_trained, normalised from there on; last_norm, raw but
+    # at the last loop of the K run (the study's released code)
     Field("readout", "norm", "readout", ReadoutMode),
     # what H_k becomes before re-entering the stack: as is, RMSNorm (Ouro), or damped
     Field("recurrence", "none", "recurrence", RecurrenceMode),

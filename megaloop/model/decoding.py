@@ -585,7 +585,7 @@ class DepthAsyncDecoder:
         feeds next, which enters loop 1 at the next step, unless the row has fed its tokens or
         the token is `until` (the row then leaves)."""
         rows, fed = self.rows[done], self.fed[done]
-        read = self.model.readout(h[done], loop[done]) if read is None else read[done]
+        read = self.model.readout(h[done], loop[done], self.K) if read is None else read[done]
         self.logits[rows, fed] = read
         self.exit_loops[rows, fed] = loop[done]
         tokens = next_input(rows, fed, read)

@@ -105,7 +105,7 @@ class LoopedLM(LanguageModule):
             if cfg.position_embedding == "rope"
             else None
         )
-        spec = layer_spec(cfg.attention, cfg.layer_norms, cfg.ffn_size)
+        spec = layer_spec(cfg.attention, cfg.layer_norms, cfg.ffn_size, cfg.fp32_residual)
         self.layer_ids = list(layer_ids if layer_ids is not None else range(cfg.num_layers))
         self.layers = torch.nn.ModuleList(
             build_module(spec, config=config, layer_number=i + 1, vp_stage=vp_stage)
@@ -180,11 +180,13 @@ class LoopedLM(LanguageModule):
         return layer(h, attention_mask=None, rotary_pos_emb=rope)[0]
 
     def logits(
-        self, h: torch.Tensor, loop: int, normed: torch.Tensor | None = None
+        self, h: torch.Tensor, loop: int, last: int, normed: torch.Tensor | None = None
     ) -> torch.Tensor:
+        """Exit `loop`'s logits in a run of `last` loops; `normed` is the shared loop norm's
+        N(H), when the model has one."""
         weight = self.shared_embedding_or_output_weight() if self.cfg.tie_embeddings else None
         norm = None if normed is None else semantics.Reused(self.loop_norm, normed)
-        return self.readout(h, loop, weight=weight, norm=norm)
+        return self.readout(h, loop, last, weight=weight, norm=norm)
 
     def forward(
         self,
@@ -200,13 +202,13 @@ class LoopedLM(LanguageModule):
         rope = self.rotary(tokens.shape[1])
         out = LoopOutput(labels=labels)
         held = semantics.Clamp() if clamp else None
-        h = tokens
-        for k in range(1, (num_loops or self.cfg.num_loops) + 1):
+        h, last = tokens, num_loops or self.cfg.num_loops
+        for k in range(1, last + 1):
             h = self.stack(self.enter(h, k), rope)
             if held is not None:
                 h = held(h)
             out.hidden.append(h)
-            h = self.exit(out, h, k, labels, keep_logits)
+            h = self.exit(out, h, k, last, labels, keep_logits)
         return out
 
     def enter(self, x: torch.Tensor, loop: int) -> torch.Tensor:
@@ -224,13 +226,15 @@ class LoopedLM(LanguageModule):
         out: LoopOutput,
         h: torch.Tensor,
         loop: int,
+        last: int,
         labels: torch.Tensor | None,
         keep_logits: bool = False,
     ) -> torch.Tensor:
-        """Read out loop `loop`'s hidden state into `out` (logits or per-token CE, and the gate);
-        return what the next loop receives: H_k, or the shared loop norm's N(H_k)."""
+        """Read out loop `loop`'s hidden state (of a run of `last` loops) into `out` (logits or
+        per-token CE, and the gate); return what the next loop receives: H_k, or the shared loop
+        norm's N(H_k)."""
         normed = self.loop_norm(h) if self.loop_norm is not None else None
-        logits = self.logits(h, loop, normed)
+        logits = self.logits(h, loop, last, normed)
         if labels is None or keep_logits:
             out.logits.append(logits)
         if labels is not None:

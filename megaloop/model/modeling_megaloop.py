@@ -261,13 +261,13 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
         norm if the model has one, else the readout's own (None for a raw readout)."""
         return self.readout_norm if self.norm is None else self.norm
 
-    def readout(self, h: torch.Tensor, loop: Loop) -> torch.Tensor:
-        """Exit `loop`'s logits (one loop, or one per row), read the way semantics.READOUTS
-        says (`final_norm` normalises from the trained depth on, whatever K the model runs at)."""
+    def readout(self, h: torch.Tensor, loop: Loop, last: int) -> torch.Tensor:
+        """Exit `loop`'s logits (one loop, or one per row) in a run whose last loop is `last`,
+        read the way semantics.READOUTS says (`final_norm` normalises from the trained depth on,
+        whatever K the model runs at; `last_norm` the run's last loop only)."""
+        c = self.config
         return self.lm_head(
-            readout_input(
-                self.config.readout, h, loop, self.config.num_loops_trained, self.exit_norm
-            )
+            readout_input(c.readout, h, loop, c.num_loops_trained, last, self.exit_norm)
         )
 
     def exit_probability(self, h: torch.Tensor) -> torch.Tensor:
@@ -331,7 +331,7 @@ class MegaloopForCausalLM(PreTrainedModel, GenerationMixin):
                 rule = Loops(self, K, c.early_exit, c.exit_threshold)
                 logits, exit_loops = first_exits(path, rule)
             else:
-                logits = next(self.readout(h, k) for k, h in path if k == K)
+                logits = next(self.readout(h, k, K) for k, h in path if k == K)
         if logits_to_keep:
             logits = logits[:, -logits_to_keep:]
         loss = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
-ReadoutMode = Literal["norm", "raw", "final_norm"]
+ReadoutMode = Literal["norm", "raw", "final_norm", "last_norm"]
 RecurrenceMode = Literal["none", "rmsnorm", "damping"]
 DampingShape = Literal["channel", "scalar"]
 GateInput = Literal["normed", "raw"]
@@ -22,14 +22,19 @@ PositionEmbedding = Literal["rope", "learned"]
 EarlyExit = Literal["none", "gate", "margin", "confidence"]
 KVPolicy = Literal["copy", "share", "recompute"]
 
-READOUT_NORMALIZES: dict[ReadoutMode, Callable[[int, int], bool]] = {
-    "norm": lambda loop, trained: True,
-    "raw": lambda loop, trained: False,
+READOUT_NORMALIZES: dict[ReadoutMode, Callable[[int, int, int], bool]] = {
+    "norm": lambda loop, trained, last: True,
+    "raw": lambda loop, trained, last: False,
     # the normalised interface belongs to the trained final loop, at any K the model runs at
-    "final_norm": lambda loop, trained: loop >= trained,
+    "final_norm": lambda loop, trained, last: loop >= trained,
+    # the study's released code (decode_norm_final_only): the last loop of the K run is normalised
+    "last_norm": lambda loop, trained, last: loop >= last,
 }
-"""(exit k, K_train) → whether exit k reads H_k through the exit norm. A mode that does at its
-trained depth owns an RMSNorm, unless the shared loop norm is the norm it reads."""
+"""(exit k, K_train, the last loop of this run) → whether exit k reads H_k through the exit
+norm. `final_norm` and `last_norm` agree at K = K_train and differ at any other K: exit k of a
+K-loop run reads its norm from k = K_train on under the first, only at k = K under the second.
+A mode that does at its trained depth owns an RMSNorm, unless the shared loop norm is the norm
+it reads."""
 
 DAMPING_SIZE: dict[DampingShape, Callable[[int], int]] = {
     "channel": lambda hidden_size: hidden_size,
@@ -62,6 +67,6 @@ SHARES_LOOP_NORM: dict[LoopNorm, bool] = {"separate": False, "shared": True}
 
 def readout_owns_norm(readout: ReadoutMode, trained_loops: int, loop_norm: LoopNorm) -> bool:
     return (
-        READOUT_NORMALIZES[readout](trained_loops, trained_loops)
+        READOUT_NORMALIZES[readout](trained_loops, trained_loops, trained_loops)
         and not SHARES_LOOP_NORM[loop_norm]
     )

@@ -48,13 +48,14 @@ class Readout(MegatronModule):
         self,
         h: torch.Tensor,
         loop: int,
+        last: int,
         weight: torch.Tensor | None = None,
         norm: semantics.Norm | None = None,
     ) -> torch.Tensor:
-        """[s, b, d] → vocab-parallel logits [s, b, V/tp] for exit `loop` (1-based); `norm` is
-        the shared loop norm (semantics.Reused, its output of h computed), when the model has
-        one."""
+        """[s, b, d] → vocab-parallel logits [s, b, V/tp] for exit `loop` (1-based) of a run
+        whose last loop is `last`; `norm` is the shared loop norm (semantics.Reused, its output
+        of h computed), when the model has one."""
         norm = self.norm if norm is None else norm
-        x = semantics.readout_input(self.mode, h, loop, self.trained_loops, norm)
+        x = semantics.readout_input(self.mode, h, loop, self.trained_loops, last, norm)
         logits, _ = self.output_layer(x, weight=weight)
         return logits

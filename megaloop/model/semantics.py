@@ -80,15 +80,17 @@ READOUTS: dict[str, ReadoutRule] = {
     "raw": _through_norm_where_told,
     # raw before the trained depth, normalised from there on.
     "final_norm": _through_norm_where_told,
+    # raw before the last loop of the run, normalised at it (the study's released code).
+    "last_norm": _through_norm_where_told,
 }
 
 
 def readout_input(
-    mode: str, h: torch.Tensor, loop: Loop, trained_loops: int, norm: Norm | None
+    mode: str, h: torch.Tensor, loop: Loop, trained_loops: int, last: int, norm: Norm | None
 ) -> torch.Tensor:
     """What W_out reads at exit `loop` (1-based; one per row, or one for all) of a model
-    trained at `trained_loops`."""
-    return READOUTS[mode](h, READOUT_NORMALIZES[mode](loop, trained_loops), norm)
+    trained at `trained_loops`, in a run whose last loop is `last` (its K)."""
+    return READOUTS[mode](h, READOUT_NORMALIZES[mode](loop, trained_loops, last), norm)
 
 
 class Reused:
@@ -357,8 +359,9 @@ class Loops:
     """Rows of a batch and the loop each is at, with every rule of a loop applied per row: what
     the stack receives (`enter`), the clamp (`hold`), the exit's logits (`read`) and whether the
     row exits (`stop`). `loop` is one int while the rows run their loops together, a tensor
-    [rows] when each runs its own. `model` is the model's half: feed_back(H) (R or the shared
-    loop norm), readout(H, loop), exit_probability(H) (λ, [..., 1])."""
+    [rows] when each runs its own; `num_loops` is the run's K, its last loop. `model` is the
+    model's half: feed_back(H) (R or the shared loop norm), readout(H, loop, last),
+    exit_probability(H) (λ, [..., 1])."""
 
     def __init__(
         self,
@@ -385,7 +388,7 @@ class Loops:
         return h
 
     def read(self, h: torch.Tensor) -> torch.Tensor:
-        return self.model.readout(h, self.loop)
+        return self.model.readout(h, self.loop, self.num_loops)
 
     def stop(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Which rows exit at their loop, and their logits where the rule read them (the

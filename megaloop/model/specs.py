@@ -4,8 +4,10 @@ The stack uses megatron-core's local (non-Transformer-Engine) GPT layer: pre-nor
 causal self-attention (with RoPE, or none where learned positions are added to H_0), SwiGLU MLP,
 no biases. Dropout (model.dropout) falls where the study's code has it: the attention
 probabilities, the FFN output and, through megatron-core's embedding, H_0; the attention
-sublayer's residual add never drops out (attention_residual_add). Two slots can change. Core
-attention:
+sublayer's residual add never drops out (residual_add). Under bf16 autocast megatron-core's
+bias-dropout-add casts the residual to the sublayer's dtype, so H is bf16 between sublayers;
+with model.fp32_residual the sum keeps the residual's dtype (fp32 + bf16 → fp32), as the study's
+code does under autocast. Two slots can change. Core attention:
 `sdpa` (torch's scaled_dot_product_attention) instead of megatron-core's `DotProductAttention`,
 which materialises the score matrix (1.25x slower steps on CPU here; bench/attention.py measures
 it). And the sublayers' output projections: with `sandwich` norms (Ouro's layer) each is followed
@@ -112,12 +114,27 @@ class PostNormLinear(RowParallelLinear):
         return self.post_norm(out), bias
 
 
-def attention_residual_add(training: bool, fused: bool):
-    """megatron-core's bias-dropout-add for the attention sublayer, with no dropout: the study's
-    code drops out the FFN output (the MLP's add keeps config.hidden_dropout), not the attention
-    output projection."""
-    add = get_bias_dropout_add(training, fused)
-    return lambda x_with_bias, residual, prob: add(x_with_bias, residual, 0.0)
+def residual_add(dropout: bool, fp32_residual: bool):
+    """A sublayer's bias-dropout-add slot: residual + dropout(f(x) + bias). `dropout`: whether
+    the sublayer's output drops out (the study's code drops out the FFN output, not the attention
+    output projection). `fp32_residual`: the sum is taken in the residual's dtype when the
+    sublayer's output has another (bf16 under autocast), where megatron-core's casts the residual
+    to the output's dtype."""
+
+    def bias_dropout_add(training: bool, fused: bool):
+        add = get_bias_dropout_add(training, fused)
+
+        def apply(x_with_bias, residual, prob):
+            prob = prob if dropout else 0.0
+            x, bias = x_with_bias
+            if not fp32_residual or x.dtype == residual.dtype:
+                return add(x_with_bias, residual, prob)
+            x = x if bias is None else x + bias
+            return residual + F.dropout(x, p=prob, training=training)
+
+        return apply
+
+    return bias_dropout_add
 
 
 def tp_group():
@@ -126,12 +143,16 @@ def tp_group():
     return parallel_state.get_tensor_model_parallel_group(check_initialized=False)
 
 
-def layer_spec(attention: str, layer_norms: str, ffn_hidden_size: int) -> ModuleSpec:
+def layer_spec(
+    attention: str, layer_norms: str, ffn_hidden_size: int, fp32_residual: bool = False
+) -> ModuleSpec:
     """megatron-core's local GPT layer with RMSNorm; `attention` picks the core-attention slot,
-    `layer_norms` (pre | sandwich) whether the sublayer outputs are normalised too."""
+    `layer_norms` (pre | sandwich) whether the sublayer outputs are normalised too,
+    `fp32_residual` whether the residual adds keep the residual's dtype (residual_add)."""
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.mlp.params = {"ffn_hidden_size": ffn_hidden_size}
-    spec.submodules.self_attn_bda = attention_residual_add
+    spec.submodules.self_attn_bda = residual_add(dropout=False, fp32_residual=fp32_residual)
+    spec.submodules.mlp_bda = residual_add(dropout=True, fp32_residual=fp32_residual)
     attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
     if attention == "sdpa":
         attn.core_attention = SDPAttention

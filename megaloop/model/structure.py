@@ -19,7 +19,7 @@ Part = Literal["embedding", "layer", "recurrence", "loop_norm", "exit_gate", "re
 
 def readout_normalizes(cfg: ModelConfig, loop: int) -> bool:
     """Whether exit `loop` (1-based) reads a normalised H_k."""
-    return modes.READOUT_NORMALIZES[cfg.readout](loop, cfg.num_loops)
+    return modes.READOUT_NORMALIZES[cfg.readout](loop, cfg.num_loops, cfg.num_loops)
 
 
 @dataclass(frozen=True)

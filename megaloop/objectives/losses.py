@@ -12,6 +12,11 @@ from megaloop.model.looped import LoopOutput
 from megaloop.model.specs import tp_group
 from megaloop.objectives import ObjectiveConfig
 
+ENTROPY_FLOOR = 1e-8
+"""The entropy's log reads p_k clamped at this floor, the study's released objective's clamp
+(src/train_ar_looplm.py, supervision `adaptive`): where a gate saturates, a vanishing p_k's log
+and gradient stop at ln 1e-8 = -18.4."""
+
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     if mask is None:
@@ -101,7 +106,7 @@ def compute(
             )
         probs = semantics.exit_probabilities(exits.gates)  # [K, b, s]
         token_ce = torch.stack(exits.ce)
-        entropy = -(probs * probs.clamp_min(1e-12).log()).sum(0)
+        entropy = -(probs * probs.clamp_min(ENTROPY_FLOOR).log()).sum(0)
         if cfg.kind == "exit_mixture":
             loss = masked_mean(mixture_ce(probs, exits.logits, exits.labels), loss_mask)
         elif cfg.kind == "gate_gain":

@@ -62,6 +62,9 @@ class EngineSpec:
     nonfinite_why: ClassVar[str] = ""
     init_from: ClassVar[bool]
     """Starts from train.init_from, and its checkpoints can be one."""
+    bf16_autocast: ClassVar[bool]
+    """train.bf16 is autocast over fp32 weights (so the residual stream can stay fp32:
+    model.fp32_residual), not bf16 weights."""
 
     def variants(self) -> tuple[int | None, ...]:
         """The engine's own settings `megaloop plan --search` tries (None: it has none)."""
@@ -119,6 +122,7 @@ class MegatronSpec(EngineSpec):
     reshards = True
     nonfinite = ("stop", "skip")
     init_from = True
+    bf16_autocast = True
 
     def state_bytes(self, cfg, params: int, dp: int) -> dict:
         """fp32 weights and gradient buffer (bf16 is autocast), Adam's two fp32 moments sharded
@@ -147,6 +151,7 @@ class DeepSpeedSpec(EngineSpec):
     nonfinite = ("stop",)
     nonfinite_why = "skipping a DeepSpeed update would desynchronise its gradient accumulation"
     init_from = False
+    bf16_autocast = False
 
     def variants(self) -> tuple[int, ...]:
         return (0, 1, 2, 3)

@@ -25,6 +25,9 @@ back-propagates through lap K-1 only. Each earlier lap passed its H_j onwards th
 graph. So the coupled gradient reaches each lap exactly once, when the schedule runs that lap
 backward, and no backward ever crosses into another lap's graph.
 Under Ouro's shared loop norm the last rank sends N(H_k) onwards instead of H_k.
+What a rank sends is cast to megatron-core's pipeline_dtype (fp32), the dtype every rank
+receives into: under bf16 autocast a residual stream that is bf16 (model.fp32_residual off)
+goes out as fp32, exactly.
 """
 
 from __future__ import annotations
@@ -92,12 +95,15 @@ class LapChunk(torch.nn.Module):
             h = stage.enter(tokens if self.lap == 0 else h, self.lap + 1)
         h = stage.stack(h, stage.rotary(tokens.shape[1]))
         if not self.last_rank:
-            return h
+            return h.to(self.config.pipeline_dtype)
         out = LoopOutput()
-        onward = stage.exit(out, h, self.lap + 1, labels, self.objective.needs_logits)
+        onward = stage.exit(
+            out, h, self.lap + 1, self.num_loops, labels, self.objective.needs_logits
+        )
         live = (out.token_ce[0], objectives.mean_square(h), *out.gates, *out.logits)
         if self.lap < self.num_loops - 1:
             self.store.saved.setdefault(mb, []).append(tuple(t.detach() for t in live))
+            onward = onward.to(self.config.pipeline_dtype)
             return ExitCoupling.apply(onward, self.store, (mb, self.lap), *live)
         return self.final_loss(mb, live, labels)
 

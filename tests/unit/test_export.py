@@ -120,7 +120,7 @@ def test_ouro_wiring_exports_the_same_logits_and_gate(readout, layer_norms, loop
             out = model(tokens, num_loops=k)
             h0, rope = hf.embed(tokens)
             for j, h in hf.loops(h0, rope, k):
-                assert rel_err(hf.readout(h, j), out.logits[j - 1].transpose(0, 1)) <= 1e-5
+                assert rel_err(hf.readout(h, j, k), out.logits[j - 1].transpose(0, 1)) <= 1e-5
                 assert rel_err(hf.exit_probability(h)[..., 0], out.gates[j - 1]) <= 1e-5
 
 

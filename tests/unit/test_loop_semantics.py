@@ -23,9 +23,9 @@ def test_a_readout_per_row_is_each_rows_readout_at_its_loop(mode, trained):
     h = torch.randn(6, 8, generator=torch.Generator().manual_seed(0)) * 5
     norm = nn.RMSNorm(8)
     loop = torch.tensor([1, 2, 3, 4, 5, 2])
-    got = semantics.readout_input(mode, h, loop, trained, norm)
+    got = semantics.readout_input(mode, h, loop, trained, 5, norm)
     for row, k in enumerate(loop.tolist()):
-        want = semantics.readout_input(mode, h[row : row + 1], k, trained, norm)
+        want = semantics.readout_input(mode, h[row : row + 1], k, trained, 5, norm)
         assert torch.equal(got[row : row + 1], want), (mode, row, k)
 
 

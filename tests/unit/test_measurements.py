@@ -211,7 +211,7 @@ def test_halting_meets_rho_and_dynamic_batching_counts_its_steps(runs, tmp_path)
             x, y = window[None, :-1], window[None, 1:]
             margins, ce = [], []
             for k, h in harness.trajectory(opened.model, x, 4):
-                logits = opened.model.readout(h, k)
+                logits = opened.model.readout(h, k, 4)
                 top = logits.topk(2, -1).values
                 margins.append((top[..., 0] - top[..., 1]).mean().item())
                 ce.append(torch.nn.functional.cross_entropy(logits[0], y[0], reduction="sum"))
@@ -236,7 +236,7 @@ def test_halting_meets_rho_and_dynamic_batching_counts_its_steps(runs, tmp_path)
     slice_ = harness.windows(harness.read_tokens(runs / "held_out.txt", opened.encode), SEQ, 16)
     with torch.no_grad():
         first = [
-            halting.sequence_margin(opened.model.readout(h, 1))
+            halting.sequence_margin(opened.model.readout(h, 1, 1))
             for k, h in harness.trajectory(opened.model, slice_[:, :-1], 1)
         ][0]
     tau = float(first.median())

@@ -196,7 +196,7 @@ def test_import_then_export_computes_ouros_per_loop_logits(imported, tmp_path):
     with torch.no_grad():
         h0, rope = model.embed(tokens)
         for k, h in model.loops(h0, rope, 6):  # K_train = 4, and two loops beyond it
-            got, want = model.readout(h, k).double(), ref_logits[k - 1]
+            got, want = model.readout(h, k, 6).double(), ref_logits[k - 1]
             assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5, k
             gate = model.exit_probability(h)[..., 0].double()
             assert (gate - ref_gates[k - 1]).abs().max().item() <= 1e-5, k
