@@ -99,7 +99,7 @@ def add_parsers(sub) -> list[argparse.ArgumentParser]:
         "--tokenizer",
         default=WikiTextConfig.tokenizer,
         help="tokenizer.json path, hub name, train:N (byte-level BPE) or words:N (the study's "
-        "word-level vocabulary, e.g. words:20000)",
+        "word-level vocabulary of the train and valid rows, e.g. words:20000)",
     )
     wt.add_argument(
         "--out",
@@ -111,12 +111,13 @@ def add_parsers(sub) -> list[argparse.ArgumentParser]:
         choices=["articles", "stream"],
         default=WikiTextConfig.layout,
         help="articles: one document per article, each ending with EOS; stream: the study's, "
-        "non-empty lines joined by blank lines, one EOS at the end",
+        "non-empty lines joined by blank lines, no end token",
     )
     wt.add_argument(
         "--eos-token",
         default=WikiTextConfig.eos_token,
-        help=f"the token that ends each document (default: {WORDS_EOS} for words:N, else {EOS})",
+        help=f"the token that ends each article (default: {WORDS_EOS} for words:N, else {EOS}); "
+        "not with --layout stream, which appends none",
     )
     wt.add_argument(
         "--max-doc-bytes",

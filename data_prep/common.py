@@ -160,7 +160,7 @@ def resolve_tokenizer(spec: str, out: Path, training_text=None) -> Path:
     """A tokenizer.json path for `spec`: a local file, a Hugging Face hub name (downloaded), or
     one trained on `training_text` and saved as out/tokenizer.json: `train:N` (a byte-level BPE
     of N tokens) or `words:N` (the study's word-level vocabulary; `training_text` is then the
-    split's text in pieces cut at token boundaries)."""
+    rows its tokens are counted in, each on its own: train_words)."""
     out.mkdir(parents=True, exist_ok=True)
     trained = trained_tokenizer(spec)
     if trained:
@@ -241,23 +241,38 @@ def word_pre_tokenizer():
     return pre_tokenizers.Split(Regex(pattern), behavior="removed", invert=True)
 
 
-def train_words(pieces, size: int, path: Path) -> Path:
-    """The study's word-level tokenizer of a text given in `pieces` cut at token boundaries:
-    ids 0-3 for WORD_SPECIALS, then the tokens that occur at least twice, by descending count and
-    then the token, at most `size` ids in all; any other token encodes as <unk>. Decoding
-    concatenates the tokens (nothing added between them)."""
+def count_words(rows) -> Counter:
+    r"""The study's token counts: each row tokenized on its own with Python's `re` (the rule of
+    readout-blind-spot src/data/dataset.py, RegexTokenizer.from_texts over the rows its
+    src/train_ar_looplm.py build_dataset loads), so a token that exists only where rows are
+    joined (the whitespace run around a "\n\n" join) is never counted."""
+    pattern, counts = re.compile(WORD_PATTERN), Counter()
+    for row in rows:
+        counts.update(pattern.findall(row))
+    return counts
+
+
+def train_words(rows, size: int, path: Path) -> Path:
+    """The study's word-level tokenizer of `rows` (count_words): ids 0-3 for WORD_SPECIALS, then
+    the other tokens counted at least twice, by descending count and then the token, at most
+    `size` ids in all; any other token encodes as <unk>. Its pre-tokenizer splits as `re` does
+    (word_pre_tokenizer), so a joined text encodes token for token as the study's does. Decoding
+    concatenates the tokens (nothing added between them). Written atomically: a tokenizer.json
+    that exists is a whole one."""
     from tokenizers import Tokenizer, decoders, models
 
-    pre_tokenizer = word_pre_tokenizer()
-    counts = Counter()
-    for piece in pieces:  # split as the tokenizer splits, so that counts and encoding agree
-        counts.update(token for token, _ in pre_tokenizer.pre_tokenize_str(piece))
-    ranked = sorted((t for t, n in counts.items() if n >= 2), key=lambda t: (-counts[t], t))
+    counts = count_words(rows)
+    ranked = sorted(
+        (t for t, n in counts.items() if n >= 2 and t not in WORD_SPECIALS),
+        key=lambda t: (-counts[t], t),
+    )
     vocab = {token: i for i, token in enumerate([*WORD_SPECIALS, *ranked][:size])}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=WORD_SPECIALS[3]))
-    tokenizer.pre_tokenizer = pre_tokenizer
+    tokenizer.pre_tokenizer = word_pre_tokenizer()
     tokenizer.decoder = decoders.Fuse()
-    tokenizer.save(str(path))
+    tmp = path.with_name(path.name + ".tmp")
+    tokenizer.save(str(tmp))
+    tmp.replace(path)
     return path
 
 
@@ -294,11 +309,12 @@ def token_dtype(vocab_size: int):
 
 
 class TokenizingStep(PipelineStepWithTokenizer):
-    """Tokenizes documents in batches (each followed by EOS, but a piece of a longer text that
-    the next document goes on with: metadata eos=False) and counts documents and tokens on a
-    progress bar; subclasses decide where the tokens go."""
+    """Tokenizes documents in batches, each followed by `eos_token` (None: by nothing, and
+    without the special tokens the tokenizer's own post-processor would add: the ids of the
+    text alone), and counts documents and tokens on a progress bar; subclasses decide where the
+    tokens go."""
 
-    def __init__(self, tokenizer_path: str, eos_token: str = EOS, batch_size: int = 256):
+    def __init__(self, tokenizer_path: str, eos_token: str | None = EOS, batch_size: int = 256):
         super().__init__(tokenizer_path, eos_token)
         self.batch_size = batch_size
 
@@ -310,12 +326,11 @@ class TokenizingStep(PipelineStepWithTokenizer):
             desc=f"{desc} [task {rank}]", unit="doc", position=rank, leave=True, mininterval=1.0
         ) as bar:
             for batch in batched(data, self.batch_size):
-                with self.track_time(unit="batch"):
-                    encoded = self.tokenizer.encode_batch([d.text for d in batch])
-                ids = [  # the tokenizer's post-processor appends the EOS
-                    np.asarray(e.ids if d.metadata.get("eos", True) else e.ids[:-1], np.int64)
-                    for d, e in zip(batch, encoded)
-                ]
+                with self.track_time(unit="batch"):  # the post-processor appends the EOS
+                    encoded = self.tokenizer.encode_batch(
+                        [d.text for d in batch], add_special_tokens=self.eos_token is not None
+                    )
+                ids = [np.asarray(e.ids, np.int64) for e in encoded]
                 docs += len(batch)
                 tokens += sum(len(i) for i in ids)
                 self.stat_update("documents", value=len(batch))
@@ -334,7 +349,12 @@ class IndexedDatasetWriter(TokenizingStep):
     type = "✍ WRITER"
 
     def __init__(
-        self, output_dir: str, prefix: str, tokenizer_path: str, dtype: str, eos_token: str = EOS
+        self,
+        output_dir: str,
+        prefix: str,
+        tokenizer_path: str,
+        dtype: str,
+        eos_token: str | None = EOS,
     ):
         super().__init__(tokenizer_path, eos_token)
         self.output_dir, self.prefix, self.dtype = output_dir, prefix, dtype

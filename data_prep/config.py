@@ -82,7 +82,7 @@ class RecipeConfig:
     tokenizer: str
     eos_token: str | None = None
     """The token that ends each document; None: the tokenizer's own (<eos> for words:N,
-    <|endoftext|> otherwise)."""
+    <|endoftext|> otherwise). WikiText's stream layout ends with none: None stays."""
     max_doc_bytes: int = MAX_DOC_BYTES
     """Larger single documents are dropped (and counted)."""
     execution: ExecutorConfig = field(default_factory=ExecutorConfig)
@@ -115,18 +115,28 @@ class WikiTextConfig(RecipeConfig):
 
     recipe: ClassVar[str] = "wikitext103"
     tokenizer: str = f"train:{DEFAULT_VOCAB}"
-    """A tokenizer.json path, a hub name, train:N (a byte-level BPE trained on the split), or
-    words:N (the study's word-level vocabulary of the train split, at most N tokens)."""
+    """A tokenizer.json path, a hub name, train:N (a byte-level BPE trained on the train split),
+    or words:N (the study's word-level vocabulary, at most N tokens, counted row by row over the
+    train and valid splits' rows)."""
     source: str = "Salesforce/wikitext"
     """A folder with wiki.{train,valid,test}.raw, or Salesforce/wikitext (the hub)."""
     layout: Literal["articles", "stream"] = "articles"
-    """articles: one document per article, each ending with EOS. stream: the study's, the split's
-    non-empty lines joined by blank lines, one EOS at the very end (--max-doc-bytes unused)."""
+    r"""articles: one document per article, each ending with EOS. stream: the study's, the split's
+    non-empty lines joined by "\n\n" and nothing appended (no EOS, so eos_token is None and
+    --eos-token is refused; --max-doc-bytes unused)."""
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         if self.layout not in ("articles", "stream"):
             raise PrepError(f"--layout {self.layout}: use articles or stream")
+        stream = self.layout == "stream"
+        if stream and self.eos_token is not None:
+            raise PrepError(
+                f"--eos-token {self.eos_token}: --layout stream appends no end token (the "
+                f"study's ids); drop --eos-token, or use --layout articles"
+            )
+        super().__post_init__()
+        if stream:
+            self.eos_token = None
 
 
 @dataclass(kw_only=True)

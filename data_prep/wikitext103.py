@@ -1,22 +1,34 @@
-"""`megaloop prep wikitext103`: WikiText-103 → one megatron-core indexed dataset per split.
+r"""`megaloop prep wikitext103`: WikiText-103 → one megatron-core indexed dataset per split.
 
     megaloop prep wikitext103 --source DIR_OR_HUB --tokenizer train:20480 --out data/wt103
     megaloop prep wikitext103 --source DIR --tokenizer words:20000 --layout stream --out data/study
 
 Source: a folder with any of wiki.train.raw, wiki.valid.raw, wiki.test.raw, or the Hugging Face
 dataset `Salesforce/wikitext` (config `wikitext-103-raw-v1`) where a hub is reachable.
+A split's rows are the hub dataset's: the raw file's lines, each with its "\n", those that are
+blank or only whitespace left out; a line that is not UTF-8 is skipped (and counted), for the
+vocabulary too.
 Layout `articles`: a document per article, the text from one top-level ` = Title = ` heading to
-the next, kept as is, each ending with EOS. Layout `stream` (the study's): the split's non-empty
-lines joined by blank lines, one EOS at the very end, stored as pieces of ~1 MiB characters cut
-where a token ends. Output: `{split}.bin/.idx` (uint16 when the vocabulary fits) and
-`{split}.manifest.json`, plus `tokenizer.json` when it was trained here on the train split
-(`train:N`, a byte-level BPE of its articles; `words:N`, the study's word-level vocabulary of its
-stream). A re-run resumes: the trained tokenizer and finished splits are kept, finished
-datatrove tasks are skipped.
+the next, kept as is, each ending with EOS. Layout `stream` (the study's): the split's rows
+joined by "\n\n" and tokenized as one text, nothing appended (no EOS: the ids of
+readout-blind-spot src/train_ar_looplm.py build_dataset), stored as pieces of ~1 MiB
+characters cut where a token ends; its manifest's eos_token and eos_id are null.
+Output: `{split}.bin/.idx` (uint16 when the vocabulary fits) and `{split}.manifest.json`, plus
+`tokenizer.json` when it was trained here: `train:N`, a byte-level BPE of the train split's
+articles; `words:N`, the study's word-level vocabulary (src/data/dataset.py
+RegexTokenizer.from_texts): each row of the train and valid splits tokenized on its own with
+\s+|[A-Za-z0-9_]+|[^\w\s], the tokens seen at least twice ranked by (-count, token) after
+<pad> <bos> <eos> <unk> (ids 0-3), N ids in all; a token met only where rows are joined (the
+" \n\n\n " between two rows) encodes as <unk>. It needs wiki.valid.raw, and writes
+tokenizer.words.json beside tokenizer.json to say which rule made it.
+A re-run resumes: the trained tokenizer and finished splits are kept, finished datatrove tasks
+are skipped; a folder that an older rule, another layout or another tokenizer made is refused
+before any work (prepare into a new folder).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
@@ -45,8 +57,14 @@ SPLITS = ("train", "valid", "test")
 HUB_DATASET, HUB_CONFIG = "Salesforce/wikitext", "wikitext-103-raw-v1"
 HEADING = re.compile(r"^ = (?!=).*(?<!=) = $")
 PIECE_CHARS = 2**20
-"""Characters per document of the stream layout and per piece a words:N tokenizer counts: no
-call tokenizes the 540 MB train split at once."""
+"""Characters per document of the stream layout: no call tokenizes the 540 MB train split at
+once."""
+WORDS_RULE = "rows of train+valid, each alone"
+"""How a words:N vocabulary is counted (count_words over vocabulary_rows), as recorded in
+WORDS_MARKER: an older megaloop counted the train split's joined stream and wrote no marker."""
+WORDS_MARKER = "tokenizer.words.json"
+"""Written beside a words:N tokenizer.json before it: the spec, WORDS_RULE and the sources."""
+FRESH = "prepare into a new --out folder (nothing here was changed or deleted)"
 CUT = re.compile(r"[!-~](?= )")
 r"""Where a piece may end: after an ASCII printable non-space character that a space follows. No
 token of the study's pattern spans it under any reading of \s and \w (the character is no space,
@@ -80,13 +98,32 @@ def read_raw(path: Path) -> str:
     return path.read_bytes().decode("utf-8", errors="surrogateescape")
 
 
+class Rows:
+    r"""The study's rows of a raw split file, read lazily (each with its "\n"; the hub dataset's
+    rows are the raw file's lines, blank ones empty, and the study drops the empty ones);
+    `skipped` counts the lines left out for bytes that are not UTF-8, once read through."""
+
+    def __init__(self, path: Path):
+        self.path, self.skipped = Path(path), 0
+
+    def __iter__(self):
+        self.skipped = 0
+        # bytes that are not UTF-8 become lone surrogates (as read_raw), so a line that holds
+        # them is found and skipped without losing the rest of the file
+        with open(self.path, encoding="utf-8", errors="surrogateescape", newline="\n") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                if not _is_utf8(line):
+                    self.skipped += 1
+                    continue
+                yield line
+
+
 def study_lines(path: Path) -> tuple[list[str], int]:
-    """The split's non-empty lines, each with its "\n" (the hub dataset's rows are the raw file's
-    lines, blank ones empty), and how many more were left out for bytes that are not UTF-8."""
-    with open(path, encoding="utf-8", errors="surrogateescape", newline="\n") as f:  # as read_raw
-        lines = [line for line in f if line.strip()]
-    kept = [line for line in lines if _is_utf8(line)]
-    return kept, len(lines) - len(kept)
+    """The split's rows (Rows) and how many lines were left out for bytes that are not UTF-8."""
+    rows = Rows(path)
+    return list(rows), rows.skipped
 
 
 def stream_pieces(lines, chars: int):
@@ -138,8 +175,8 @@ class WikiTextReader(PipelineStep):
 
 
 class WikiTextStream(PipelineStep):
-    """The study's text of one raw split file (its non-empty lines joined by blank lines) as
-    Documents of `chars` characters or so, only the last followed by EOS."""
+    r"""The study's text of one raw split file (its rows joined by "\n\n") as Documents of
+    `chars` characters or so, cut where a token ends: back to back they are the split's ids."""
 
     name = "📖 wikitext stream"
     type = "📖 - READER"
@@ -161,15 +198,9 @@ class WikiTextStream(PipelineStep):
                 f"megaloop prep: {self.path}: skipping {bad} {self.split} line(s): not valid UTF-8",
                 flush=True,
             )
-        pieces = stream_pieces(lines, self.chars)
-        piece, i = next(pieces, None), 0
-        while piece is not None:
-            following = next(pieces, None)
+        for i, piece in enumerate(stream_pieces(lines, self.chars)):
             self.stat_update("documents")
-            yield Document(
-                text=piece, id=f"{self.split}-{i:06d}", metadata={"eos": following is None}
-            )
-            piece, i = following, i + 1
+            yield Document(text=piece, id=f"{self.split}-{i:06d}")
 
 
 def fetch_from_hub(out: Path) -> Path:
@@ -215,27 +246,146 @@ def source_files(source: str, out: Path) -> dict[str, Path]:
     return files
 
 
+def vocabulary_rows(files: dict[str, Path]):
+    """What a words:N vocabulary is counted on: the train split's rows, then the valid split's
+    (src/train_ar_looplm.py build_dataset: RegexTokenizer.from_texts(train_texts +
+    val_texts)); lines that are not UTF-8 are left out, as from the splits' ids."""
+    for split in ("train", "valid"):
+        rows = Rows(files[split])
+        yield from rows
+        if rows.skipped:
+            print(
+                f"megaloop prep: {files[split]}: {rows.skipped} line(s) are not valid UTF-8; "
+                f"left out of the vocabulary (and of the {split} split)",
+                flush=True,
+            )
+
+
 def training_text(cfg: WikiTextConfig, files: dict[str, Path]):
-    """What a tokenizer trained here learns from: the train split's articles (train:N) or its
-    study stream in pieces (words:N); None without a train split or a tokenizer to train."""
+    """What a tokenizer trained here learns from: the train split's articles (train:N) or the
+    train and valid splits' rows (words:N); None without a train split or a tokenizer to
+    train."""
     trained = trained_tokenizer(cfg.tokenizer)
     if not trained or "train" not in files:
         return None
     if trained[0] == "words":
-        return stream_pieces(study_lines(files["train"])[0], PIECE_CHARS)
+        return vocabulary_rows(files)
     return (a for a in split_articles(read_raw(files["train"])) if _is_utf8(a) and a.strip())
+
+
+def check_words_sources(cfg: WikiTextConfig, files: dict[str, Path], source: Path) -> None:
+    """A words:N vocabulary to train needs both splits it is counted on: one PrepError naming
+    the missing file and the fixes, before any work."""
+    for split in ("train", "valid"):
+        if split not in files:
+            raise PrepError(
+                f"--tokenizer {cfg.tokenizer} counts its vocabulary over the train and valid "
+                f"splits (the study's rule), but --source {source} has no wiki.{split}.raw; "
+                f"add it, or pass the tokenizer.json of an earlier preparation as --tokenizer"
+            )
+
+
+def _read_marker(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def check_resume(cfg: WikiTextConfig, out: Path) -> None:
+    """Refuse a folder that this preparation would otherwise reuse but another one made: a
+    words:N tokenizer.json without WORDS_MARKER (an older megaloop's, counted on the train
+    split's joined stream) or of another spec, a finished split of another layout, a finished
+    stream that ends with EOS (an older megaloop's), or split work (finished, or tasks that
+    datatrove would skip) whose tokenizer.json is gone when one is to be trained. One PrepError
+    naming the problem and the fix, before any compute; nothing is deleted."""
+    trained = trained_tokenizer(cfg.tokenizer)
+    tokenizer = out / "tokenizer.json"
+    if trained and trained[0] == "words" and tokenizer.is_file():
+        marker = _read_marker(out / WORDS_MARKER)
+        if marker is None or marker.get("rule") != WORDS_RULE:
+            raise PrepError(
+                f"{tokenizer} has no {WORDS_MARKER} beside it, so it is not the study's "
+                f"vocabulary: an older megaloop counted words:N on the train split's joined "
+                f"text, the study counts row by row over the train and valid rows; {FRESH}"
+            )
+        if marker.get("tokenizer") != cfg.tokenizer:
+            raise PrepError(
+                f"{tokenizer} holds the --tokenizer {marker.get('tokenizer')} vocabulary, not "
+                f"{cfg.tokenizer}; {FRESH}, or pass --tokenizer {marker.get('tokenizer')} to "
+                f"resume this one"
+            )
+    if trained and not tokenizer.is_file():  # split work is only ever done after it is saved
+        done = [
+            p
+            for split in SPLITS
+            for p in (out / f"{split}.bin", out / f"{split}_00000.bin", out / "logs" / split)
+            if p.exists() and not (p.is_dir() and not any((p / "completions").glob("*")))
+        ]
+        if done:
+            raise PrepError(
+                f"{out} holds work of an earlier preparation ({done[0].relative_to(out)}), but "
+                f"not the tokenizer.json it was made with, and --tokenizer {cfg.tokenizer} "
+                f"would train a new one; {FRESH}"
+            )
+    for split in SPLITS:
+        path = out / f"{split}.manifest.json"
+        if not (path.is_file() and (out / f"{split}.bin").is_file()):
+            continue
+        m = _read_marker(path) or {}
+        layout = m.get("layout", "articles")
+        if layout != cfg.layout:
+            raise PrepError(
+                f"{out} holds the {split} split in the {layout} layout, and --layout is "
+                f"{cfg.layout}; {FRESH}"
+            )
+        if layout == "stream" and m.get("eos_id") is not None:
+            raise PrepError(
+                f"{path}: the {split} stream ends with {m.get('eos_token')!r}, as an older "
+                f"megaloop wrote it (the study's ids have no end token); {FRESH}"
+            )
+
+
+def check_finished_tokenizer(out: Path, tokenizer: Path) -> None:
+    """Every finished split was made with `tokenizer` (its sha256): else one PrepError."""
+    digest = None
+    for split in SPLITS:
+        path = out / f"{split}.manifest.json"
+        if not (path.is_file() and (out / f"{split}.bin").is_file()):
+            continue
+        recorded = (_read_marker(path) or {}).get("tokenizer_sha256")
+        digest = digest or sha256_file(tokenizer)
+        if recorded != digest:
+            raise PrepError(
+                f"{path}: the {split} split was made with another tokenizer (sha256 "
+                f"{recorded}) than {tokenizer} (sha256 {digest}); {FRESH}"
+            )
 
 
 def prepare(cfg: WikiTextConfig) -> dict:
     """Prepare (or resume) each split found; the manifests of the splits finished by this run."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    check_resume(cfg, out)  # before anything is written there (the hub's files included)
     files = source_files(cfg.source, out)
     tokenizer = out / "tokenizer.json"
-    if not (trained_tokenizer(cfg.tokenizer) and tokenizer.is_file()):  # else: resume with it
+    trained = trained_tokenizer(cfg.tokenizer)
+    if not (trained and tokenizer.is_file()):  # else: resume with it
+        if trained and trained[0] == "words":
+            check_words_sources(cfg, files, Path(cfg.source))
+            marker = {
+                "tokenizer": cfg.tokenizer,
+                "rule": WORDS_RULE,
+                "sources": {s: str(files[s]) for s in ("train", "valid")},
+            }
+            write_manifest(out / WORDS_MARKER, marker)  # before tokenizer.json: never after it
         tokenizer = resolve_tokenizer(cfg.tokenizer, out, training_text(cfg, files))
+    check_finished_tokenizer(out, tokenizer)
     vocab = load_tokenizer(tokenizer).get_vocab_size()
-    eos_id(tokenizer, cfg.eos_token)
+    stream = cfg.layout == "stream"
+    eos = None if stream else cfg.eos_token  # the study's stream has no end token
+    eos_token_id = None if stream else eos_id(tokenizer, cfg.eos_token)
     dtype = token_dtype(vocab)
     manifests, pending = {}, []
     for split, path in files.items():
@@ -247,13 +397,13 @@ def prepare(cfg: WikiTextConfig) -> dict:
         manifest_path.unlink(missing_ok=True)
         start = time.perf_counter()
         logs = out / "logs" / split
-        if cfg.layout == "stream":  # the study's text exactly: nothing in it is dropped
+        if stream:  # the study's text exactly: nothing in it is dropped
             reader = [WikiTextStream(str(path), split, PIECE_CHARS)]
         else:
             reader = [WikiTextReader(str(path), split), BadDocumentGuard(cfg.max_doc_bytes)]
         pipeline = [
             *reader,
-            IndexedDatasetWriter(str(out), split, str(tokenizer), dtype.__name__, cfg.eos_token),
+            IndexedDatasetWriter(str(out), split, str(tokenizer), dtype.__name__, eos),
         ]
         if not run_pipeline(pipeline, logs, 1, cfg.execution):
             pending.append(split)
@@ -282,8 +432,9 @@ def prepare(cfg: WikiTextConfig) -> dict:
             **{key: stat(stats, reader[0].name, key) for key in reader[0].counts},
             "dtype": dtype.__name__,
             "vocab_size": vocab,
-            "eos_token": cfg.eos_token,
-            "eos_id": eos_id(tokenizer, cfg.eos_token),
+            # the token that ends each document; null: nothing ends the stream
+            "eos_token": eos,
+            "eos_id": eos_token_id,
             "tokenizer": str(Path(tokenizer).resolve()),
             "tokenizer_sha256": sha256_file(tokenizer),
             "source": str(path),

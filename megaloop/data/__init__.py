@@ -17,9 +17,11 @@ Every kind is sharded over data-parallel ranks (disjoint samples) and resumes fr
 consumed samples: exactly for the indexable kinds, at the next shard boundary for webdataset.
 
 Validation is the same for every seed, variant and layout: `batch(indices, split="valid")` reads
-the validation split in file order, sample i being its i-th window of seq_len+1 tokens
-(batches.Windows; webdataset: the i-th held-out sequence; synthetic: a fixed stream of its own),
-and `valid_windows` says how many there are (None for synthetic data, which has no end).
+the validation split in file order, sample i being its i-th window of seq_len+1 tokens, one
+every seq_len tokens or, for indexed data with `data.stride`, one every `stride` tokens as the
+study's validation does (batches.Windows; webdataset: the i-th held-out sequence; synthetic: a
+fixed stream of its own), and `valid_windows` says how many there are (None for synthetic data,
+which has no end).
 """
 
 from __future__ import annotations
@@ -221,7 +223,9 @@ class IndexedConfig(_OnDisk):
     stride: int | None = None
     """The study's samples: windows of seq_len+1 tokens of the training split's documents back to
     back, starting every `stride` tokens (overlapping below seq_len+1; the study: 128 at seq_len
-    256), each epoch in its own shuffled order. Null: megatron-core's GPTDataset."""
+    256), each epoch in its own shuffled order; the validation split's windows start every
+    `stride` tokens too, in order. Null: megatron-core's GPTDataset, and validation windows
+    every seq_len tokens."""
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)

@@ -1,5 +1,6 @@
 """What a step reads: this data-parallel rank's training micro-batches and the data position,
-the validation split's windows, and the study's overlapping training windows.
+the validation split's windows, and the study's overlapping training windows (and validation
+windows, with the same stride).
 
 The position saved in checkpoints is the number of consumed samples (over all DP ranks), so a
 resumed run, in any layout, continues where the last one stopped.
@@ -16,25 +17,34 @@ from megaloop.config import DataError
 
 
 class Windows:
-    """The validation windows of a token stream, in order: window i is tokens[i·s : i·s + s + 1]
-    (s = seq_len), so consecutive windows share one token and every token after the first is a
-    target exactly once. The same for every seed, variant and layout."""
+    """The validation windows of a token stream, in order: window i is tokens[i·t : i·t + s + 1]
+    (s = seq_len, t = stride). Without a stride t = s, so consecutive windows share one token
+    and every token after the first is a target exactly once; with data.stride they overlap as
+    the study's validation windows do (readout-blind-spot src/train_ar_looplm.py: the
+    TextChunkDataset of the validation ids with the training stride, read unshuffled). The same
+    for every seed, variant and layout."""
 
     def __init__(
-        self, read: Callable[[int, int], np.ndarray], num_tokens: int, seq_len: int, name: str
+        self,
+        read: Callable[[int, int], np.ndarray],
+        num_tokens: int,
+        seq_len: int,
+        name: str,
+        stride: int | None = None,
     ):
         self.read, self.num_tokens, self.seq_len, self.name = read, num_tokens, seq_len, name
+        self.stride = seq_len if stride is None else stride
 
     def __len__(self) -> int:
-        return max(self.num_tokens - 1, 0) // self.seq_len
+        return strided_windows(self.num_tokens, self.seq_len, self.stride)
 
     def __getitem__(self, index: int) -> np.ndarray:
         if not 0 <= index < len(self):
             raise IndexError(
-                f"validation window {index} of {self.name}: it has {len(self)} "
-                f"windows of data.seq_len+1={self.seq_len + 1} tokens"
+                f"validation window {index} of {self.name}: it has {len(self)} windows of "
+                f"data.seq_len+1={self.seq_len + 1} tokens, one every {self.stride} tokens"
             )
-        return np.asarray(self.read(index * self.seq_len, self.seq_len + 1), dtype=np.int64)
+        return np.asarray(self.read(index * self.stride, self.seq_len + 1), dtype=np.int64)
 
     def batch(self, indices) -> torch.Tensor:
         return torch.from_numpy(np.stack([self[i] for i in indices]))

@@ -7,7 +7,8 @@ any layout). With `data.stride` it reads the study's samples instead: overlappin
 documents back to back, shuffled per epoch (batches.StridedWindows). Validation does not
 shuffle: it reads the valid prefix's documents back to back in the order they are stored,
 straight from megatron-core's IndexedDataset, and cuts that stream into windows in order
-(batches.Windows), the same for every seed and variant.
+(batches.Windows), the same for every seed and variant: one every seq_len tokens, or with
+`data.stride` one every `stride` tokens, overlapping as the study's validation windows do.
 """
 
 from __future__ import annotations
@@ -190,7 +191,9 @@ class IndexedData:
             )
         # without a valid prefix, the training split's own windows (a smoke check, not held out)
         stream = TokenStream(valid_prefix or train_prefix)
-        self.valid = Windows(stream.read, stream.num_tokens, seq_len, valid_prefix or train_prefix)
+        self.valid = Windows(
+            stream.read, stream.num_tokens, seq_len, valid_prefix or train_prefix, stride
+        )
 
     @property
     def valid_windows(self) -> int:
@@ -225,7 +228,9 @@ def gpt_dataset(
     )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-    eod = manifest(prefix).get("eos_id", tokenizer.eos_id)
+    # the token that ends the documents; null in a stream that nothing ends (the study's)
+    eod = manifest(prefix).get("eos_id")
+    eod = tokenizer.eos_id if eod is None else eod
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_len,
