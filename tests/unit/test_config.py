@@ -1,5 +1,8 @@
 """Configs: YAML composition, overrides, every shipped file, and one clear error per bad value."""
 
+import dataclasses
+import math
+
 import pytest
 
 from megaloop import experiment
@@ -96,9 +99,13 @@ STUDY_ROWS = {
 
 
 @pytest.mark.parametrize(
-    "size, d, batch, total", [("44m", 512, 64, 43_934_208), ("129m", 768, 32, 128_822_016)]
+    "size, d, batch, total, released_norm, released_raw",
+    [
+        ("44m", 512, 64, 43_934_208, 43_935_234, 43_934_722),
+        ("129m", 768, 32, 128_822_016, 128_823_554, 128_822_786),
+    ],
 )
-def test_the_study_preset_is_its_released_setup(size, d, batch, total):
+def test_the_study_preset_is_its_released_setup(size, d, batch, total, released_norm, released_raw):
     """Each Table 2 row of configs/experiments/study/ on the released code's settings; a row
     with a normalised readout and nothing added counts the released model's parameters."""
     from megaloop.parallel.cost import parameter_counts
@@ -127,11 +134,29 @@ def test_the_study_preset_is_its_released_setup(size, d, batch, total):
         assert (o.weight_decay, o.decay, o.clip_grad) == (0.01, "all", 1.0)
         assert (cfg.data.seq_len, cfg.data.stride, cfg.data.epochs) == (256, 128, 4)
         assert (cfg.train.global_batch_size, cfg.train.bf16) == (batch, True)
+        # one pass of the whole batch; the released seeds; H fp32 under autocast (issue 53)
+        assert (cfg.train.micro_batch_size, cfg.train.seed, m.fp32_residual) == (batch, 42, True)
         extra = m.readout != "norm" or m.recurrence != "none" or m.exit_gate
         assert extra or parameter_counts(m)["total"] == total, row
+        # the released code builds the loop norm (d), the gate (d + 1) and the damping scalar in
+        # every row, and the readout norm (d) unless the readout is raw (src/models/ar_looplm.py)
+        released = parameter_counts(
+            dataclasses.replace(m, recurrence="none", exit_gate=False, readout="norm")
+        )["total"] + (d + d + 1 + 1)
+        assert released - (d if m.readout == "raw" else 0) == (
+            released_raw if m.readout == "raw" else released_norm
+        ), row
     assert experiment.load(folder / "exit_weighted.yaml").objective.entropy_beta == 0.1
     penalty = experiment.load(folder / "per_loop_norm_penalty.yaml").objective
     assert penalty.norm_penalty == 0.01
+    # where the released code settles what its configs leave out (src/models/ar_looplm.py): the
+    # gate reads the raw H_k, damping starts at sigmoid(raw_alpha = 2.0), and the final-only
+    # norm is the last loop of the K run
+    assert experiment.load(folder / "exit_weighted.yaml").model.exit_gate_input == "raw"
+    for row in ("spectral_damping", "spectral_damping_terminal"):
+        alpha = experiment.load(folder / f"{row}.yaml").model.damping_init
+        assert math.log(alpha / (1 - alpha)) == pytest.approx(2.0, abs=1e-12), row
+    assert experiment.load(folder / "final_norm.yaml").model.readout == "last_norm"
 
 
 def test_params_and_plan_run_on_the_study_rows():
@@ -154,7 +179,7 @@ def test_params_and_plan_run_on_the_study_rows():
 BAD = [
     # (overrides, words the one error message must contain)
     (["model.readuot=raw"], ["model.readuot", "unknown key", "readout"]),
-    (["model.readout=nrom"], ["model.readout", "'nrom'", "norm, raw, final_norm"]),
+    (["model.readout=nrom"], ["model.readout", "'nrom'", "norm, raw, final_norm, last_norm"]),
     (["model.recurrence=layernorm"], ["model.recurrence", "none, rmsnorm, damping"]),
     (["objective.kind=halting"], ["objective.kind", "terminal, per_loop, exit_weighted"]),
     (["train.steps=ten"], ["train.steps", "'ten'", "integer"]),
@@ -176,6 +201,10 @@ BAD = [
     (["train.steps"], ["train.steps", "key=value"]),
     (["engine=deepspeed", "parallel.pp=2"], ["parallel.pp", "engine=megatron", "parallel.pp=1"]),
     (["engine=deepspeed", "deepspeed.zero_stage=4"], ["deepspeed.zero_stage", "0, 1, 2, 3"]),
+    (
+        ["engine=deepspeed", "train.bf16=true", "model.fp32_residual=true"],
+        ["model.fp32_residual", "bf16 weights", "engine=megatron"],
+    ),
     (["engine=fsdp"], ["engine", "megatron, deepspeed"]),
     (["model.dropout=1"], ["model.dropout", "[0, 1)"]),
     (["model.dropout=0.1", "train.recompute=loop"], ["train.recompute", "selective or none"]),
