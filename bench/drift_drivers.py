@@ -5,7 +5,7 @@ bench/study_mini, whose data, shape and runs it shares).
     SMOKE=1 bench/drift_drivers OUT  the same flow at a toy size, into OUT (after SMOKE=1
                                      bench/study_mini with the same STUDY_WORK)
 
-Per-loop CE with a norm and a raw readout, seeds 0 and 1, STEPS steps at bench/study_mini's
+Per-loop CE with a norm and a raw readout, study_mini's first two seeds, STEPS steps at its
 miniature, from the study's setup (configs/experiments/study/44m/per_loop_{norm,raw}.yaml):
 1. initialisation × learning rate: `pytorch` (the study's) or `megatron` (N(0, 0.02)) × 3e-4
    (the study's) or 1e-2 (where docs/drift_regime found the drift under megatron init);
@@ -42,7 +42,8 @@ import study_mini  # noqa: E402  (the study's data, shape and run machinery)
 from study_mini import FACTOR, SMOKE, Job, fmt  # noqa: E402
 
 ROOT = study_mini.ROOT
-SEEDS = (0, 1)
+SEEDS = study_mini.SEEDS[:2]
+"""bench/study_mini's first two seeds: its runs are this bench's study cell."""
 STEPS = 6 if SMOKE else 100
 """Our choice: 1,600 windows; the study's setup drifts within the first 50 steps here (and 100
 keeps both benches near 3 hours)."""
