@@ -75,6 +75,6 @@ def test_every_key_of_every_section_is_on_the_page():
 def test_rows_carry_the_types_defaults_and_docstrings():
     page = config_reference.render()
     assert "| `train.eval_batches` | int or `all` | `4` | Validation micro-batches:" in page
-    assert "| `model.readout` | `norm`, `raw` or `final_norm` | `norm` |" in page
+    assert "| `model.readout` | `norm`, `raw`, `final_norm` or `last_norm` | `norm` |" in page
     assert "| `train.scale_alarm.window` | int | `100` | Steps over which" in page
     assert "| `data.stride` | int or `null` | `null` | The study's samples:" in page
