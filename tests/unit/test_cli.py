@@ -59,8 +59,8 @@ OPTIONS = {
     + PREP,
     "prep fineweb": ["--source", "--tokenizer", "--out", "--seq-len", "--shard-size"]
     + ["--eos-token", "--max-doc-bytes", "--lang-model", "--lang-threshold", *PREP],
-    "ckpt consolidate": ["checkpoint", "--out", "old_out"],
-    "export": ["source", "--out", "old_out", "--format"],
+    "ckpt consolidate": ["checkpoint", "--out", "old_out", "--overwrite"],
+    "export": ["source", "--out", "old_out", "--overwrite", "--format"],
     "import ouro": ["source", "--out", "old_out"],
     "eval downstream": ["model", "--loops", "--tasks", "--limit", "--data-dir", "--batch-size"]
     + ["--batch", "--split", "--exit", "--threshold", "--out"],
