@@ -133,6 +133,39 @@ def test_a_run_directory_is_evaluated_as_its_export(export_dir, tmp_path, capsys
         assert "MODEL" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("exit_rule", [[], ["--exit", "margin", "--threshold", "0"]])
+def test_an_unreachable_hub_is_one_line_naming_data_dir(
+    export_dir, tmp_path, capsys, monkeypatch, exit_rule
+):
+    """Without --data-dir and with the hub out of reach (HF_ENDPOINT at a closed local port),
+    one line naming --data-dir and its layout, before the model is exported or lm-eval
+    evaluates; offline mode (the Hugging Face cache) and --data-dir ask no hub."""
+
+    def never(*args, **kwargs):
+        raise AssertionError("got past the hub check")
+
+    monkeypatch.setattr(harness, "as_export", never)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    for variable in downstream.HUB_OFFLINE:
+        monkeypatch.delenv(variable, raising=False)
+    out = tmp_path / "r"
+    assert eval_downstream(export_dir, out, 1, "--tasks", "arc_easy", *exit_rule) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "megaloop: error: the Hugging Face hub (127.0.0.1:9) cannot be reached from here"
+    ), err
+    assert "give --data-dir DIR with DIR/<task>/<split>.jsonl" in err[0]
+    assert not out.exists()
+    assert downstream.hub_address() == ("127.0.0.1", 9)
+    with pytest.raises(EvalError, match="cannot be reached"):
+        downstream.check_hub(None)
+    downstream.check_hub(tmp_path)  # --data-dir: no hub asked
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    downstream.check_hub(None)  # the cache: no hub asked
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.example.org")
+    assert downstream.hub_address() == ("hub.example.org", 443)
+
+
 def test_paired_bootstrap_reproduces_the_normal_theory_ci():
     rng = np.random.default_rng(1)
     diffs = rng.normal(0.2, 1.0, size=4000)
