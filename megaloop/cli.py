@@ -8,7 +8,9 @@ that build a model) and reports the errors every command shares in one line.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import re
 import sys
 import warnings
 
@@ -19,8 +21,22 @@ from megaloop.config import ConfigError
 from megaloop.parallel.launch import LaunchError
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose unknown choice (a command, an action, an option's value) names
+    the nearest valid one (`megaloop trian`: did you mean 'train'?)."""
+
+    def error(self, message: str):
+        wrong = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if wrong:
+            valid = re.findall(r"'([^']*)'", wrong[2])
+            near = difflib.get_close_matches(wrong[1], valid, n=1)
+            if near:
+                message += f"; did you mean '{near[0]}'?"
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megaloop", description=__doc__.split("\n")[0])
+    parser = Parser(prog="megaloop", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"megaloop {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS.values():

@@ -359,8 +359,17 @@ def write(results: dict, out: Path, run_info: dict, depth: dict[str, dict] | Non
 
 
 def read_samples(folder: Path) -> dict[str, list[dict]]:
+    """The samples of one `eval downstream` run; the folder of an `--exit` run holds one such
+    run per fixed K and threshold, and the error names them."""
     files = sorted(folder.glob("samples_*.jsonl"))
     if not files:
+        runs = sorted(p.parent.name for p in folder.glob("*/samples_*.jsonl"))
+        if runs:
+            runs = list(dict.fromkeys(runs))
+            raise EvalError(
+                f"{folder} holds the runs of `eval downstream --exit`, a folder each: "
+                f"{', '.join(runs)}; give one of them (e.g. {folder / runs[-1]})"
+            )
         raise EvalError(
             f"{folder}: no samples_<task>.jsonl; give a folder written by "
             f"`megaloop eval downstream`"

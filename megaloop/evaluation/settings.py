@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal, Self, get_args
@@ -122,15 +123,26 @@ class Measurement:
             "an empty slice measures nothing", seq_len=self.seq_len, batch_size=self.batch_size
         )
 
-    def fitted(self, positions: int) -> Self:
-        """These settings for a model of `positions` positions: seq_len defaults to them (at
-        most `longest_default`); a given seq_len must fit in them."""
+    def fitted(self, positions: int, trained: int | None = None, learned: bool = False) -> Self:
+        """These settings for a model of `positions` positions that trained on windows of
+        `trained` tokens (None: not recorded): seq_len defaults to the trained length (at most
+        `longest_default` and `positions`); a given seq_len must fit in the positions, and one
+        past the trained length of a model with `learned` positions is said (rows of the table
+        no step trained)."""
         if self.seq_len is None:
-            return dataclasses.replace(self, seq_len=min(self.longest_default, positions))
+            longest = min(self.longest_default, positions, trained or positions)
+            return dataclasses.replace(self, seq_len=longest)
         if self.seq_len > positions:
             raise EvalError(
                 f"--seq-len {self.seq_len}: the model takes 1 to {positions} positions "
                 f"(max_position_embeddings)"
+            )
+        if learned and trained is not None and self.seq_len > trained:
+            print(
+                f"megaloop: warning: --seq-len {self.seq_len} is longer than the {trained}-token "
+                f"windows the model trained on: its learned positions {trained} to "
+                f"{self.seq_len - 1} were never trained (give --seq-len {trained} or less)",
+                file=sys.stderr,
             )
         return self
 

@@ -185,6 +185,26 @@ def sample(doc_id: int, lls, gold: int, continuations) -> dict:
     }
 
 
+def test_compare_points_into_the_folder_of_an_exit_run(tmp_path, capsys):
+    """B written by `eval downstream --exit` holds one run a folder (fixed-k1.., rule-threshold):
+    one line naming them and a folder to give, in place of "no samples"."""
+    from megaloop.cli import main
+
+    for run in ("a", "b/fixed-k1", "b/fixed-k2", "b/margin-0.5"):
+        (tmp_path / run).mkdir(parents=True)
+        (tmp_path / run / "samples_arc_easy.jsonl").write_text("")
+    (tmp_path / "b/margin-0.5/samples_boolq.jsonl").write_text("")
+    assert main(["eval", "compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (
+        f"megaloop: error: {tmp_path / 'b'} holds the runs of `eval downstream --exit`, a folder "
+        f"each: fixed-k1, fixed-k2, margin-0.5; give one of them (e.g. {tmp_path / 'b/margin-0.5'})"
+    )
+    (tmp_path / "c").mkdir()
+    assert main(["eval", "compare", str(tmp_path / "a"), str(tmp_path / "c")]) == 2
+    assert "no samples_<task>.jsonl" in capsys.readouterr().err
+
+
 def test_compare_pairs_examples_and_reports_the_differences(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()

@@ -431,3 +431,27 @@ def test_variants_are_named_by_their_folder_or_else_by_what_differs():
     )
     assert [v.label for v in shared] == ["readout=norm, lr=1.0", "readout=raw, lr=2.0"]
     assert [len(v.runs) for v in shared] == [1, 2]
+
+
+def test_a_speedup_below_one_says_why():
+    """halt's report explains a dynamic pass slower than fixed K_max: with no early exit at
+    all, and with exits that saved less than the per-loop readouts cost; above 1 nothing."""
+    none_early = {"speedup": 0.33, "mean_loops": 4.0}
+    assert halting.speedup_note(none_early, 4).startswith(
+        " No sequence exited before K_max = 4: the dynamic pass ran every loop"
+    )
+    some = halting.speedup_note({"speedup": 0.8, "mean_loops": 3.25}, 4)
+    assert some.startswith(" Sequences exited after 3.25 of 4 loops on average")
+    assert halting.speedup_note({"speedup": 1.6, "mean_loops": 2.5}, 4) == ""
+
+
+@pytest.mark.parametrize(
+    "value, text",
+    [(6.1e20, "6.100e+20"), (1e6, "1.000e+06"), (999_999.4, "999999.400"), (12.34567, "12.346")],
+)
+def test_a_perplexity_past_a_million_prints_in_scientific_notation(value, text):
+    from megaloop.evaluation import ppl_text
+
+    assert ppl_text(value) == text
+    assert report.stat([value]) == text  # the report's PPL columns print it alike
+    assert report.stat([value, value]) == f"{text} ± 0.000"
