@@ -406,15 +406,10 @@ class DownstreamSettings:
             set_(self, "thresholds", parse_thresholds(",".join(map(str, self.thresholds))))
 
 
-EXITS = {
-    "gate": "gate",
-    "margin": "margin",
-    "confidence": "confidence",
-    "fixed": "none",
-    "none": "none",
-}
-"""`--exit`'s values → the exported config's early_exit (fixed, alias none: every token runs K):
-the one place an exit rule changes name between the command line and the model."""
+EXITS = {**{rule: rule for rule in EXIT_RULES}, "fixed": "none", "none": "none"}
+"""`--exit`'s values → the exported config's early_exit (every rule of modes.EarlyExit by its
+own name; fixed, alias none: every token runs K): the one place an exit rule changes name
+between the command line and the model."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -430,7 +425,8 @@ class GenerateSettings:
     exit: str = "fixed"
     """A key of EXITS."""
     threshold: float | None = None
-    """The rule's threshold (gate: cumulative exit probability; margin: top-1 − top-2 logit)."""
+    """The rule's threshold (gate: cumulative exit probability; margin: top-1 − top-2 logit;
+    confidence: the top-1 probability)."""
     loops: int | None = None
     """K, the most loops a token runs. None: the model's num_loops."""
     kv: str = "copy"
@@ -460,7 +456,7 @@ class GenerateSettings:
         if (self.prompt is None) == (self.prompts is None):
             raise EvalError("give one of --prompt TEXT and --prompts FILE")
         if self.exit not in EXITS:
-            raise EvalError(f"--exit {self.exit}: give one of gate, margin, fixed")
+            raise EvalError(f"--exit {self.exit}: give one of {', '.join(EXITS)}")
         if self.kv not in KV_POLICIES:
             raise EvalError(f"--kv {self.kv}: give one of {', '.join(KV_POLICIES)}")
         if self.batching not in ("auto", *BATCHING):
