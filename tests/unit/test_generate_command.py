@@ -355,3 +355,23 @@ def test_a_folder_that_holds_no_model_is_refused_naming_the_three_kinds(
         code, stdout, stderr = megaloop_here("generate", folder, "--prompt", "a")
         assert code == 2 and stdout == "" and not calls
         assert stderr.strip().splitlines() == [f"megaloop: error: MODEL {folder}: {message}"]
+
+
+def test_a_run_directory_leaves_no_temporary_export_behind(
+    export_dir, generate, tmp_path, monkeypatch
+):
+    """MODEL a run directory: its export is written into the temporary folder (TMPDIR, here an
+    empty folder of the test's) and is gone when the command ends."""
+    import tempfile
+
+    from megaloop import export
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    written, real = [], export.write
+    monkeypatch.setattr(export, "write", lambda *a, **k: written.append(a[3]) or real(*a, **k))
+    code, _, stderr = generate(export_dir.parent / "run", "--prompt", "the river", new_tokens=2)
+    assert code == 0, stderr
+    assert len(written) == 1 and written[0].parent == scratch  # exported there
+    assert list(scratch.iterdir()) == []
