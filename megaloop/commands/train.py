@@ -143,16 +143,20 @@ def dry_run_summary(trainer, config: str) -> str:
 
 
 def start_of(run_dir: Path, init_from: str | None) -> str:
-    """Where a run in `run_dir` would start, from what is there (read, never written)."""
+    """Where a run in `run_dir` would start, from what is there (read, never written): the
+    checkpoint the run itself would resume from (checkpoint.find_latest, the newest complete
+    one; not the `latest` marker, which a run stopped between a checkpoint's rename and the
+    marker's write, or a corrupt newest checkpoint, leaves naming another), and its step.
+    Collective, as find_latest is."""
+    from megaloop.train import checkpoint
+
     weights = f"from the weights of {init_from}" if init_from else "fresh"
     if not run_dir.exists():
         return f"does not exist yet; the run creates it and starts {weights}"
-    latest = run_dir / "checkpoints" / "latest"
-    if latest.is_file():
-        return (
-            f"exists; resumes from its newest complete checkpoint, the latest marker names "
-            f"{latest.read_text().strip()}"
-        )
+    folder = checkpoint.find_latest(run_dir / "checkpoints")
+    if folder is not None:
+        step = checkpoint.read_meta(folder)["step"]
+        return f"exists; resumes from step {step}, its newest complete checkpoint {folder}"
     return f"exists, no checkpoint; starts {weights}"
 
 

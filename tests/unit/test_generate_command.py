@@ -421,3 +421,23 @@ def test_an_unknown_exit_rule_lists_every_rule():
     assert message.startswith("--exit entropy: give one of")
     for rule in ("gate", "margin", "confidence", "fixed"):
         assert re.search(rf"\b{rule}\b", message), (rule, message)
+
+
+def test_a_run_directory_leaves_no_temporary_export_behind(
+    export_dir, generate, tmp_path, monkeypatch
+):
+    """MODEL a run directory: its export is written into the temporary folder (TMPDIR, here an
+    empty folder of the test's) and is gone when the command ends."""
+    import tempfile
+
+    from megaloop import export
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    written, real = [], export.write
+    monkeypatch.setattr(export, "write", lambda *a, **k: written.append(a[3]) or real(*a, **k))
+    code, _, stderr = generate(export_dir.parent / "run", "--prompt", "the river", new_tokens=2)
+    assert code == 0, stderr
+    assert len(written) == 1 and written[0].parent == scratch  # exported there
+    assert list(scratch.iterdir()) == []

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
@@ -455,3 +456,27 @@ def test_a_perplexity_past_a_million_prints_in_scientific_notation(value, text):
     assert ppl_text(value) == text
     assert report.stat([value]) == text  # the report's PPL columns print it alike
     assert report.stat([value, value]) == f"{text} ± 0.000"
+
+
+def test_the_reports_l2_column_is_sqrt_d_times_the_rms():
+    """Table 2 by hand: hidden size 16 and final-loop RMS 0.5 and 0.75 over two seeds are L2
+    norms 4 x 0.5 = 2 and 4 x 0.75 = 3 (mean 2.5, sample std 1/sqrt(2)); hidden size 64 and RMS
+    0.25 is 8 x 0.25 = 2. PPL is e^CE: 10 and 20, and 5."""
+
+    def run(path, d, rms, ppl):
+        config = {"model": {"hidden_size": d}, "train": {"seed": 0}}
+        evals = [{"step": 40, "ce": [9.0, math.log(ppl)], "hidden_rms": [7.0, rms]}]
+        return {"path": path, "config": config, "metrics": {"evals": evals}}
+
+    variants = report.group(
+        [
+            run("r/d16/seed0", 16, 0.5, 10.0),
+            run("r/d16/seed1", 16, 0.75, 20.0),
+            run("r/d64/seed0", 64, 0.25, 5.0),
+        ],
+        [],
+    )
+    assert report.table_runs(variants)[2:] == [
+        "| d16 | 2 | 40 | 15.000 ± 7.071 | 0.625 ± 0.1768 | 2.5 ± 0.7071 |",
+        "| d64 | 1 | 40 | 5.000 | 0.25 | 2 |",
+    ]

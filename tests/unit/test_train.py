@@ -361,6 +361,33 @@ def test_dry_run_leaves_an_existing_run_dir_as_it_was(tmp_path, capsys):
     assert tree(run) == before
 
 
+def test_dry_run_of_a_run_that_can_resume_names_the_step_it_resumes_from(tmp_path, capsys):
+    """Checkpoints at steps 2 and 4: the dry run says the run resumes, from step 4; the same
+    without the `latest` marker (a run stopped between the rename and the marker), since the
+    run itself resumes from the newest complete checkpoint; and from step 2 once step 4 is
+    corrupt, as the run would."""
+    run = tmp_path / "run"
+    overrides = [f"train.dir={run}", "data.seq_len=32", "wandb.mode=disabled"]
+    experiment.build_trainer(
+        experiment.load(TINY, [*overrides, "train.steps=4", "train.save_every=2"])
+    ).fit()
+    ckpts = run / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_0000002", "step_0000004"]
+
+    def says():
+        assert main(["train", TINY, *overrides, "train.steps=8", "--dry-run"]) == 0
+        (line,) = [x for x in capsys.readouterr().out.splitlines() if "train.dir:" in x]
+        return line
+
+    resumes = f"  train.dir: {run} (exists; resumes from step {{}}, its newest complete checkpoint "
+    assert says() == resumes.format(4) + f"{ckpts / 'step_0000004'})"
+    (ckpts / "latest").unlink()
+    assert says() == resumes.format(4) + f"{ckpts / 'step_0000004'})"
+    shard = next((ckpts / "step_0000004").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-100])
+    assert says() == resumes.format(2) + f"{ckpts / 'step_0000002'})"
+
+
 def test_dry_run_with_a_missing_data_file_fails_before_any_compute(tmp_path, capsys, monkeypatch):
     def build(*args, **kwargs):
         raise AssertionError("the model was built")
