@@ -63,12 +63,13 @@ work to other processes): they import neither torch, megatron-core nor wandb, an
 fraction of a second. So does `train --print-config`."""
 
 
-class ReaderSafeStdout:
-    """Standard output that outlives its reader. When the reader of a pipe goes (`| head -1`,
-    `| grep -q`), the next write fails with EPIPE; from then on output is dropped (fd 1 points
-    at /dev/null, so the interpreter's final flush succeeds too) and the command finishes and
-    exits as it would have, without a traceback. A training run piped into `head` keeps
-    training rather than dying mid-step."""
+class ReaderSafe:
+    """Standard output or error that outlives its reader. When the reader of a pipe goes
+    (`| head -1`, `| grep -q`, a launcher or `| tee` ended by the signal that stops this run),
+    the next write fails with EPIPE; from then on output is dropped (the descriptor points at
+    /dev/null, so the interpreter's final flush succeeds too) and the command finishes and exits
+    as it would have, without a traceback. A training run piped into `head` keeps training
+    rather than dying mid-step, and a run stopped by SIGTERM still saves its checkpoint."""
 
     def __init__(self, stream):
         self._stream = stream
@@ -98,8 +99,10 @@ class ReaderSafeStdout:
 
 
 def main(argv=None) -> int:
-    if not isinstance(sys.stdout, ReaderSafeStdout) and sys.stdout is not None:
-        sys.stdout = ReaderSafeStdout(sys.stdout)
+    if not isinstance(sys.stdout, ReaderSafe) and sys.stdout is not None:
+        sys.stdout = ReaderSafe(sys.stdout)
+    if not isinstance(sys.stderr, ReaderSafe) and sys.stderr is not None:
+        sys.stderr = ReaderSafe(sys.stderr)
     known_warnings.install()
     if int(os.environ.get("RANK", "0")) != 0:  # every rank raises a dependency's warning alike
         warnings.filterwarnings("ignore", module="(?!megaloop)")
