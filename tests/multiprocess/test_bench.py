@@ -341,6 +341,34 @@ def test_mfu_smoke():
     assert float(rows[0][6].rstrip("x")) == pytest.approx(tps["1"] / tps["4"], rel=0.01, abs=0.006)
 
 
+def test_residual_memory_smoke():
+    """An fp32 residual keeps more for backward than a bf16 one, by at least one H-sized tensor
+    a layer application at 2 bytes more a value and at most two a layer application plus the
+    K readouts' inputs (the sublayer inputs and what each exit reads); the extra does not depend
+    on dropout, and the ratio column is the quotient of the two cells."""
+    d, layers, loops, seq, batch = 64, 2, 4, 32, 2
+    out = run(
+        "residual_memory.py",
+        *("--config", "configs/experiments/study/44m/per_loop_norm.yaml"),
+        *("--seq", str(seq), "--batch", str(batch)),
+        f"model.hidden_size={d}",
+        *("model.num_heads=4", f"model.num_layers={layers}", f"model.num_loops={loops}"),
+        *("model.vocab_size=512", "model.max_seq_len=32", "data.stride=16"),
+        smoke=False,
+    )
+    rows = table_rows(out)
+    assert [r[0] for r in rows] == ["0.1", "0"], out
+    value = 2 * d * seq * batch / 2**20  # MiB: 2 bytes more for each value of one H
+    extras = []
+    for _, fp32, bf16, ratio, extra, _ in rows:
+        fp32, bf16, extra = float(fp32), float(bf16), float(extra)
+        assert float(ratio.rstrip("x")) == pytest.approx(fp32 / bf16, abs=0.002), rows
+        assert extra == pytest.approx(fp32 - bf16, abs=0.0011)
+        assert layers * loops * value * 0.99 <= extra <= (2 * layers + 1) * loops * value * 1.01
+        extras.append(extra)
+    assert extras[0] == extras[1], rows
+
+
 @pytest.mark.one_at_a_time
 def test_recompute_memory_smoke():
     """Memory counted, not timed: it grows with K for every option, recompute keeps less than
