@@ -148,6 +148,13 @@ def label(variants: list[Variant]) -> None:
             v.label = "all runs"
 
 
+DEPTH_WINDOWS = (
+    "`megaloop depth` on its own slice of the held-out tokens (its --data, --sequences and "
+    "--seq-len), not the validation windows of the table above: at the trained K the two PPLs "
+    "differ by what the windows hold."
+)
+
+
 def stat(values: list[float], fmt: str | None = None) -> str:
     """Mean ± sample std of the values given (None: left out); `fmt` a format string, or by
     default a perplexity's (ppl_text)."""
@@ -431,15 +438,7 @@ def build(inputs: list[Path], out: Path) -> Path:
         ),
         (
             "Perplexity at each inference depth (Table 5)",
-            [
-                "`megaloop depth` on its own slice of the held-out tokens (its --data, "
-                "--sequences and --seq-len), not the validation windows of the table above: "
-                "at the trained K the two PPLs differ by what the windows hold.",
-                "",
-                *table_depth(variants),
-                "",
-                images.get("ppl_vs_k", ""),
-            ],
+            [DEPTH_WINDOWS, "", *table_depth(variants), "", images.get("ppl_vs_k", "")],
         ),
         (
             "Calibrated halting (Appendix H) and the PPL–throughput frontier (Figure 4)",

@@ -8,8 +8,8 @@ import pytest
 
 from megaloop.cli import main
 from megaloop.slurm import job_name
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 PRESET = str(ROOT / "configs/experiments/study/44m/per_loop_norm.yaml")
 JOB = ["--nodes", "1", "--gpus-per-node", "0"]
 
