@@ -17,6 +17,7 @@ from data_prep.config import (
     WORDS_EOS,
     ExecutorConfig,
     FineWebConfig,
+    Prepared,
     PrepError,
     RecipeConfig,
     WikiTextConfig,
@@ -28,9 +29,11 @@ __all__ = [
     "ExecutorConfig",
     "FineWebConfig",
     "PrepError",
+    "Prepared",
     "RecipeConfig",
     "WikiTextConfig",
     "config_from_args",
+    "prepared",
     "run",
 ]
 
@@ -177,3 +180,9 @@ def config_from_args(args: argparse.Namespace) -> RecipeConfig:
 def run(config: RecipeConfig) -> dict:
     """Run one recipe; returns what it wrote in its manifest(s)."""
     return importlib.import_module(f"data_prep.{config.recipe}").prepare(config)
+
+
+def prepared(config: RecipeConfig) -> Prepared | None:
+    """What config.out holds once the recipe has finished there; None while it has not (Slurm
+    tasks still queued or running)."""
+    return importlib.import_module(f"data_prep.{config.recipe}").prepared(config)

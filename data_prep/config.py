@@ -167,3 +167,18 @@ class FineWebConfig(RecipeConfig):
 
 
 RECIPES: dict[str, type[RecipeConfig]] = {c.recipe: c for c in (WikiTextConfig, FineWebConfig)}
+
+
+@dataclass
+class Prepared:
+    """What a finished `megaloop prep` folder holds, and how a run trains on it: the command's
+    closing summary, read from the manifests (a re-run that prepares nothing says it too)."""
+
+    out: str
+    holds: str
+    """What is there, in words: each split or the shards, with its tokens."""
+    vocab_size: int
+    config: str
+    """The shipped experiment that trains on such data (megaloop train NAME)."""
+    data: dict[str, object]
+    """The data.* values that point a run of `config` at this folder."""

@@ -38,7 +38,7 @@ from data_prep.common import (
     token_dtype,
     write_manifest,
 )
-from data_prep.config import FineWebConfig
+from data_prep.config import FineWebConfig, Prepared
 
 
 class PackedShardWriter(TokenizingStep):
@@ -218,6 +218,26 @@ def prepare(cfg: FineWebConfig) -> dict:
     }
     write_manifest(out / "manifest.json", manifest)
     return manifest
+
+
+def prepared(cfg: FineWebConfig) -> Prepared | None:
+    """The shards in cfg.out and the 1.4B baseline at their sequence length; None until the
+    manifest is there (it is written when every task has finished)."""
+    path = Path(cfg.out) / "manifest.json"
+    if not path.is_file():
+        return None
+    m = json.loads(path.read_text())
+    return Prepared(
+        out=cfg.out,
+        holds=(
+            f"{m['sequences']:,} sequences of {m['seq_len']:,}+1 tokens in {len(m['shards']):,} "
+            f"shards ({m['tokens']:,} tokens of {m['documents_kept']:,} documents kept, of "
+            f"{m['documents_read']:,} read)"
+        ),
+        vocab_size=m["vocab_size"],
+        config="experiments/fineweb/1p4b_baseline",
+        data={"path": cfg.out, "seq_len": m["seq_len"]},
+    )
 
 
 def _dropped(stats: list) -> dict:

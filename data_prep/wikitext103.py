@@ -51,7 +51,7 @@ from data_prep.common import (
     token_dtype,
     write_manifest,
 )
-from data_prep.config import WikiTextConfig, trained_tokenizer
+from data_prep.config import Prepared, WikiTextConfig, trained_tokenizer
 
 SPLITS = ("train", "valid", "test")
 HUB_DATASET, HUB_CONFIG = "Salesforce/wikitext", "wikitext-103-raw-v1"
@@ -453,6 +453,40 @@ def prepare(cfg: WikiTextConfig) -> dict:
             f"all its documents were dropped"
         )
     return manifests
+
+
+def prepared(cfg: WikiTextConfig) -> Prepared | None:
+    """The splits in cfg.out with their tokens, and the experiment that trains on them: the
+    study's preset for its stream layout, megaloop's own WikiText-103 rows for articles. None
+    while no train split is there or a split's datatrove task has not completed (Slurm)."""
+    out = Path(cfg.out)
+    manifests = {
+        s: json.loads((out / f"{s}.manifest.json").read_text())
+        for s in SPLITS
+        if (out / f"{s}.manifest.json").is_file()
+    }
+    started = [s for s in SPLITS if (out / "logs" / s).is_dir()]
+    if "train" not in manifests or any(
+        s not in manifests and not (out / "logs" / s / "completions" / "00000").is_file()
+        for s in started
+    ):
+        return None
+    parts = []
+    for split, m in manifests.items():
+        documents = f", {m['documents']:,} articles" if m.get("layout") != "stream" else ""
+        parts.append(f"{split} ({m['tokens']:,} tokens{documents})")
+    train = manifests["train"]
+    stream = train.get("layout") == "stream"
+    return Prepared(
+        out=str(out),
+        holds=", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1],
+        vocab_size=train["vocab_size"],
+        config=f"experiments/{'study' if stream else 'wikitext103'}/44m/per_loop_norm",
+        data={
+            "path": str(out / "train"),
+            "valid_path": str(out / "valid") if "valid" in manifests else None,
+        },
+    )
 
 
 def _is_utf8(text: str) -> bool:

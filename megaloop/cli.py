@@ -8,7 +8,9 @@ that build a model) and reports the errors every command shares in one line.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import re
 import sys
 import warnings
 
@@ -19,8 +21,22 @@ from megaloop.config import ConfigError
 from megaloop.parallel.launch import LaunchError
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose unknown choice (a command, an action, an option's value) names
+    the nearest valid one (`megaloop trian`: did you mean 'train'?)."""
+
+    def error(self, message: str):
+        wrong = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if wrong:
+            valid = re.findall(r"'([^']*)'", wrong[2])
+            near = difflib.get_close_matches(wrong[1], valid, n=1)
+            if near:
+                message += f"; did you mean '{near[0]}'?"
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megaloop", description=__doc__.split("\n")[0])
+    parser = Parser(prog="megaloop", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"megaloop {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS.values():
@@ -47,12 +63,13 @@ work to other processes): they import neither torch, megatron-core nor wandb, an
 fraction of a second. So does `train --print-config`."""
 
 
-class ReaderSafeStdout:
-    """Standard output that outlives its reader. When the reader of a pipe goes (`| head -1`,
-    `| grep -q`), the next write fails with EPIPE; from then on output is dropped (fd 1 points
-    at /dev/null, so the interpreter's final flush succeeds too) and the command finishes and
-    exits as it would have, without a traceback. A training run piped into `head` keeps
-    training rather than dying mid-step."""
+class ReaderSafe:
+    """Standard output or error that outlives its reader. When the reader of a pipe goes
+    (`| head -1`, `| grep -q`, a launcher or `| tee` ended by the signal that stops this run),
+    the next write fails with EPIPE; from then on output is dropped (the descriptor points at
+    /dev/null, so the interpreter's final flush succeeds too) and the command finishes and exits
+    as it would have, without a traceback. A training run piped into `head` keeps training
+    rather than dying mid-step, and a run stopped by SIGTERM still saves its checkpoint."""
 
     def __init__(self, stream):
         self._stream = stream
@@ -82,8 +99,10 @@ class ReaderSafeStdout:
 
 
 def main(argv=None) -> int:
-    if not isinstance(sys.stdout, ReaderSafeStdout) and sys.stdout is not None:
-        sys.stdout = ReaderSafeStdout(sys.stdout)
+    if not isinstance(sys.stdout, ReaderSafe) and sys.stdout is not None:
+        sys.stdout = ReaderSafe(sys.stdout)
+    if not isinstance(sys.stderr, ReaderSafe) and sys.stderr is not None:
+        sys.stderr = ReaderSafe(sys.stderr)
     known_warnings.install()
     if int(os.environ.get("RANK", "0")) != 0:  # every rank raises a dependency's warning alike
         warnings.filterwarnings("ignore", module="(?!megaloop)")

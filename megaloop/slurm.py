@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from megaloop.config import find_config
+from megaloop.config import ConfigError, find_config
 from megaloop.parallel.launch import LaunchError
 from megaloop.parallel.planner import Layout, choose_layout
 from megaloop.parallel.planner import plan as plan_layout
@@ -133,6 +133,9 @@ class Run:
     overrides: list
     run_dir: Path
     layout: Layout
+    missing: str | None = None
+    """Why the run's data cannot be read from this machine (a file named in data.* is not
+    there), None when it can: `slurm submit` refuses such a run, its dry run says it."""
 
     def command(self) -> str:
         """Bash: RUN_DIR and the RUN array of `megaloop train` arguments, every value quoted."""
@@ -160,7 +163,12 @@ def plan(job: TrainJob, config: str, overrides: list) -> Run:
         o for o in overrides if not o.startswith(("train.dir=", "parallel.tp=", "parallel.pp="))
     ]
     kept += [f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}", f"train.dir={run_dir}"]
-    return Run(config, kept, run_dir, layout)
+    try:
+        cfg.data.check_files()
+        missing = None
+    except ConfigError as e:
+        missing = str(e)
+    return Run(config, kept, run_dir, layout, missing)
 
 
 def directive(what: str, value) -> str:
@@ -222,15 +230,27 @@ def render_job(job: TrainJob, runs: list[Run], output: Path, name: str) -> str:
     )
 
 
-def prepare(job: TrainJob) -> tuple[str, Path, Layout]:
+def prepare(job: TrainJob) -> tuple[str, Run]:
     """Check the request and the config together, choose the layout, render the script.
     Nothing is written and nothing is submitted."""
     job.check()
     run = plan(job, job.config, job.overrides)
-    script = render_job(
-        job, [run], run.run_dir / "logs" / "slurm-%j.out", f"megaloop-{run.run_dir.name}"
-    )
-    return script, run.run_dir, run.layout
+    script = render_job(job, [run], run.run_dir / "logs" / "slurm-%j.out", job_name(run.run_dir))
+    return script, run
+
+
+def job_name(run_dir: Path) -> str:
+    """`megaloop-` and the run directory's path under its last `runs` folder (runs/study/44m/
+    per_loop_norm/seed0: megaloop-study-44m-per_loop_norm-seed0), else its name, with its
+    parent's before a `seedN` (every run of a sweep has one)."""
+    parts = run_dir.parts
+    if "runs" in parts[:-1]:
+        below = parts[len(parts) - parts[::-1].index("runs") :]
+    elif run_dir.name.startswith("seed") and len(parts) > 1:
+        below = parts[-2:]
+    else:
+        below = parts[-1:]
+    return "-".join(["megaloop", *below])
 
 
 def submit(script: str, logs: Path, name: str = "train") -> str:

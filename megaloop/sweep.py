@@ -4,10 +4,15 @@
 
 Run i of a sweep is `megaloop train CONFIG train.seed=S train.dir=ROOT/<config path>/seedS`
 (experiment.default_run_dir), so a sweep and a hand-started run of the same config and seed
-share a directory. A run is finished when its metrics.jsonl holds the final validation record of
-its step count; an unfinished one resumes from its newest checkpoint (which refuses a changed
-config). `local` trains the runs one after another in child processes; `slurm` submits one job
-array of slurm/train.sbatch (array task i trains run i, with the options of `slurm submit`).
+share a directory. A directory that recorded a run of another config (metrics.jsonl's config,
+written at every start) stops the sweep before any run starts, finished or not: it belongs to
+another experiment, and a sweep never replaces one. The keys that may differ are those a resume
+may change (megaloop.train.resumable.RESUMABLE): its length (compared on its own, below), the
+directory's spelling, cadence, monitoring and layout, none of which changes the trained model.
+A run is finished when its metrics.jsonl holds the final validation record of its step count;
+an unfinished one resumes from its newest checkpoint. `local` trains the runs one after another
+in child processes; `slurm` submits one job array of slurm/train.sbatch (array task i trains run
+i, with the options of `slurm submit`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ class SweepRun:
     """What `megaloop train CONFIG` is given: the sweep's overrides, the seed, the directory."""
     steps: int | None
     """train.steps as requested (None: from data.epochs)."""
+    resolved: dict
+    """The resolved config `megaloop train` would run (train.steps not yet read from
+    data.epochs)."""
 
 
 def plan(configs: list[str], seeds: list[int], overrides: list[str], root: Path) -> list[SweepRun]:
@@ -56,14 +64,41 @@ def plan(configs: list[str], seeds: list[int], overrides: list[str], root: Path)
             run_dir = root / experiment.default_run_dir(config, seed).relative_to("runs")
             run_overrides = [*overrides, f"train.seed={seed}", f"train.dir={run_dir}"]
             cfg = experiment.load(config, run_overrides)
-            runs.append(SweepRun(config, seed, run_dir, run_overrides, cfg.train.steps))
+            runs.append(
+                SweepRun(config, seed, run_dir, run_overrides, cfg.train.steps, cfg.to_dict())
+            )
     dirs = [r.run_dir.resolve() for r in runs]
     if len(set(dirs)) < len(dirs):
         raise ConfigError(
             "two configs of the sweep map to one run directory (the same file given twice, "
             "or by two paths?); give each config once"
         )
+    check_directories(runs)
     return runs
+
+
+def check_directories(runs: list[SweepRun]) -> None:
+    """No run directory holds a run of another config (ConfigError naming each and its keys)."""
+    from megaloop.train import metrics
+    from megaloop.train.resumable import RESUMABLE, config_changes
+
+    taken = []
+    for run in runs:
+        recorded = metrics.read(run.run_dir)
+        if recorded is None or not recorded.get("config"):
+            continue
+        changes = config_changes(recorded["config"], run.resolved)
+        if changes:
+            taken.append(
+                f"{run.run_dir} holds a run of another config (recorded -> asked for: "
+                f"{'; '.join(changes)})"
+            )
+    if taken:
+        raise ConfigError(
+            f"{'. '.join(taken)}. A sweep neither skips nor replaces a run of another config: "
+            f"give the sweep that run's values, or another --out (keys that may differ: "
+            f"{', '.join(RESUMABLE)})"
+        )
 
 
 def finished(run: SweepRun) -> bool:

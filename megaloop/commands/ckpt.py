@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from megaloop.commands.options import need_out, out_folder
+from megaloop.commands.options import checked_out, out_folder, staged
 
 BUILDS_MODEL = True
 
@@ -19,20 +19,21 @@ def add_parser(sub) -> None:
         help="one safetensors file of the whole model from a checkpoint of any layout",
     )
     p.add_argument("checkpoint", help="a run directory or a checkpoints/step_* folder")
-    out_folder(p, "output folder: model.safetensors and config.json")
+    out_folder(p, "output folder: model.safetensors and config.json", overwrite=True)
     p.set_defaults(fn=consolidate)
 
 
 def consolidate(args) -> int:
-    out = need_out(args)
+    out = checked_out(args, args.checkpoint)
     from megaloop import experiment
     from megaloop.parallel import distributed
 
     distributed.init(seed=0)
     try:
-        path = experiment.consolidate(Path(args.checkpoint), Path(out))
+        with staged(out) as folder:
+            name = experiment.consolidate(Path(args.checkpoint), folder).name
     except ValueError as e:
         print(f"megaloop: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {path}")
+    print(f"wrote {out / name}")
     return 0

@@ -3,6 +3,8 @@ line of its header comment; runnable experiments first, then the fragments they 
 
 from __future__ import annotations
 
+import re
+import textwrap
 from pathlib import Path
 
 BUILDS_MODEL = False
@@ -20,11 +22,22 @@ def add_parser(sub) -> None:
 
 
 def description(path: Path) -> str:
-    """The first comment line of a config file: its header says what it is."""
+    """The first sentence of a config file's header (its first comment lines, up to a blank or
+    indented comment line such as a command): the header says what the config is."""
+    words = []
     for line in path.read_text(encoding="utf-8").splitlines():
-        if line.lstrip().startswith("#"):
-            return line.lstrip().lstrip("#").strip()
-    return ""
+        line = line.strip()
+        if not line.startswith("#"):
+            if words:
+                break
+            continue
+        body = line[1:]
+        if words and (not body.strip() or body.startswith("  ")):
+            break
+        words.append(body.strip())
+    header = " ".join(words)
+    end = re.search(r"\.(\s|$)", header)
+    return header[: end.start() + 1] if end else header
 
 
 def is_experiment(name: str, about: str) -> bool:
@@ -32,6 +45,23 @@ def is_experiment(name: str, about: str) -> bool:
     model/ and data/ files, and the bases, are what experiments compose through `defaults`."""
     parts = name.split("/")
     return parts[0] == "experiments" and parts[-1] != "base" and FRAGMENT_MARK not in about
+
+
+def wrapped(head: str, text: str, columns: int = 110) -> str:
+    """`head` then `text` broken between words at `columns` (at least 40 characters of text a
+    line), its further lines under its first: a description is never cut."""
+    width = max(columns, len(head) + 40)
+    return (
+        textwrap.fill(
+            text,
+            width,
+            initial_indent=head,
+            subsequent_indent=" " * len(head),
+            break_long_words=False,
+            break_on_hyphens=False,
+        ).rstrip()
+        or head.rstrip()
+    )
 
 
 def run(args) -> int:
@@ -52,5 +82,5 @@ def run(args) -> int:
     ):
         print(f"\n{title}:")
         for name in group:
-            print(f"  {name:<{width}}  {about[name]}".rstrip())
+            print(wrapped(f"  {name:<{width}}  ", about[name]))
     return 0

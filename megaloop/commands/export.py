@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from megaloop.commands.options import need_out, out_folder
+from megaloop.commands.options import checked_out, out_folder, staged
 from megaloop.extras import require
 
 BUILDS_MODEL = True
@@ -20,7 +20,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "source", help="a run directory or a checkpoints/step_* folder (any layout or engine)"
     )
-    out_folder(p, "output folder: the transformers model")
+    out_folder(p, "output folder: the transformers model", overwrite=True)
     p.add_argument(
         "--format",
         choices=("megaloop", "ouro"),
@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    folder = need_out(args)
+    out = checked_out(args, args.source)
     require("eval", "megaloop export", ("transformers",))
     from megaloop.export import export
     from megaloop.ouro import export_ouro
@@ -40,7 +40,8 @@ def run(args) -> int:
 
     distributed.init(seed=0)
     try:
-        out = (export_ouro if args.format == "ouro" else export)(Path(args.source), Path(folder))
+        with staged(out) as folder:
+            (export_ouro if args.format == "ouro" else export)(Path(args.source), folder)
     except ValueError as e:
         print(f"megaloop: error: {e}", file=sys.stderr)
         return 2

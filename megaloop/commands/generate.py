@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
         choices=list(EXITS),
         default="fixed",
         help="gate: Ouro's cumulative exit probability >= T; margin: top-1 minus top-2 logit "
-        ">= T; fixed (or none): every token runs K loops",
+        ">= T; confidence: top-1 probability >= T; fixed (or none): every token runs K loops",
     )
     p.add_argument(
         "--threshold",

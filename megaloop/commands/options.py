@@ -7,7 +7,10 @@ and `plan` start without torch.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+from contextlib import contextmanager
+from pathlib import Path
 
 from megaloop.config import ConfigError
 from megaloop.evaluation.settings import DTYPES, MODEL_KINDS
@@ -51,12 +54,20 @@ def deprecated(p: argparse.ArgumentParser, old: str, new: str, **kwargs) -> None
     p.add_argument(old, action=Deprecated, new=new, **kwargs)
 
 
-def out_folder(p: argparse.ArgumentParser, help: str) -> None:
+def out_folder(p: argparse.ArgumentParser, help: str, overwrite: bool = False) -> None:
     """A required `--out` folder, where the old spelling was a positional OUT (kept, deprecated,
     for one release: argparse cannot require `--out` and still take the positional, so `need_out`
-    checks it)."""
+    checks it); `overwrite`: with --overwrite, which lets `checked_out` accept a folder that is
+    not empty (`staged` replaces it)."""
     p.add_argument("--out", help=f"{help} (required)")
     deprecated(p, "old_out", "--out", nargs="?", metavar="OUT")
+    if overwrite:
+        p.add_argument(
+            "--overwrite",
+            action="store_true",
+            help="replace --out if it is a folder that is not empty: what it holds is deleted "
+            "once the new output is complete (without it such a folder is refused)",
+        )
     p.set_defaults(positional_out=True)
 
 
@@ -81,6 +92,51 @@ def need_out(args) -> str:
     if old is None and args.out is None:
         raise ConfigError("the following argument is required: --out")
     return args.out if old is None else old
+
+
+def checked_out(args, source: str) -> Path:
+    """`need_out`'s folder, checked before any work (ConfigError): not a file; new, empty, or
+    with --overwrite a folder that is not empty; never one that holds `source` or the current
+    directory (`staged` would delete them)."""
+    out = Path(need_out(args))
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder: give a new or empty folder")
+    if not out.is_dir():
+        return out
+    if any(out.iterdir()) and not getattr(args, "overwrite", False):
+        raise ConfigError(
+            f"--out {out} is a folder that is not empty: give a new or empty folder, or "
+            f"--overwrite to replace what it holds"
+        )
+    for inside, what in ((Path(source), "the source"), (Path.cwd(), "the current directory")):
+        if inside.resolve().is_relative_to(out.resolve()):
+            raise ConfigError(
+                f"--out {out} holds {what} ({inside}), which writing the output in its place "
+                f"would delete: give another folder"
+            )
+    return out
+
+
+@contextmanager
+def staged(out: Path):
+    """A new folder to write `out`'s contents into, moved into `out`'s place once the command
+    has written all of it; only then does an existing `out` (empty, or replaced under
+    --overwrite) go. A command that fails leaves `out` as it was."""
+    out = out.resolve()
+    tmp, old = out.with_name(f".tmp_{out.name}"), out.with_name(f".old_{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(out)
 
 
 def seed_list(text: str) -> list[int] | None:
@@ -176,8 +232,13 @@ def measurement_settings(cls, args, **settings):
     return cls(**{**shared, "out": args.out, **settings})
 
 
-def slurm_job(p: argparse.ArgumentParser, required: bool) -> None:
-    """What a Slurm job asks for (`slurm submit`, `sweep --executor slurm`)."""
+def slurm_job(
+    p: argparse.ArgumentParser,
+    required: bool,
+    dry_run: str = "print the script (and the layout, on stderr); submit nothing",
+) -> None:
+    """What a Slurm job asks for (`slurm submit`, `sweep --executor slurm`); `dry_run` is the
+    help of --dry-run."""
     also = "" if required else " (required with --executor slurm)"
     p.add_argument("--nodes", type=int, required=required, help=f"nodes of each job{also}")
     p.add_argument(
@@ -225,11 +286,7 @@ def slurm_job(p: argparse.ArgumentParser, required: bool) -> None:
         "--program",
         help="what each rank runs in place of `python -m megaloop` (default: that)",
     )
-    p.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="print the script (and the layout, on stderr); submit nothing",
-    )
+    p.add_argument("--dry-run", action="store_true", help=dry_run)
 
 
 def train_job(args, config: str, overrides: list):

@@ -45,8 +45,14 @@ def run(args) -> int:
     cfg = load_config(args)
     from megaloop.parallel import planner
 
-    if args.gpus < 1 or args.gpu_mem <= 0 or args.tflops <= 0 or not 0 < args.mfu <= 1:
-        raise ConfigError("plan: --gpus must be >= 1, --gpu-mem and --tflops > 0, --mfu in (0, 1]")
+    for flag, value, valid, what in (
+        ("--gpus", args.gpus, args.gpus >= 1, "the GPUs of the run, at least 1"),
+        ("--gpu-mem", args.gpu_mem, args.gpu_mem > 0, "the memory of one GPU in GiB, above 0"),
+        ("--tflops", args.tflops, args.tflops > 0, "a GPU's peak TFLOP/s, above 0"),
+        ("--mfu", args.mfu, 0 < args.mfu <= 1, "a fraction of the peak in (0, 1]"),
+    ):
+        if not valid:
+            raise ConfigError(f"plan: {flag} {value:g}: give {what}")
     print(planner.describe_model(cfg))
     if args.search:
         plans, left_out = planner.search(

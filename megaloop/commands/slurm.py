@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from megaloop.commands.options import slurm_job, train_job, with_config
+from megaloop.config import ConfigError
 
 BUILDS_MODEL = False
 
@@ -29,7 +30,8 @@ def submit(args) -> int:
     from megaloop import slurm
 
     job = train_job(args, args.config, args.overrides)
-    script, run_dir, layout = slurm.prepare(job)
+    script, run = slurm.prepare(job)
+    run_dir, layout = run.run_dir, run.layout
     summary = (
         f"layout: TP={layout.tp} PP={layout.pp} DP={layout.dp} on {job.nodes} node(s) x "
         f"{job.ranks_per_node} rank(s): {layout.why}"
@@ -37,7 +39,15 @@ def submit(args) -> int:
     if args.dry_run:
         print(script, end="")
         print(f"# {summary}", file=sys.stderr)
+        if run.missing:
+            print(
+                f"megaloop: warning: {run.missing} (checked on this machine: `slurm submit` "
+                f"without --dry-run refuses it)",
+                file=sys.stderr,
+            )
         return 0
+    if run.missing:
+        raise ConfigError(f"{run.missing} (checked on this machine; nothing submitted)")
     job_id = slurm.submit(script, run_dir / "logs")
     print(f"{summary}\nsubmitted job {job_id}; logs in {run_dir / 'logs'}")
     return 0

@@ -1,4 +1,5 @@
-"""`megaloop train CONFIG [key=value ...]`: train a looped model, print the final validation.
+"""`megaloop train CONFIG [key=value ...]`: train a looped model. It prints its run directory
+first and, at the end, the run directory again and the final validation (a `result:` JSON line).
 
 `--print-config` prints the resolved config and builds nothing; `--dry-run` builds everything
 the first step needs (data, model, layout) as a run would, then stops before it, having written
@@ -39,18 +40,25 @@ def run(args) -> int:
     if args.print_config:
         print(config_yaml(cfg), end="")
         return 0
+    import torch
+
     from megaloop.experiment import build_trainer
+    from megaloop.parallel import distributed
+    from megaloop.train import cpu_bf16
     from megaloop.train.preemption import EXIT_PREEMPTED, Preempted
     from megaloop.train.watchdog import EXIT_UNHEALTHY, STOP_MARKER, UnhealthyRun
 
     trainer = build_trainer(cfg, dry_run=args.dry_run)
+    main_rank = distributed.is_main()
+    if main_rank:
+        cpu_bf16.warn_if_slow(cfg.train.bf16, torch.cuda.is_available(), cpu_bf16.read_cpuinfo())
     if args.dry_run:
-        from megaloop.parallel import distributed
-
         summary = dry_run_summary(trainer, args.config)  # collective: every rank measures
-        if distributed.is_main():
+        if main_rank:
             print(summary)
         return 0
+    if main_rank:
+        print(f"run directory: {trainer.run_dir}", flush=True)
     try:
         result = trainer.fit()
     except Preempted as e:
@@ -67,21 +75,30 @@ def run(args) -> int:
         )
         return EXIT_UNHEALTHY
     except Exception as e:
-        from megaloop.parallel import distributed
-
         if not distributed.is_collective_failure(e):
             raise
         return collective_failure(e)
-    print(
-        json.dumps(
-            {
-                "valid_ce": result["ce"],
-                "hidden_rms": result["hidden_rms"],
-                "valid_windows": result["valid_windows"],
-            }
-        )
-    )
+    if main_rank:
+        print(final_summary(trainer, result))
     return 0
+
+
+def final_summary(trainer, result: dict) -> str:
+    """What a finished run prints last: where it is, what takes it, and its final validation
+    as one JSON line labelled `result:` (for scripts: `grep '^result: '`)."""
+    record = {
+        "valid_ce": result["ce"],
+        "hidden_rms": result["hidden_rms"],
+        "valid_windows": result["valid_windows"],
+    }
+    return "\n".join(
+        [
+            f"megaloop train: finished at step {trainer.step}",
+            f"run directory: {trainer.run_dir} (metrics.jsonl, checkpoints/); depth, halt, "
+            f"diagnose, generate, eval downstream and export take it as MODEL",
+            f"result: {json.dumps(record)}",
+        ]
+    )
 
 
 def config_yaml(cfg) -> str:
@@ -126,16 +143,20 @@ def dry_run_summary(trainer, config: str) -> str:
 
 
 def start_of(run_dir: Path, init_from: str | None) -> str:
-    """Where a run in `run_dir` would start, from what is there (read, never written)."""
+    """Where a run in `run_dir` would start, from what is there (read, never written): the
+    checkpoint the run itself would resume from (checkpoint.find_latest, the newest complete
+    one; not the `latest` marker, which a run stopped between a checkpoint's rename and the
+    marker's write, or a corrupt newest checkpoint, leaves naming another), and its step.
+    Collective, as find_latest is."""
+    from megaloop.train import checkpoint
+
     weights = f"from the weights of {init_from}" if init_from else "fresh"
     if not run_dir.exists():
         return f"does not exist yet; the run creates it and starts {weights}"
-    latest = run_dir / "checkpoints" / "latest"
-    if latest.is_file():
-        return (
-            f"exists; resumes from its newest complete checkpoint, the latest marker names "
-            f"{latest.read_text().strip()}"
-        )
+    folder = checkpoint.find_latest(run_dir / "checkpoints")
+    if folder is not None:
+        step = checkpoint.read_meta(folder)["step"]
+        return f"exists; resumes from step {step}, its newest complete checkpoint {folder}"
     return f"exists, no checkpoint; starts {weights}"
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from megaloop.evaluation import harness
+from megaloop.evaluation import harness, ppl_text
 from megaloop.evaluation.settings import DepthSettings
 
 
@@ -18,7 +18,7 @@ def run(settings: DepthSettings) -> dict:
     harness.check_data(settings.data)
     device, dtype = harness.device_and_dtype(settings.dtype, settings.device)
     opened = harness.open_model(settings.model, device, dtype)
-    settings = settings.fitted(opened.model.config.max_position_embeddings)
+    settings = opened.fitted(settings)
     slice_ = harness.windows(
         harness.read_tokens(settings.data, opened.encode), settings.seq_len, settings.sequences
     )
@@ -60,5 +60,5 @@ def markdown(result: dict) -> str:
         "| K | CE / token | PPL |",
         "|---|---|---|",
     ]
-    lines += [f"| {r['loops']} | {r['ce']:.4f} | {r['ppl']:.3f} |" for r in result["rows"]]
+    lines += [f"| {r['loops']} | {r['ce']:.4f} | {ppl_text(r['ppl'])} |" for r in result["rows"]]
     return "\n".join(lines)

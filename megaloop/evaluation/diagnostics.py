@@ -85,7 +85,7 @@ def run(settings: DiagnoseSettings) -> dict:
     harness.check_data(settings.data)
     device, dtype = harness.device_and_dtype(settings.dtype, settings.device)
     opened = harness.open_model(settings.model, device, dtype)
-    settings = settings.fitted(opened.model.config.max_position_embeddings)
+    settings = opened.fitted(settings)
     sequences = max(1, math.ceil(settings.tokens / settings.seq_len))
     tokens = harness.read_tokens(settings.data, opened.encode)
     tally = Tally(opened.model, opened.trained_loops, settings.rollout)

@@ -24,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -216,6 +218,39 @@ def checked_lm_class():
     return CheckedHFLM
 
 
+HUB_OFFLINE = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+"""Either set to 1: the datasets library reads the Hugging Face cache only, and asks no hub."""
+
+
+def hub_address() -> tuple[str, int]:
+    """Host and port of the hub the datasets library downloads from (HF_ENDPOINT, as
+    huggingface_hub reads it)."""
+    from urllib.parse import urlsplit
+
+    url = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    return url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
+
+
+def check_hub(data_dir: Path | None, timeout: float = 5.0) -> None:
+    """Without --data-dir, lm-eval downloads every task's dataset from the hub: where the hub
+    cannot be reached, say so at once, naming --data-dir, instead of a traceback after a minute
+    of the datasets library's retries. Offline mode (HUB_OFFLINE) reads the cache: not asked."""
+    on = ("1", "ON", "YES", "TRUE")  # huggingface_hub's reading of a boolean variable
+    if data_dir is not None or any(os.environ.get(v, "").upper() in on for v in HUB_OFFLINE):
+        return
+    host, port = hub_address()
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        raise EvalError(
+            f"the Hugging Face hub ({host}:{port}) cannot be reached from here ({e}), and without "
+            "--data-dir lm-eval downloads each task's dataset from it: give --data-dir DIR with "
+            "DIR/<task>/<split>.jsonl (one example per line in the hub dataset's schema, e.g. "
+            "DIR/boolq/validation.jsonl), or HF_DATASETS_OFFLINE=1 to read datasets already in "
+            "the Hugging Face cache"
+        ) from None
+
+
 def checked_lm(**kwargs):
     return checked_lm_class()(**kwargs)
 
@@ -230,6 +265,7 @@ def task_setup(settings: DownstreamSettings) -> Iterator[tuple[tuple[str, ...], 
     unknown = [t for t in tasks if t not in builtin_tasks().task_index]
     if unknown:
         raise EvalError(f"unknown lm-eval task(s): {', '.join(unknown)}")
+    check_hub(settings.data_dir)
     with tempfile.TemporaryDirectory() as tmp:
         task_manager = builtin_tasks()
         if task_configs(tasks, settings.split, settings.data_dir, Path(tmp)):
@@ -323,8 +359,17 @@ def write(results: dict, out: Path, run_info: dict, depth: dict[str, dict] | Non
 
 
 def read_samples(folder: Path) -> dict[str, list[dict]]:
+    """The samples of one `eval downstream` run; the folder of an `--exit` run holds one such
+    run per fixed K and threshold, and the error names them."""
     files = sorted(folder.glob("samples_*.jsonl"))
     if not files:
+        runs = sorted(p.parent.name for p in folder.glob("*/samples_*.jsonl"))
+        if runs:
+            runs = list(dict.fromkeys(runs))
+            raise EvalError(
+                f"{folder} holds the runs of `eval downstream --exit`, a folder each: "
+                f"{', '.join(runs)}; give one of them (e.g. {folder / runs[-1]})"
+            )
         raise EvalError(
             f"{folder}: no samples_<task>.jsonl; give a folder written by "
             f"`megaloop eval downstream`"

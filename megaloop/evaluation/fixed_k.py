@@ -29,7 +29,7 @@ def run(settings: FixedKSettings) -> list[dict]:
     device, dtype = harness.device_and_dtype(settings.dtype, settings.device)
     opened = harness.open_model(settings.model, device, dtype)
     model = opened.model
-    settings = settings.fitted(model.config.max_position_embeddings)
+    settings = opened.fitted(settings)
     batch_size, seq_len = settings.batch_size, settings.seq_len
     batches, warmup = settings.batches, settings.warmup
     windows = (

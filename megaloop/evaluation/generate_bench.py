@@ -352,7 +352,7 @@ def run(settings: GenerateBenchSettings) -> dict:
     device, dtype = harness.device_and_dtype(settings.dtype, settings.device)
     opened = harness.open_model(settings.model, device, dtype)
     model = opened.model
-    settings = settings.fitted(model.config.max_position_embeddings)
+    settings = opened.fitted(settings)
     settings.check_prompt()
     k_max = model.config.num_loops
     if k_max < 2:

@@ -23,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from megaloop.evaluation import harness
+from megaloop.evaluation import harness, ppl_text
 from megaloop.evaluation.exported import EvalError
 from megaloop.evaluation.settings import HaltSettings, Rule
 from megaloop.model.semantics import Loops, Survival, each_loop, exits, top1_margin
@@ -261,7 +261,7 @@ def run(settings: HaltSettings) -> dict:
             f"--exit gate: {settings.model} has no exit gate (trained without "
             f"model.exit_gate); use --exit margin"
         )
-    settings = settings.fitted(model.config.max_position_embeddings)
+    settings = opened.fitted(settings)
     tokens = harness.read_tokens(settings.data, opened.encode)
     calib_slice = harness.windows(
         tokens, settings.seq_len, settings.calib, what="--data (calibration slice)"
@@ -337,22 +337,39 @@ def markdown(result: dict) -> str:
         f"{s['device']} {s['dtype']}.",
         "",
         f"Calibration: {name} = {threshold}"
-        f"{' (given)' if c.get('given') else ''}; dynamic PPL {c['ppl_dynamic']:.3f} vs "
-        f"fixed-K_max {c['ppl_fixed']:.3f} (ratio {c['ppl_ratio']:.4f}); mean exit loop "
+        f"{' (given)' if c.get('given') else ''}; dynamic PPL {ppl_text(c['ppl_dynamic'])} vs "
+        f"fixed-K_max {ppl_text(c['ppl_fixed'])} (ratio {c['ppl_ratio']:.4f}); mean exit loop "
         f"{c['mean_exit_loop']:.2f}; exits per loop {c['exit_histogram']}.",
         "",
         "| depth | tokens/s | PPL | loop×token steps |",
         "|---|---|---|---|",
     ]
     lines += [
-        f"| K = {r['loops']} | {r['tokens_per_s']:,.0f} | {r['ppl']:.3f} | "
+        f"| K = {r['loops']} | {r['tokens_per_s']:,.0f} | {ppl_text(r['ppl'])} | "
         f"{r['loop_token_steps']:,} |"
         for r in b["fixed"]
     ]
     lines += [
         f"| dynamic (mean {d['mean_loops']:.2f} loops) | {d['tokens_per_s']:,.0f} | "
-        f"{d['ppl']:.3f} | {d['loop_token_steps']:,} |",
+        f"{ppl_text(d['ppl'])} | {d['loop_token_steps']:,} |",
         "",
-        f"Speedup over fixed K_max: {d['speedup']:.2f}x.",
+        f"Speedup over fixed K_max: {d['speedup']:.2f}x.{speedup_note(d, s['k_max'])}",
     ]
     return "\n".join(lines)
+
+
+def speedup_note(dynamic: dict, k_max: int) -> str:
+    """Why a speed-up is below 1, in a sentence (empty when it is not): the dynamic pass reads
+    an exit at every loop to score the rule, which fixed K_max does at its last only."""
+    if dynamic["speedup"] >= 1:
+        return ""
+    if dynamic["mean_loops"] >= k_max:
+        return (
+            f" No sequence exited before K_max = {k_max}: the dynamic pass ran every loop and "
+            f"also read an exit at each to score the rule, which fixed K_max does not, so it is "
+            f"slower. A lower threshold exits earlier, at some cost in PPL."
+        )
+    return (
+        f" Sequences exited after {dynamic['mean_loops']:.2f} of {k_max} loops on average, but "
+        f"the loops saved cost less than reading an exit at every loop to score the rule."
+    )

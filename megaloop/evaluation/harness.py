@@ -52,6 +52,15 @@ class Opened:
     def trained_loops(self) -> int:
         return self.info["num_loops_trained"]
 
+    def fitted(self, settings):
+        """`settings` (a measurement's) for this model: its positions, the window length it
+        trained on (the run's data.seq_len, where the export or run records it)."""
+        config = self.model.config
+        run = self.info.get("run_config") or {}
+        trained = run.get("data", {}).get("seq_len")
+        learned = getattr(config, "position_embedding", "rope") == "learned"
+        return settings.fitted(config.max_position_embeddings, trained, learned)
+
 
 def model_kind(path: Path) -> str:
     """export, checkpoint or run: what MODEL names, told from the files in it (nothing is read

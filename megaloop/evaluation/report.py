@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from megaloop.config import flatten
+from megaloop.evaluation import ppl_text
 from megaloop.evaluation.exported import EvalError
 from megaloop.train.metrics import read as read_metrics
 
@@ -147,13 +148,23 @@ def label(variants: list[Variant]) -> None:
             v.label = "all runs"
 
 
-def stat(values: list[float], fmt: str = "{:.3f}") -> str:
+DEPTH_WINDOWS = (
+    "`megaloop depth` on its own slice of the held-out tokens (its --data, --sequences and "
+    "--seq-len), not the validation windows of the table above: at the trained K the two PPLs "
+    "differ by what the windows hold."
+)
+
+
+def stat(values: list[float], fmt: str | None = None) -> str:
+    """Mean ± sample std of the values given (None: left out); `fmt` a format string, or by
+    default a perplexity's (ppl_text)."""
+    text = fmt.format if fmt else ppl_text
     values = [v for v in values if v is not None]
     if not values:
         return "—"
     if len(values) == 1:
-        return fmt.format(values[0])
-    return f"{fmt.format(np.mean(values))} ± {fmt.format(np.std(values, ddof=1))}"
+        return text(values[0])
+    return f"{text(np.mean(values))} ± {text(np.std(values, ddof=1))}"
 
 
 # -- tables -----------------------------------------------------------------------------------
@@ -427,7 +438,7 @@ def build(inputs: list[Path], out: Path) -> Path:
         ),
         (
             "Perplexity at each inference depth (Table 5)",
-            [*table_depth(variants), "", images.get("ppl_vs_k", "")],
+            [DEPTH_WINDOWS, "", *table_depth(variants), "", images.get("ppl_vs_k", "")],
         ),
         (
             "Calibrated halting (Appendix H) and the PPL–throughput frontier (Figure 4)",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal, Self, get_args
@@ -122,15 +123,26 @@ class Measurement:
             "an empty slice measures nothing", seq_len=self.seq_len, batch_size=self.batch_size
         )
 
-    def fitted(self, positions: int) -> Self:
-        """These settings for a model of `positions` positions: seq_len defaults to them (at
-        most `longest_default`); a given seq_len must fit in them."""
+    def fitted(self, positions: int, trained: int | None = None, learned: bool = False) -> Self:
+        """These settings for a model of `positions` positions that trained on windows of
+        `trained` tokens (None: not recorded): seq_len defaults to the trained length (at most
+        `longest_default` and `positions`); a given seq_len must fit in the positions, and one
+        past the trained length of a model with `learned` positions is said (rows of the table
+        no step trained)."""
         if self.seq_len is None:
-            return dataclasses.replace(self, seq_len=min(self.longest_default, positions))
+            longest = min(self.longest_default, positions, trained or positions)
+            return dataclasses.replace(self, seq_len=longest)
         if self.seq_len > positions:
             raise EvalError(
                 f"--seq-len {self.seq_len}: the model takes 1 to {positions} positions "
                 f"(max_position_embeddings)"
+            )
+        if learned and trained is not None and self.seq_len > trained:
+            print(
+                f"megaloop: warning: --seq-len {self.seq_len} is longer than the {trained}-token "
+                f"windows the model trained on: its learned positions {trained} to "
+                f"{self.seq_len - 1} were never trained (give --seq-len {trained} or less)",
+                file=sys.stderr,
             )
         return self
 
@@ -394,15 +406,10 @@ class DownstreamSettings:
             set_(self, "thresholds", parse_thresholds(",".join(map(str, self.thresholds))))
 
 
-EXITS = {
-    "gate": "gate",
-    "margin": "margin",
-    "confidence": "confidence",
-    "fixed": "none",
-    "none": "none",
-}
-"""`--exit`'s values → the exported config's early_exit (fixed, alias none: every token runs K):
-the one place an exit rule changes name between the command line and the model."""
+EXITS = {**{rule: rule for rule in EXIT_RULES}, "fixed": "none", "none": "none"}
+"""`--exit`'s values → the exported config's early_exit (every rule of modes.EarlyExit by its
+own name; fixed, alias none: every token runs K): the one place an exit rule changes name
+between the command line and the model."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -418,7 +425,8 @@ class GenerateSettings:
     exit: str = "fixed"
     """A key of EXITS."""
     threshold: float | None = None
-    """The rule's threshold (gate: cumulative exit probability; margin: top-1 − top-2 logit)."""
+    """The rule's threshold (gate: cumulative exit probability; margin: top-1 − top-2 logit;
+    confidence: the top-1 probability)."""
     loops: int | None = None
     """K, the most loops a token runs. None: the model's num_loops."""
     kv: str = "copy"
@@ -448,7 +456,7 @@ class GenerateSettings:
         if (self.prompt is None) == (self.prompts is None):
             raise EvalError("give one of --prompt TEXT and --prompts FILE")
         if self.exit not in EXITS:
-            raise EvalError(f"--exit {self.exit}: give one of gate, margin, fixed")
+            raise EvalError(f"--exit {self.exit}: give one of {', '.join(EXITS)}")
         if self.kv not in KV_POLICIES:
             raise EvalError(f"--kv {self.kv}: give one of {', '.join(KV_POLICIES)}")
         if self.batching not in ("auto", *BATCHING):

@@ -101,7 +101,9 @@ class ModelConfig(Config):
     """Under bf16 autocast (train.bf16), keep the residual stream in fp32: each sublayer's bf16
     output is added to the fp32 H, as the study's released code does under autocast. Off:
     megatron-core's bias-dropout-add casts the sum to bf16, so H is bf16 between sublayers and
-    loops, and an update below H's bf16 spacing (|H|/256) is lost. Nothing changes in fp32."""
+    loops, and an update below H's bf16 spacing (|H|/256) is lost. Nothing changes in fp32. On:
+    about two H-sized tensors a layer application kept for backward at 4 bytes, not 2 (+4% of
+    the study's 44M activations, bench/residual_memory.py)."""
     layer_norms: LayerNorms = "pre"
     """`pre`: x + f(N(x)) per sublayer; `sandwich`: x + N₂(f(N₁(x))), Ouro's four norms a layer."""
     loop_norm: LoopNorm = "separate"

@@ -17,6 +17,7 @@ for the DeepSpeed engine.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -126,6 +127,13 @@ def save(root: Path, engine, position: dict, config: dict, keep_last: int) -> Pa
         )
         cause = [line for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
         free = shutil.disk_usage(root).free / 2**30
+        if broken_pipe(e):
+            raise CheckpointError(
+                f"saving checkpoint {final.name} in {root} failed: a write to a pipe found its "
+                f"reader gone (Broken pipe), as when the process that launched this one, or a "
+                f"`| tee` of its output, ends on the same signal; not the disk ({free:.1f} GiB "
+                f"free there); {kept}. Relaunch to resume from it"
+            ) from None
         raise CheckpointError(
             f"saving checkpoint {final.name} in {root} failed ({cause[-1]}; "
             f"{free:.1f} GiB free there); {kept}. Free space and relaunch to "
@@ -133,6 +141,12 @@ def save(root: Path, engine, position: dict, config: dict, keep_last: int) -> Pa
         ) from None
     comm.barrier()
     return final
+
+
+def broken_pipe(e: BaseException) -> bool:
+    """The save failed on a pipe whose reader is gone (EPIPE), not on the disk: raised here, or
+    carried in a CheckpointException's per-rank failures (as text)."""
+    return isinstance(e, BrokenPipeError) or f"[Errno {errno.EPIPE}]" in str(e)
 
 
 def prune(root: Path, keep_last: int, fresh: Path | None = None) -> None:

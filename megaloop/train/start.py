@@ -1,38 +1,21 @@
 """Where a run starts, and the checks that it may, before any compute: from the newest complete
 checkpoint of its own run directory (a resume), else from train.init_from's weights, else fresh.
 
-A resume continues the same experiment: every config key outside RESUMABLE must match the
-checkpoint's, and the engine must be able to read the checkpoint's layout. init_from starts a
-new run from another run's weights: the model keys outside INIT_FREE must match. Both stop with
-one error naming the keys and the fix (ConfigError), on every rank.
+A resume continues the same experiment: every config key outside RESUMABLE (resumable.py) must
+match the checkpoint's, and the engine must be able to read the checkpoint's layout. init_from
+starts a new run from another run's weights: the model keys outside INIT_FREE must match. Both
+stop with one error naming the keys and the fix (ConfigError), on every rank.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from megaloop.config import ConfigError, check, flatten
+from megaloop.config import ConfigError, check
 from megaloop.parallel.engines import ENGINES, names
 from megaloop.parallel.layout import data_parallel_size
 from megaloop.train import checkpoint
-
-RESUMABLE = (
-    "train.steps",
-    "train.dir",
-    "train.log_every",
-    "train.eval_every",
-    "train.eval_batches",
-    "train.save_every",
-    "train.keep_last",
-    "train.scale_alarm",
-    "parallel",
-    "deepspeed.zero_stage",
-    "wandb",
-)
-"""Config keys (or sections) that may change when a run resumes: its length, cadence and
-monitoring, and the layout (checkpoints reshard; `slurm submit` rewrites it). Any other
-difference from the checkpoint's saved config stops the resume."""
+from megaloop.train.resumable import RESUMABLE, config_changes
 
 INIT_FREE = (
     "max_seq_len",
@@ -45,19 +28,6 @@ INIT_FREE = (
 )
 """Model keys a run started from train.init_from may set differently from the checkpoint's
 (max_seq_len only with RoPE: learned positions are a table of that many rows)."""
-
-
-def config_changes(saved: dict, requested: dict) -> list[str]:
-    """`key: saved -> requested` for every key outside RESUMABLE whose value differs (keys a
-    checkpoint of an older megaloop does not hold are not compared)."""
-    old, new = flatten(saved), flatten(requested)
-    changes = []
-    for key in sorted(set(old) & set(new)):
-        if any(key == r or key.startswith(r + ".") for r in RESUMABLE):
-            continue
-        if old[key] != new[key]:
-            changes.append(f"{key}: {json.dumps(old[key])} -> {json.dumps(new[key])}")
-    return changes
 
 
 def check_start(cfg, world_size: int) -> None:

@@ -102,6 +102,8 @@ SKIP = {
     'megaloop diagnose "$run" --data data/wikitext103_study/valid --dtype bf16 --out "$run/measure"': "the study's runs (bench/study_mini)",
     "megaloop report runs/study/44m --out reports/study-44m": "the study's runs (bench/study_mini reports its miniature)",
     "python tests/mutants/run.py": "minutes of test runs over every mutant; not a CI step (docs/testing.md)",
+    "megaloop prep wikitext103 --source data/wikitext103_cpu_source --tokenizer words:20000 --layout stream --out data/wikitext103_cpu": "the real WikiText-103 text beside the repository (bench/study_mini runs this prep; tests/multiprocess/test_study_mini.py its smoke, on generated text)",
+    "megaloop train configs/experiments/study/44m/per_loop_norm.yaml train.bf16=false data.path=data/wikitext103_cpu/train data.valid_path=data/wikitext103_cpu/valid model.vocab_size=17457 model.hidden_size=96 model.num_heads=4 model.num_layers=2 model.max_seq_len=128 data.seq_len=128 data.stride=64 data.epochs=null train.steps=200 train.micro_batch_size=16 train.global_batch_size=16 train.eval_every=50 train.eval_batches=16 wandb.mode=disabled": "reads the prep above: 10 minutes on 2 cores (bench/study_mini trains this shape; its smoke test a few steps of it)",
 }
 
 

@@ -2,6 +2,7 @@
 fresh one-process run, bit for bit (the bench smokes and full runs rely on it), and a
 failure comes back as an exit code or an error naming its log, not as a hung or dead bench."""
 
+import contextlib
 import os
 import sys
 
@@ -31,6 +32,46 @@ def records(run_dir) -> list:
 
 def fail(message: str) -> None:
     raise ValueError(message)
+
+
+def speak(value):
+    print("to stdout", flush=True)
+    print("to stderr", file=sys.stderr, flush=True)
+    os.write(2, b"straight to fd 2\n")  # as a library's C code or a child process writes
+    return value
+
+
+@contextlib.contextmanager
+def worker_streams():
+    """sys.stdout and sys.stderr writing to file descriptors 1 and 2, as in a worker process
+    (pytest's capture sets its own at the start of a test's call, so a fixture's would not
+    hold)."""
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = (open(fd, "w", closefd=False) for fd in (1, 2))  # noqa: SIM115
+    try:
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.close()
+        sys.stdout, sys.stderr = saved
+
+
+def test_a_calls_stdout_and_stderr_reach_its_log(tmp_path):
+    """What a worker does with one call, run here: its stdout and stderr (Python's and the file
+    descriptor's), a raised error's traceback and a command's error line go into the log."""
+    log = tmp_path / "call.log"
+    with worker_streams():
+        said = workers._run(speak, (3,), str(log))
+    assert said == (True, 3)
+    assert log.read_text() == "to stdout\nto stderr\nstraight to fd 2\n"
+    with worker_streams():
+        failed = workers._run(fail, ("no data",), str(log))
+    assert failed == (False, "ValueError: no data")
+    text = log.read_text()
+    assert text.startswith("Traceback") and text.endswith("ValueError: no data\n")
+    with worker_streams():
+        code = workers._run(workers.command, (["train", TINY, "model.num_loops=0"],), str(log))
+    assert code == (True, 2) and "megaloop: error: config key 'model.num_loops'" in log.read_text()
 
 
 @pytest.mark.multiprocess

@@ -200,3 +200,43 @@ def test_a_resumed_run_continues_bit_exactly(tmp_path):
     assert [step for step, _ in losses["straight"]] == [1, 2, 3, 4]
     assert losses["resumed"] == losses["straight"]  # ==: bit-equal floats (JSON round-trips)
     assert resumed_eval == straight_eval
+
+
+class FailingEngine:
+    """An engine whose save fails with `error` (the checkpoint's own files are never written)."""
+
+    name = "megatron"
+
+    def __init__(self, error: OSError):
+        self.error = error
+
+    def save_state(self, folder, position):
+        raise self.error
+
+    def layout(self) -> dict:
+        return {}
+
+
+def test_a_broken_pipe_during_a_save_is_named_not_blamed_on_the_disk(tmp_path):
+    """A save that fails on EPIPE (a launcher or `| tee` gone with the signal that stops the run)
+    says so and does not ask for disk space; ENOSPC keeps the disk's message. Either way no
+    half-written folder is left."""
+    from megaloop.parallel import distributed
+
+    distributed.init(seed=0)
+    root, position = tmp_path / "checkpoints", {"step": 3, "consumed_samples": 48}
+    config = {"model": {"num_loops": 2}}
+    with pytest.raises(checkpoint.CheckpointError) as pipe:
+        checkpoint.save(
+            root, FailingEngine(BrokenPipeError(32, "Broken pipe")), position, config, 2
+        )
+    message = str(pipe.value)
+    assert message.startswith(f"saving checkpoint step_0000003 in {root} failed: a write to a pipe")
+    assert "(Broken pipe)" in message and "not the disk (" in message
+    assert message.endswith("no earlier checkpoint exists. Relaunch to resume from it")
+    full = FailingEngine(OSError(28, "No space left on device"))
+    with pytest.raises(checkpoint.CheckpointError) as disk:
+        checkpoint.save(root, full, position, config, 2)
+    assert "([Errno 28] No space left on device; " in str(disk.value)
+    assert str(disk.value).endswith("Free space and relaunch to resume from it")
+    assert list(root.iterdir()) == []

@@ -14,7 +14,7 @@ from megaloop import experiment
 from megaloop.cli import NO_MEGATRON, build_parser, main
 from megaloop.commands import COMMANDS, demo, halt
 from megaloop.commands.options import Deprecated, Renamed, late_out, need_out
-from megaloop.config import CONFIG_ROOT, ConfigError, shipped_configs
+from megaloop.config import ConfigError, shipped_configs
 from megaloop.evaluation.exported import EvalError
 from megaloop.evaluation.settings import (
     DepthSettings,
@@ -59,8 +59,8 @@ OPTIONS = {
     + PREP,
     "prep fineweb": ["--source", "--tokenizer", "--out", "--seq-len", "--shard-size"]
     + ["--eos-token", "--max-doc-bytes", "--lang-model", "--lang-threshold", *PREP],
-    "ckpt consolidate": ["checkpoint", "--out", "old_out"],
-    "export": ["source", "--out", "old_out", "--format"],
+    "ckpt consolidate": ["checkpoint", "--out", "old_out", "--overwrite"],
+    "export": ["source", "--out", "old_out", "--overwrite", "--format"],
     "import ouro": ["source", "--out", "old_out"],
     "eval downstream": ["model", "--loops", "--tasks", "--limit", "--data-dir", "--batch-size"]
     + ["--batch", "--split", "--exit", "--threshold", "--out"],
@@ -398,6 +398,39 @@ def test_seq_len_defaults_to_the_models_positions():
         DiagnoseSettings(model="m", data="d", seq_len=256).fitted(128)
 
 
+def test_seq_len_defaults_to_the_trained_windows_and_says_when_past_them(capsys):
+    """A run trained on 128-token windows with a 256-row learned position table (the study
+    preset's table at study_mini's windows) is measured on 128-token windows by default; a
+    longer --seq-len runs, and says which positions no step trained (RoPE's are not a table)."""
+    from types import SimpleNamespace
+
+    from megaloop.evaluation.harness import Opened
+
+    depth = DepthSettings(model="m", data="d")
+    assert depth.fitted(256, 128).seq_len == 128
+    assert depth.fitted(4096, 1024).seq_len == 256 and depth.fitted(256, None).seq_len == 256
+    longer = DepthSettings(model="m", data="d", seq_len=200)
+    assert longer.fitted(256, 128, learned=True).seq_len == 200
+    assert capsys.readouterr().err.strip() == (
+        "megaloop: warning: --seq-len 200 is longer than the 128-token windows the model trained "
+        "on: its learned positions 128 to 199 were never trained (give --seq-len 128 or less)"
+    )
+    longer.fitted(256, 128, learned=False), longer.fitted(256, 200, learned=True)
+    assert capsys.readouterr().err == ""
+
+    def opened(kind: str, run_config: dict | None) -> Opened:
+        config = SimpleNamespace(max_position_embeddings=256, position_embedding=kind)
+        return Opened(SimpleNamespace(config=config), None, {"run_config": run_config})
+
+    run = {"data": {"seq_len": 128}}
+    assert opened("learned", run).fitted(depth).seq_len == 128
+    assert opened("learned", None).fitted(depth).seq_len == 256  # an export of no run's record
+    opened("learned", run).fitted(longer)
+    assert "positions 128 to 199 were never trained" in capsys.readouterr().err
+    opened("rope", run).fitted(longer)
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize(
     "build, message",
     [
@@ -480,20 +513,33 @@ def test_print_config_and_dry_run_exclude_each_other(capsys):
 
 
 def test_configs_lists_experiments_apart_from_fragments_with_descriptions(capsys):
+    """Each config once, by name, with its header's first sentence whole: wrapped between
+    words under its column, never cut."""
     assert main(["configs"]) == 0
     out = capsys.readouterr().out
     head, experiments, fragments = out.split("\n\n")
     assert experiments.startswith("experiments (runnable")
     assert fragments.startswith("fragments")
-    listed = {
-        line.split()[0]: (section, line.split(None, 1)[1])
-        for section, block in (("experiment", experiments), ("fragment", fragments))
-        for line in block.splitlines()[1:]
-    }
+    listed = {}
+    for section, block in (("experiment", experiments), ("fragment", fragments)):
+        for line in block.splitlines()[1:]:
+            if not line.startswith("   "):  # a config's first line; more of its text below
+                name, about = line.split(None, 1)
+                listed[name] = (section, about)
+            else:
+                listed[name] = (section, f"{listed[name][1]} {line.strip()}")
     assert sorted(listed) == sorted(shipped_configs())  # every config once, by its name
-    assert len(out.splitlines()) == len(listed) + 5
-    first_comment = (CONFIG_ROOT / "experiments/tiny.yaml").read_text().splitlines()[0]
-    assert listed["experiments/tiny"] == ("experiment", first_comment.removeprefix("# "))
+    assert max(map(len, out.splitlines()[1:])) <= 110
+    assert listed["experiments/tiny"][1] == (
+        "Tiny looped model on the built-in addition corpus (4-digit sums); ~1 minute on 2 CPU "
+        "cores."
+    )
+    assert listed["experiments/fineweb/1p4b_baseline"] == (
+        "experiment",
+        "The study's 1.4B baseline (Appendix B): Ouro-1.4B as published (normalised readout) on "
+        "FineWeb, trained through Ouro's label path, the CE of the exit-weighted mixture of "
+        "logits.",
+    )
     for name in ("experiments/study/44m/per_loop_norm", "experiments/fineweb/1p4b_baseline"):
         assert listed[name][0] == "experiment", name
     for name in ("model/129m", "data/fineweb", "experiments/study/base", "experiments/study/44m"):
@@ -529,3 +575,38 @@ def test_eval_downstream_gets_the_cpu_layer_from_the_entry_point(tmp_path, monke
     assert "MODEL" in capsys.readouterr().err
     assert main(["eval", "compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
     assert applied == [True]
+
+
+@pytest.mark.parametrize(
+    "argv, near",
+    [
+        (["trian", "x"], "train"),
+        (["eval", "downstrem", "x"], "downstream"),
+        (["generate", "m", "--exit", "margn"], "margin"),
+    ],
+)
+def test_a_mistyped_choice_names_the_nearest_one(argv, near, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    wrong = argv[-1] if argv[0] == "generate" else argv[-2]
+    assert f"invalid choice: '{wrong}'" in last
+    assert last.endswith(f"; did you mean '{near}'?"), last
+    with pytest.raises(SystemExit):
+        main(["zzz"])
+    assert "did you mean" not in capsys.readouterr().err  # nothing near: nothing suggested
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--gpus", "0", "--gpu-mem", "80"], "plan: --gpus 0: give the GPUs of the run"),
+        (["--gpus", "1", "--gpu-mem", "-1"], "plan: --gpu-mem -1: give the memory of one GPU"),
+        (["--gpus", "1", "--gpu-mem", "80", "--mfu", "1.5"], "plan: --mfu 1.5: give a fraction"),
+    ],
+)
+def test_plan_names_the_flag_it_refuses(flags, says, capsys):
+    assert main(["plan", "experiments/tiny", *flags]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"megaloop: error: {says}"), line

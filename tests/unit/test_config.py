@@ -159,6 +159,81 @@ def test_the_study_preset_is_its_released_setup(size, d, batch, total, released_
     assert experiment.load(folder / "final_norm.yaml").model.readout == "last_norm"
 
 
+RELEASED_SIZES = {
+    # configs/{44m,129m}/ar_looplm_*_base.yaml of readout-blind-spot (read at commit 338c155,
+    # whose configs are 959dd3c's): d_model, num_heads, num_layers, ff_multiplier 4, vocabulary
+    # 20,000, seq_len 256, batch_size
+    "44m": dict(d=512, heads=8, layers=8, batch=64),
+    "129m": dict(d=768, heads=12, layers=12, batch=32),
+}
+RELEASED_ROWS = {
+    # row: (objective, readout, recurrence, damping (shape, raw_alpha) or None, lambda, beta,
+    #       exit gate). The released configs: perstep_norm, perstep_raw, perstep_final_norm
+    # (decode_norm_final_only), terminal_norm (= base), terminal_raw and terminal_norm_penalty
+    # (norm_penalty_weight 0.01); the rest from the paper (lambda 0.01, beta 0.1, the gate on the
+    # raw H_k, damping one scalar from raw_alpha 2.0), their configs not released.
+    "per_loop_norm": ("per_loop", "norm", "none", None, 0.0, 0.0, False),
+    "per_loop_raw": ("per_loop", "raw", "none", None, 0.0, 0.0, False),
+    "final_norm": ("per_loop", "last_norm", "none", None, 0.0, 0.0, False),
+    "terminal_norm": ("terminal", "norm", "none", None, 0.0, 0.0, False),
+    "terminal_raw": ("terminal", "raw", "none", None, 0.0, 0.0, False),
+    "terminal_norm_penalty": ("terminal", "norm", "none", None, 0.01, 0.0, False),
+    "per_loop_norm_penalty": ("per_loop", "norm", "none", None, 0.01, 0.0, False),
+    "exit_weighted": ("exit_weighted", "norm", "none", None, 0.0, 0.1, True),
+    "interloop_rmsnorm": ("per_loop", "norm", "rmsnorm", None, 0.0, 0.0, False),
+    "spectral_damping": ("per_loop", "norm", "damping", ("scalar", 2.0), 0.0, 0.0, False),
+    "spectral_damping_terminal": ("terminal", "norm", "damping", ("scalar", 2.0), 0.0, 0.0, False),
+}
+RELEASED_RAW_PARAMETERS = {"44m": 43_934_722, "129m": 128_822_786}
+"""What the released code builds for a raw row (`megaloop params` of the released model): its
+loop norm (d), gate (d + 1) and damping scalar are built in every row."""
+
+
+def hand_count(d: int, layers: int, readout_norm: bool, extra: int = 0) -> int:
+    """Parameters by hand: token (20,000 x d) and position (256 x d) tables, per layer q, k, v,
+    o (4 d^2), a SwiGLU FFN of 4d (3 x 4 d^2) and two norms (2d); the readout norm (d)."""
+    return 20_000 * d + 256 * d + layers * (16 * d * d + 2 * d) + d * readout_norm + extra
+
+
+@pytest.mark.parametrize("size", ["44m", "129m"])
+def test_every_study_row_is_its_released_config(size):
+    """Each row of configs/experiments/study/{size}/ against the table above, written from the
+    released configs: objective, readout, recurrence, damping, lambda, beta, gate, shape; its
+    parameter count by hand, and the released model's count for the raw rows."""
+    from megaloop.parallel.cost import parameter_counts
+
+    folder = ROOT / f"configs/experiments/study/{size}"
+    assert {p.stem for p in folder.glob("*.yaml")} == set(RELEASED_ROWS)
+    shape = RELEASED_SIZES[size]
+    d = shape["d"]
+    for row, (kind, readout, recurrence, damping, lam, beta, gate) in RELEASED_ROWS.items():
+        cfg = experiment.load(folder / f"{row}.yaml")
+        m, o = cfg.model, cfg.objective
+        assert (o.kind, m.readout, m.recurrence) == (kind, readout, recurrence), row
+        assert (o.norm_penalty, o.entropy_beta) == (lam, beta), row
+        assert m.exit_gate == gate, row
+        if gate:
+            assert m.exit_gate_input == "raw", row
+        if damping:
+            assert m.damping_shape == damping[0], row
+            assert math.log(m.damping_init / (1 - m.damping_init)) == pytest.approx(damping[1])
+        assert (m.hidden_size, m.num_heads, m.num_layers, m.ffn_size) == (
+            d,
+            shape["heads"],
+            shape["layers"],
+            4 * d,
+        ), row
+        assert (m.vocab_size, m.max_seq_len, m.num_loops) == (20_000, 256, 4), row
+        assert cfg.train.global_batch_size == shape["batch"], row
+        extra = (d + 1) * gate + (1 if recurrence == "damping" else 0)
+        extra += d if recurrence == "rmsnorm" else 0
+        count = hand_count(d, shape["layers"], readout != "raw", extra)
+        assert parameter_counts(m)["total"] == count, row
+        if readout == "raw":  # + the loop norm, the gate and the damping scalar
+            released = parameter_counts(m)["total"] + d + (d + 1) + 1
+            assert released == RELEASED_RAW_PARAMETERS[size], row
+
+
 def test_params_and_plan_run_on_the_study_rows():
     from support import megaloop
 

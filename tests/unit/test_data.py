@@ -117,6 +117,61 @@ def test_wikitext_rerun_resumes_without_rewriting(wikitext_prep, capsys):
     assert "train is already prepared" in capsys.readouterr().out
 
 
+def next_run(text: str):
+    """The summary's `next:` command, loaded as `megaloop train` would load it."""
+    import shlex
+
+    from megaloop import experiment
+
+    (line,) = [x for x in text.splitlines() if x.startswith("next: ")]
+    words = shlex.split(line.removeprefix("next: "))
+    assert words[:2] == ["megaloop", "train"], line
+    return experiment.load(words[2], words[3:])
+
+
+def test_prep_ends_with_what_it_holds_and_the_command_that_trains_on_it(wikitext_prep, capsys):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megaloop.cli import main
+
+    source, out, _ = wikitext_prep
+    args = ["--source", str(source), "--tokenizer", "train:400", "--out", str(out)]
+    assert main(["prep", "wikitext103", *args]) == 0  # a re-run: every split already there
+    text = capsys.readouterr().out
+    tokens = {
+        split: sum(len(d) for d in IndexedDataset(str(out / split))) for split in ("train", "valid")
+    }
+    articles = {s: len(split_articles((source / f"wiki.{s}.raw").read_text())) for s in tokens}
+    assert (
+        f"megaloop prep: {out} holds train ({tokens['train']:,} tokens, {articles['train']:,} "
+        f"articles) and valid ({tokens['valid']:,} tokens, {articles['valid']:,} articles); a "
+        f"vocabulary of 400 tokens.\n"
+    ) in text
+    cfg = next_run(text)
+    assert cfg.data.path == str(out / "train") and cfg.data.valid_path == str(out / "valid")
+    assert cfg.model.vocab_size == 400 and cfg.data.kind == "indexed"
+    cfg.data.check_files()  # the run finds its data
+
+
+def test_web_prep_summary_counts_the_shards_sequences(web_prep):
+    import tarfile
+
+    from megaloop.commands import prep
+
+    out, manifest, _, tokenizer, source = web_prep
+    config = web_config(source=str(source), tokenizer=str(tokenizer), out=str(out))
+    text = prep.summary(data_prep.prepared(config))
+    names = [tarfile.open(s).getnames() for s in sorted((out / "shards").glob("*.tar"))]
+    shards = [n for n in names if n]  # a task whose one file was unreadable leaves an empty tar
+    sequences = sum(name.endswith("tokens.npy") for n in shards for name in n)
+    assert f"holds {sequences:,} sequences of 64+1 tokens in {len(shards)} shards (" in text
+    cfg = next_run(text)
+    assert (cfg.data.kind, cfg.data.path, cfg.data.seq_len) == ("webdataset", str(out), 64)
+    assert cfg.model.vocab_size == 300
+    config.out = str(out / "nothing-here")
+    assert data_prep.prepared(config) is None  # no manifest: not finished, nothing to say
+
+
 def test_wikitext_bad_inputs(tmp_path):
     rng = random.Random(2)
     source = source_dir(tmp_path)

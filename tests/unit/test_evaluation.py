@@ -133,6 +133,39 @@ def test_a_run_directory_is_evaluated_as_its_export(export_dir, tmp_path, capsys
         assert "MODEL" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("exit_rule", [[], ["--exit", "margin", "--threshold", "0"]])
+def test_an_unreachable_hub_is_one_line_naming_data_dir(
+    export_dir, tmp_path, capsys, monkeypatch, exit_rule
+):
+    """Without --data-dir and with the hub out of reach (HF_ENDPOINT at a closed local port),
+    one line naming --data-dir and its layout, before the model is exported or lm-eval
+    evaluates; offline mode (the Hugging Face cache) and --data-dir ask no hub."""
+
+    def never(*args, **kwargs):
+        raise AssertionError("got past the hub check")
+
+    monkeypatch.setattr(harness, "as_export", never)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    for variable in downstream.HUB_OFFLINE:
+        monkeypatch.delenv(variable, raising=False)
+    out = tmp_path / "r"
+    assert eval_downstream(export_dir, out, 1, "--tasks", "arc_easy", *exit_rule) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "megaloop: error: the Hugging Face hub (127.0.0.1:9) cannot be reached from here"
+    ), err
+    assert "give --data-dir DIR with DIR/<task>/<split>.jsonl" in err[0]
+    assert not out.exists()
+    assert downstream.hub_address() == ("127.0.0.1", 9)
+    with pytest.raises(EvalError, match="cannot be reached"):
+        downstream.check_hub(None)
+    downstream.check_hub(tmp_path)  # --data-dir: no hub asked
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    downstream.check_hub(None)  # the cache: no hub asked
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.example.org")
+    assert downstream.hub_address() == ("hub.example.org", 443)
+
+
 def test_paired_bootstrap_reproduces_the_normal_theory_ci():
     rng = np.random.default_rng(1)
     diffs = rng.normal(0.2, 1.0, size=4000)
@@ -150,6 +183,26 @@ def sample(doc_id: int, lls, gold: int, continuations) -> dict:
         "filtered_resps": [[ll, False] for ll in lls],
         "arguments": [["ctx", c] for c in continuations],
     }
+
+
+def test_compare_points_into_the_folder_of_an_exit_run(tmp_path, capsys):
+    """B written by `eval downstream --exit` holds one run a folder (fixed-k1.., rule-threshold):
+    one line naming them and a folder to give, in place of "no samples"."""
+    from megaloop.cli import main
+
+    for run in ("a", "b/fixed-k1", "b/fixed-k2", "b/margin-0.5"):
+        (tmp_path / run).mkdir(parents=True)
+        (tmp_path / run / "samples_arc_easy.jsonl").write_text("")
+    (tmp_path / "b/margin-0.5/samples_boolq.jsonl").write_text("")
+    assert main(["eval", "compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (
+        f"megaloop: error: {tmp_path / 'b'} holds the runs of `eval downstream --exit`, a folder "
+        f"each: fixed-k1, fixed-k2, margin-0.5; give one of them (e.g. {tmp_path / 'b/margin-0.5'})"
+    )
+    (tmp_path / "c").mkdir()
+    assert main(["eval", "compare", str(tmp_path / "a"), str(tmp_path / "c")]) == 2
+    assert "no samples_<task>.jsonl" in capsys.readouterr().err
 
 
 def test_compare_pairs_examples_and_reports_the_differences(tmp_path):

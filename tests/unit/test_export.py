@@ -310,3 +310,40 @@ def test_every_model_option_reaches_the_exported_config_and_back():
     loaded = MegaloopConfig(**exported(base))
     for f in FIELDS:
         assert getattr(loaded, f.name) == exported(base)[f.name], f.name
+
+
+@pytest.mark.parametrize("command", [["export"], ["ckpt", "consolidate"]])
+def test_an_output_that_is_a_file_or_a_full_folder_is_refused_before_any_work(
+    command, tmp_path, capsys, monkeypatch
+):
+    """One line naming --out, before the checkpoint is read, and what --out held is kept: a
+    file, a folder that is not empty (without --overwrite), a folder that holds the source or
+    the current directory (with it)."""
+    from megaloop import experiment
+    from megaloop.cli import main
+
+    def read(*args):
+        raise AssertionError("the checkpoint was read")
+
+    monkeypatch.setattr(experiment, "consolidated", read)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "model.bin").write_text("mine")
+    (tmp_path / "full/here").mkdir(parents=True)
+    (tmp_path / "full/notes.txt").write_text("mine")
+    cases = [
+        ("model.bin", [], "is a file, not a folder: give a new or empty folder"),
+        ("full", [], "is a folder that is not empty: give a new or empty folder, or --overwrite"),
+        (".", ["--overwrite"], f"holds the source ({tmp_path / 'run'})"),
+        ("full", ["--overwrite"], f"holds the current directory ({tmp_path / 'full/here'})"),
+    ]
+    monkeypatch.chdir(tmp_path)
+    for out, options, says in cases:
+        if "current directory" in says:
+            monkeypatch.chdir(tmp_path / "full/here")
+        capsys.readouterr()
+        code = main([*command, str(tmp_path / "run"), "--out", str(tmp_path / out), *options])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.splitlines()) == 1, err
+        assert err.startswith(f"megaloop: error: --out {tmp_path / out} ") and says in err, err
+    assert (tmp_path / "model.bin").read_text() == (tmp_path / "full/notes.txt").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "model.bin", "run"]

@@ -3,6 +3,7 @@ counts the speed-up is judged by, recompute's CE equal to the no-cache forward w
 exits, a never-exiting threshold equal to fixed K_max, and bad input refused before compute."""
 
 import json
+import math
 import re
 
 import numpy as np
@@ -286,3 +287,91 @@ def test_answers_score_only_the_asked_positions():
     assert got["answer_ce"] == pytest.approx(ce.mean().item())
     got = generate_bench.answers(logits, torch.tensor([[1, 0, 1]]), kinds)
     assert got["answer_accuracy"] == 1.0
+
+
+def frontier_records():
+    """Fixed K = 1..4 of one batch size (tokens/s falling, CE falling, accuracy rising) and two
+    exiting runs: one between K=2 and K=3 in speed but better than K=3, one that K=3 beats."""
+    fixed = [
+        {"exit": "fixed", "loops": k, "tokens_per_s": tps, "ce": ce, "answer_accuracy": acc}
+        for k, tps, ce, acc in (
+            (1, 400.0, 3.0, 0.2),
+            (2, 200.0, 2.5, 0.5),
+            (3, 130.0, 2.2, 0.6),
+            (4, 100.0, 2.0, 0.8),
+        )
+    ]
+    spec = {"threshold": 0.5, "kv": "copy", "batching": "sync"}
+    above = {"exit": "margin", **spec, "tokens_per_s": 160.0, "ce": 2.1, "answer_accuracy": 0.7}
+    below = {"exit": "gate", **spec, "tokens_per_s": 120.0, "ce": 2.4, "answer_accuracy": 0.55}
+    return [{**r, "batch_size": 1} for r in (*fixed, above, below)]
+
+
+def test_the_frontier_by_hand():
+    """The run at 160 tokens/s: the fixed K at least as fast are K=1, 2 (400, 200), the best of
+    them K=2; the fixed K at least as good are K=4 alone (CE 2.0 <= 2.1, accuracy 0.8 >= 0.7),
+    so it runs 160/100 = 1.6x the tokens/s of K=4 (not 160/400 = 0.4x of K=1). The run at 120
+    tokens/s is beaten by K=3 (130 tokens/s, CE 2.2 <= 2.4, accuracy 0.6 >= 0.55)."""
+    from megaloop.evaluation import generate_bench
+
+    records = frontier_records()
+    for measure in ("ce", "answer_accuracy"):
+        generate_bench.frontier(records, measure)
+    above, below = records[-2:]
+    assert above["ce_gain_at_speed"] == pytest.approx(2.5 - 2.1)
+    assert above["answer_accuracy_gain_at_speed"] == pytest.approx(0.7 - 0.5)
+    for measure in ("ce", "answer_accuracy"):
+        assert above[f"{measure}_fixed_k_at_speed"] == 2
+        assert above[f"speedup_at_{measure}"] == pytest.approx(1.6)
+        assert above[f"{measure}_fixed_k_at_quality"] == 4
+        assert above[f"dominated_{measure}"] is False
+        assert below[f"{measure}_fixed_k_at_speed"] == 3
+        assert below[f"speedup_at_{measure}"] == pytest.approx(120 / 130)
+        assert below[f"{measure}_fixed_k_at_quality"] == 3
+        assert below[f"dominated_{measure}"] is True
+    assert below["ce_gain_at_speed"] == pytest.approx(2.2 - 2.4)
+    assert below["answer_accuracy_gain_at_speed"] == pytest.approx(0.55 - 0.6)
+    (line,) = generate_bench.beat_fixed_k(records, "ce")
+    assert line == (
+        "- batch 1: 1 of 2 exiting runs beat fixed K in ce; margin 0.5 copy is better by 0.4 in "
+        "ce than fixed K=2, at least as fast; margin 0.5 copy runs 1.60x the tokens/s of fixed "
+        "K=4 at least as good in ce"
+    )
+
+
+class Counting(torch.nn.Module):
+    """A stand-in model of vocabulary 10 that predicts token t + 1 (mod 10) after token t: logit
+    5 there, 0 at the nine others, whatever the cache and depth."""
+
+    def __init__(self):
+        super().__init__()
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(num_hidden_layers=1, early_exit="none", exit_threshold=0)
+
+    def forward(self, input_ids, past_key_values=None, use_cache=False, num_loops=None):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=5.0 * torch.nn.functional.one_hot((input_ids + 1) % 10, 10))
+
+    def cache_bytes_per_token(self, policy, loops):
+        return 0
+
+
+def test_answers_are_scored_at_the_answer_positions_of_a_decode():
+    """One window decoded after a 2-token prompt: inputs 1 2 6 7 0 at positions 2..6 are
+    followed by 2 6 7 0 5, so the counting model is right after positions 2 and 4 only, and
+    those are the answers (kinds: what the NEXT token is). Right: CE log(1 + 9e^-5); wrong:
+    log(e^5 + 9)."""
+    from megaloop.evaluation import generate_bench
+
+    rows = torch.tensor([[3, 8, 1, 2, 6, 7, 0, 5]])
+    kinds = torch.tensor([[0, 0, 1, 0, 2, 0, 0, 0]])
+    settings = GenerateBenchSettings(model="m", data="d", prompt=2, batches=1)
+    spec = {"exit": "fixed", "threshold": None, "kv": None, "batching": "sync", "loops": 1}
+    _, record = generate_bench.measure(Counting(), rows, settings, spec, lambda: None, kinds)
+    right, wrong = math.log(1 + 9 * math.exp(-5)), math.log(math.exp(5) + 9)
+    assert record["answer_accuracy"] == 1.0
+    assert record["accuracy_by_kind"] == {1: 1.0, 2: 1.0}
+    assert record["answer_ce"] == pytest.approx(right, rel=1e-5)
+    assert record["ce"] == pytest.approx((2 * right + 3 * wrong) / 5, rel=1e-5)

@@ -355,3 +355,89 @@ def test_a_folder_that_holds_no_model_is_refused_naming_the_three_kinds(
         code, stdout, stderr = megaloop_here("generate", folder, "--prompt", "a")
         assert code == 2 and stdout == "" and not calls
         assert stderr.strip().splitlines() == [f"megaloop: error: MODEL {folder}: {message}"]
+
+
+def rule_scores(model, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each rule's score [K, s] at every loop of every position of `ids` [1, s], computed here
+    from the fixed-depth trajectory: gate, the cumulative exit probability 1 - prod(1 - lambda);
+    margin, the top-1 minus the top-2 logit; confidence, the largest softmax probability."""
+    with torch.no_grad():
+        h, rope = model.embed(ids)
+        logits, lams = [], []
+        for k, hk in model.loops(h, rope, K):
+            logits.append(model.readout(hk, k, K)[0].double())
+            lams.append(model.exit_probability(hk)[0, :, 0].double())
+    survive, gate = torch.ones(ids.shape[1], dtype=torch.float64), []
+    for lam in lams:
+        survive = survive * (1 - lam)
+        gate.append(1 - survive)
+    ranked = [row.sort(-1, descending=True).values for row in logits]
+    return {
+        "gate": torch.stack(gate),
+        "margin": torch.stack([r[:, 0] - r[:, 1] for r in ranked]),
+        "confidence": torch.stack([row.exp().amax(-1) / row.exp().sum(-1) for row in logits]),
+    }
+
+
+def first_reaching(score: torch.Tensor, threshold: float) -> list[int]:
+    """Per position, the first loop (1-based) whose score reaches the threshold, else K."""
+    return [next((k + 1 for k in range(K) if column[k] >= threshold), K) for column in score.T]
+
+
+@pytest.mark.parametrize("rule", ["gate", "margin", "confidence", "fixed"])
+def test_each_exit_rule_decides_what_its_definition_says(gated, tmp_path, rule):
+    """`generate --exit R` (exact recompute cache): each new token's exit loop is the first loop
+    at which R's score, computed here from the fixed-depth trajectory, reaches the threshold
+    (fixed: K). Sampled (the greedy tiny model repeats one token) and the threshold the median
+    of R's scores over the prompt, so that tokens exit at different loops."""
+    prompt = "the river"
+    reference, tokenizer = generation.open_export(
+        GenerateSettings(model=gated, prompt=prompt, exit="fixed"), gated
+    )
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    flags = ["exit", rule, "kv", "recompute", "temperature", 1.0, "seed", 0]
+    threshold = None
+    if rule != "fixed":
+        threshold = rule_scores(reference, torch.tensor([prompt_ids]))[rule].median().item()
+        flags += ["threshold", threshold]
+    record = generated(gated, tmp_path, *flags, prompt=prompt)
+    assert record["settings"]["exit"] == rule
+    (result,) = record["results"]
+    ids = torch.tensor([prompt_ids + result["tokens"][:-1]])
+    scores = rule_scores(reference, ids)
+    start = len(prompt_ids) - 1  # the prompt's last position chose the first new token
+    if rule == "fixed":
+        expected = [K] * (ids.shape[1] - start)
+    else:
+        expected = first_reaching(scores[rule], threshold)[start:]
+        assert len(set(expected)) > 1, expected  # the rule decides something here
+    assert result["exit_loops"] == expected
+
+
+def test_an_unknown_exit_rule_lists_every_rule():
+    with pytest.raises(EvalError) as error:
+        GenerateSettings(model="m", prompt="a", exit="entropy", threshold=0.5)
+    message = str(error.value)
+    assert message.startswith("--exit entropy: give one of")
+    for rule in ("gate", "margin", "confidence", "fixed"):
+        assert re.search(rf"\b{rule}\b", message), (rule, message)
+
+
+def test_a_run_directory_leaves_no_temporary_export_behind(
+    export_dir, generate, tmp_path, monkeypatch
+):
+    """MODEL a run directory: its export is written into the temporary folder (TMPDIR, here an
+    empty folder of the test's) and is gone when the command ends."""
+    import tempfile
+
+    from megaloop import export
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    written, real = [], export.write
+    monkeypatch.setattr(export, "write", lambda *a, **k: written.append(a[3]) or real(*a, **k))
+    code, _, stderr = generate(export_dir.parent / "run", "--prompt", "the river", new_tokens=2)
+    assert code == 0, stderr
+    assert len(written) == 1 and written[0].parent == scratch  # exported there
+    assert list(scratch.iterdir()) == []

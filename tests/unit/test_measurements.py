@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
@@ -431,3 +432,51 @@ def test_variants_are_named_by_their_folder_or_else_by_what_differs():
     )
     assert [v.label for v in shared] == ["readout=norm, lr=1.0", "readout=raw, lr=2.0"]
     assert [len(v.runs) for v in shared] == [1, 2]
+
+
+def test_a_speedup_below_one_says_why():
+    """halt's report explains a dynamic pass slower than fixed K_max: with no early exit at
+    all, and with exits that saved less than the per-loop readouts cost; above 1 nothing."""
+    none_early = {"speedup": 0.33, "mean_loops": 4.0}
+    assert halting.speedup_note(none_early, 4).startswith(
+        " No sequence exited before K_max = 4: the dynamic pass ran every loop"
+    )
+    some = halting.speedup_note({"speedup": 0.8, "mean_loops": 3.25}, 4)
+    assert some.startswith(" Sequences exited after 3.25 of 4 loops on average")
+    assert halting.speedup_note({"speedup": 1.6, "mean_loops": 2.5}, 4) == ""
+
+
+@pytest.mark.parametrize(
+    "value, text",
+    [(6.1e20, "6.100e+20"), (1e6, "1.000e+06"), (999_999.4, "999999.400"), (12.34567, "12.346")],
+)
+def test_a_perplexity_past_a_million_prints_in_scientific_notation(value, text):
+    from megaloop.evaluation import ppl_text
+
+    assert ppl_text(value) == text
+    assert report.stat([value]) == text  # the report's PPL columns print it alike
+    assert report.stat([value, value]) == f"{text} ± 0.000"
+
+
+def test_the_reports_l2_column_is_sqrt_d_times_the_rms():
+    """Table 2 by hand: hidden size 16 and final-loop RMS 0.5 and 0.75 over two seeds are L2
+    norms 4 x 0.5 = 2 and 4 x 0.75 = 3 (mean 2.5, sample std 1/sqrt(2)); hidden size 64 and RMS
+    0.25 is 8 x 0.25 = 2. PPL is e^CE: 10 and 20, and 5."""
+
+    def run(path, d, rms, ppl):
+        config = {"model": {"hidden_size": d}, "train": {"seed": 0}}
+        evals = [{"step": 40, "ce": [9.0, math.log(ppl)], "hidden_rms": [7.0, rms]}]
+        return {"path": path, "config": config, "metrics": {"evals": evals}}
+
+    variants = report.group(
+        [
+            run("r/d16/seed0", 16, 0.5, 10.0),
+            run("r/d16/seed1", 16, 0.75, 20.0),
+            run("r/d64/seed0", 64, 0.25, 5.0),
+        ],
+        [],
+    )
+    assert report.table_runs(variants)[2:] == [
+        "| d16 | 2 | 40 | 15.000 ± 7.071 | 0.625 ± 0.1768 | 2.5 ± 0.7071 |",
+        "| d64 | 1 | 40 | 5.000 | 0.25 | 2 |",
+    ]

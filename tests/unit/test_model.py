@@ -311,6 +311,23 @@ def test_megatron_init_and_the_embedding_std_override(tiny_cfg):
             assert torch.equal(p, params[name]), name
 
 
+def test_embedding_std_override_takes_effect_under_pytorch_init(tiny_cfg):
+    """model.embedding_init_std sets the token embedding's std under init=pytorch too (the
+    position table stays N(0, 1)). 512 x 64 = 32768 draws: a sample std's relative standard
+    error is 1/sqrt(2n) = 0.0039, so a 3% band is ~7.7 of them, and N(0, 1) (the break) is 10x."""
+    std = 0.1
+    cfg = dataclasses.replace(tiny_cfg, **WIDE, init="pytorch", embedding_init_std=std)
+    params = params_of(cfg)
+    word = params["embedding.word_embeddings.weight"]
+    assert word.numel() == 512 * 64
+    assert abs(word.std().item() / std - 1) < 0.03
+    assert word.mean().abs() < 5 * std / word.numel() ** 0.5
+    position = params["embedding.position_embeddings.weight"]
+    assert abs(position.std().item() - 1) < 0.03
+    bound = 64**-0.5  # the linears keep pytorch's U(+-1/sqrt(fan_in))
+    assert params["layers.0.self_attention.linear_qkv.weight"].abs().max() <= bound
+
+
 def test_dropout_falls_where_the_study_puts_it(tiny_cfg, caplog):
     """p on H_0 and on each FFN output (dropped units: zero, kept ones scaled by 1/(1 − p)); the
     attention output is added to the residual whole; attention probabilities are dropped out

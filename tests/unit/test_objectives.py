@@ -133,3 +133,19 @@ def test_gate_gain_trains_the_gate_alone_and_starts_from_a_model():
     assert ObjectiveConfig(kind="exit_weighted").trains("module.layers.0.mlp.linear_fc1.weight")
     with pytest.raises(ValueError, match="gate_sharpness"):
         ObjectiveConfig(kind="gate_gain", gate_sharpness=0.0).validate()
+
+
+def test_gate_gain_clamps_the_gain_at_zero_where_the_next_loop_is_worse():
+    """K=2, γ=0, s=1: token 0's CE rises from 1 to 3 (a gain of -2, clamped to 0: target
+    σ(0) = 1/2, not σ(-2)); token 1's falls from 2 to 1.5 (target σ(0.5)). Gates λ = 0.3, 0.8."""
+    cfg = ObjectiveConfig(kind="gate_gain", gate_min_gain=0.0, gate_sharpness=1.0)
+    out = LoopOutput(
+        hidden=[torch.ones(2, 1, 4)] * 2,
+        token_ce=[torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, 1.5]])],
+        gates=[torch.tensor([[0.3, 0.8]]), torch.tensor([[0.5, 0.5]])],
+    )
+    loss, _ = compute(cfg, out)
+    rises = -(0.5 * math.log(0.7) + 0.5 * math.log(0.3))
+    w = 1 / (1 + math.exp(-0.5))
+    falls = -(w * math.log(0.2) + (1 - w) * math.log(0.8))
+    assert loss.item() == pytest.approx((rises + falls) / 2, rel=1e-6)

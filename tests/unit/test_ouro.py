@@ -301,6 +301,27 @@ def test_export_in_ouros_format_round_trips_bit_for_bit(imported, tmp_path):
     assert (tmp_path / "ouro/tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
 
 
+@pytest.mark.parametrize("command", [["export"], ["ckpt", "consolidate"]])
+def test_overwrite_replaces_a_full_output_folder_whole(imported, tmp_path, command):
+    """--overwrite leaves --out holding exactly what a new folder would: byte for byte the same
+    files, none of the ones it held before."""
+    from megaloop.cli import main
+
+    _, ckpt = imported
+    assert main([*command, str(ckpt), "--out", str(tmp_path / "new")]) == 0
+    full = tmp_path / "full"
+    (full / "sub").mkdir(parents=True)
+    for name in ("model-00001-of-00002.safetensors", "config.json", "sub/tokenizer.json"):
+        (full / name).write_text("an earlier export's")
+    assert main([*command, str(ckpt), "--out", str(full), "--overwrite"]) == 0
+
+    def files(folder):
+        return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+    assert files(full) == files(tmp_path / "new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "new"]  # no folder left beside
+
+
 @pytest.mark.parametrize(
     "change, key",
     [

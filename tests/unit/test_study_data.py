@@ -129,6 +129,38 @@ def test_the_pre_tokenizer_is_pythons_re_on_every_code_point():
     assert tokens == re.findall(STUDY_PATTERN, text)
 
 
+HAND_SPLIT = [
+    # (text, the study's tokens: whitespace runs, [A-Za-z0-9_] runs, one token per other
+    # character that is neither word nor space; characters none of them match are dropped)
+    ("c...", ["c", ".", ".", "."]),
+    (" @-@ ", [" ", "@", "-", "@", " "]),
+    ("1 @,@ 000", ["1", " ", "@", ",", "@", " ", "000"]),
+    ("a+b++c", ["a", "+", "b", "+", "+", "c"]),
+    ("don't", ["don", "'", "t"]),
+    ("(1.5%)", ["(", "1", ".", "5", "%", ")"]),
+    (" = = Valkyria = = \n", [" ", "=", " ", "=", " ", "Valkyria", " ", "=", " ", "=", " \n"]),
+    ("foo_bar9 \t\n\n x", ["foo_bar9", " \t\n\n ", "x"]),
+    ("café — ½ ok", ["caf", " ", "\u2014", " ", " ", "ok"]),
+    ("<unk>", ["<", "unk", ">"]),
+]
+
+
+def test_the_words_split_on_hand_written_examples(tmp_path):
+    """The words tokenizer's split (its pre-tokenizer, its counts and a trained tokenizer's
+    tokens) on examples split by hand, and the pattern it is written as spelled out here."""
+    from data_prep.common import count_words
+
+    assert WORD_PATTERN == r"\s+|[A-Za-z0-9_]+|[^\w\s]"
+    texts = [text for text, _ in HAND_SPLIT]
+    pre = word_pre_tokenizer()
+    tok = Tokenizer.from_file(str(train_words(iter(texts * 2), 1000, tmp_path / "tok.json")))
+    for text, expected in HAND_SPLIT:
+        assert re.findall(r"\s+|[A-Za-z0-9_]+|[^\w\s]", text) == expected, text  # re's split
+        assert [t for t, _ in pre.pre_tokenize_str(text)] == expected, text
+        assert count_words([text]) == Counter(expected), text
+        assert tok.encode(text).tokens == expected, text
+
+
 def test_the_vocabulary_is_the_studys_rule(tmp_path):
     counted = rows(generated_text(0, 6))
     counts = Counter(t for row in counted for t in re.findall(STUDY_PATTERN, row))
@@ -532,6 +564,24 @@ def test_each_epoch_visits_every_window_once_in_its_own_order(counting):
     assert epochs[0] != epochs[1] != epochs[2] != epochs[0]
     assert starts(strided(counting, 16, 8, seed=1), 0, n) == epochs[0]
     assert starts(strided(counting, 16, 8, seed=2), 0, n) != epochs[0]
+
+
+def test_every_seed_and_epoch_shuffles_the_windows_its_own_way(counting):
+    """Each (seed, epoch) draws its own order: seed s+1's epoch 0 is not seed s's epoch 1 (as an
+    rng seeded with seed + epoch would make it), nor any other pair's; each is a permutation of
+    the windows' starts."""
+    seeds, epochs = range(4), range(4)
+    orders = {}
+    for seed in seeds:
+        data = strided(counting, 16, 8, seed=seed)
+        n = data.train.windows
+        for epoch in epochs:
+            order = starts(data, epoch * n, n)
+            assert sorted(order) == list(range(0, 8 * n, 8)), (seed, epoch)
+            orders[seed, epoch] = tuple(order)
+    assert n > 50  # two equal orders by chance: about 1/n!
+    pairs = [(a, b) for a in orders for b in orders if a < b and orders[a] == orders[b]]
+    assert pairs == []
 
 
 def test_strided_samples_resume_exactly_in_any_layout(counting):

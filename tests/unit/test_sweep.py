@@ -114,3 +114,71 @@ def test_sweep_trains_each_seed_once_and_skips_finished_runs(tmp_path):
     assert [(r / "metrics.jsonl").stat().st_mtime_ns for r in runs] == stamps
     refused = sweep(tmp_path, "--seeds", "0", "train.dir=x")
     assert refused.returncode == 2 and "train.dir cannot be given to a sweep" in refused.stderr
+
+
+def refuse_children(monkeypatch) -> None:
+    """Any child process (a training run, sbatch) fails the test: the sweeps below start none."""
+
+    def run(*args, **kwargs):
+        raise AssertionError(f"the sweep started {args[0] if args else kwargs}")
+
+    monkeypatch.setattr(subprocess, "run", run)
+
+
+def sweep_here(capsys, runs: Path, seeds: str, *args) -> tuple[int, str, str]:
+    """`megaloop sweep TINY --seeds SEEDS --out RUNS ARGS` (QUICK's overrides) in this process:
+    (exit status, stdout, stderr)."""
+    from megaloop.cli import main
+
+    capsys.readouterr()
+    code = main(["sweep", TINY, "--seeds", seeds, "--out", str(runs), *args, *QUICK])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+SLURM = ["--executor", "slurm", "--nodes", "1", "--gpus-per-node", "0"]
+
+
+@pytest.mark.parametrize("executor", [[], SLURM], ids=["local", "slurm"])
+def test_a_dry_run_trains_writes_and_submits_nothing(tmp_path, capsys, monkeypatch, executor):
+    refuse_children(monkeypatch)
+    runs = tmp_path / "runs"
+    code, out, err = sweep_here(capsys, runs, "0,1", "--dry-run", *executor)
+    assert code == 0, err
+    assert not runs.exists()  # no run directory, no sweep-logs
+    said = err if executor else out  # under slurm stdout is the script alone
+    for seed in (0, 1):
+        assert f"sweep: {runs}/tiny/seed{seed}: {TINY} seed {seed}: would train (does not " in said
+    assert "2 of 2 run(s) would train" in said and "nothing trained, written or submitted" in said
+    if executor:
+        assert out.startswith("#!/bin/bash") and "#SBATCH --array=0-1" in out
+    else:  # each run's command
+        assert said.count(f"  megaloop train {TINY} ") == 2
+        assert f"train.seed=1 train.dir={runs}/tiny/seed1\n" in said
+
+
+def test_a_finished_run_is_skipped_only_for_the_config_it_ran(tmp_path, capsys, monkeypatch):
+    """A finished run in the directory a sweep would train in counts as this run only when the
+    config it recorded is the one asked for, up to the keys a resume may change; another config
+    stops the sweep before any run starts, naming the directory and the keys."""
+    runs = tmp_path / "runs"
+    run = runs / "tiny/seed0"
+    train(run)
+    before = (run / "metrics.jsonl").read_bytes()
+    refuse_children(monkeypatch)
+    code, out, err = sweep_here(capsys, runs, "0,1", "model.hidden_size=48", "optim.lr=1e-3")
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"megaloop: error: {run} holds a run of another config")
+    assert "model.hidden_size: 128 -> 48; optim.lr: 0.003 -> 0.001" in err
+    assert not (runs / "tiny/seed1").exists()  # seed 1 is new, yet nothing started
+    for dry in ([], ["--dry-run"]):
+        code, out, err = sweep_here(capsys, runs, "0,1", *dry, "model.hidden_size=48")
+        assert code == 2 and "model.hidden_size: 128 -> 48" in err
+    # the same config, its logging and eval cadence changed (they leave the model as it was)
+    cadence = ["train.log_every=2", "train.eval_every=2"]
+    code, out, err = sweep_here(capsys, runs, "0", "--dry-run", *cadence)
+    assert code == 0 and f"sweep: {run}: {TINY} seed 0: finished; would be skipped" in out
+    code, out, err = sweep_here(capsys, runs, "0", *cadence)
+    assert code == 0, err
+    assert f"sweep: {run} is finished; skipped" in out and "all 1 runs are finished" in out
+    assert (run / "metrics.jsonl").read_bytes() == before

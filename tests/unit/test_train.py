@@ -6,6 +6,7 @@ import math
 import os
 import random
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -360,6 +361,33 @@ def test_dry_run_leaves_an_existing_run_dir_as_it_was(tmp_path, capsys):
     assert tree(run) == before
 
 
+def test_dry_run_of_a_run_that_can_resume_names_the_step_it_resumes_from(tmp_path, capsys):
+    """Checkpoints at steps 2 and 4: the dry run says the run resumes, from step 4; the same
+    without the `latest` marker (a run stopped between the rename and the marker), since the
+    run itself resumes from the newest complete checkpoint; and from step 2 once step 4 is
+    corrupt, as the run would."""
+    run = tmp_path / "run"
+    overrides = [f"train.dir={run}", "data.seq_len=32", "wandb.mode=disabled"]
+    experiment.build_trainer(
+        experiment.load(TINY, [*overrides, "train.steps=4", "train.save_every=2"])
+    ).fit()
+    ckpts = run / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_0000002", "step_0000004"]
+
+    def says():
+        assert main(["train", TINY, *overrides, "train.steps=8", "--dry-run"]) == 0
+        (line,) = [x for x in capsys.readouterr().out.splitlines() if "train.dir:" in x]
+        return line
+
+    resumes = f"  train.dir: {run} (exists; resumes from step {{}}, its newest complete checkpoint "
+    assert says() == resumes.format(4) + f"{ckpts / 'step_0000004'})"
+    (ckpts / "latest").unlink()
+    assert says() == resumes.format(4) + f"{ckpts / 'step_0000004'})"
+    shard = next((ckpts / "step_0000004").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-100])
+    assert says() == resumes.format(2) + f"{ckpts / 'step_0000002'})"
+
+
 def test_dry_run_with_a_missing_data_file_fails_before_any_compute(tmp_path, capsys, monkeypatch):
     def build(*args, **kwargs):
         raise AssertionError("the model was built")
@@ -373,3 +401,100 @@ def test_dry_run_with_a_missing_data_file_fails_before_any_compute(tmp_path, cap
         f"megaloop: error: config key 'data.path': got '{missing}'; no such file"
     ]
     assert not run.exists()
+
+
+# -- what `megaloop train` says at its start and end --------------------------------------------
+
+AVX2_EPYC = (  # /proc/cpuinfo of the AMD EPYC the slow bf16 steps were measured on (issue 54)
+    "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC Processor\n"
+    "flags\t\t: fpu sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c avx2 bmi2 sha_ni vaes\n"
+)
+SAPPHIRE_RAPIDS = "flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n"
+COOPER_LAKE = "flags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_bf16\n"
+SKYLAKE_AVX512 = "flags\t\t: fpu sse2 avx2 avx512f avx512bw avx512vl\n"  # AVX-512, no bf16
+GRAVITON3 = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes sha2 crc32 atomics bf16 i8mm sve\n"
+GRAVITON2 = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics\n"
+
+
+@pytest.mark.parametrize(
+    "cpuinfo, native",
+    [
+        (AVX2_EPYC, False),
+        (SKYLAKE_AVX512, False),
+        (GRAVITON2, False),
+        (SAPPHIRE_RAPIDS, True),
+        (COOPER_LAKE, True),
+        (GRAVITON3, True),
+        (None, None),  # no /proc/cpuinfo (macOS): unknown, nothing said
+        ("processor\t: 0\n", None),
+    ],
+)
+def test_native_bf16_is_read_from_the_cpus_flags(cpuinfo, native):
+    from megaloop.train import cpu_bf16
+
+    assert cpu_bf16.native_bf16(cpuinfo) is native
+    warned = cpu_bf16.slow_bf16_warning(True, False, cpuinfo)
+    assert (warned is not None) == (native is False)
+    assert cpu_bf16.slow_bf16_warning(False, False, cpuinfo) is None  # fp32: nothing to say
+    assert cpu_bf16.slow_bf16_warning(True, True, cpuinfo) is None  # the GPU computes
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="bf16 runs on the GPU here")
+@pytest.mark.parametrize("cpuinfo, warned", [(AVX2_EPYC, True), (SAPPHIRE_RAPIDS, False)])
+def test_train_bf16_on_a_cpu_without_bf16_warns_once_naming_the_override(
+    tmp_path, capsys, monkeypatch, cpuinfo, warned
+):
+    from megaloop.train import cpu_bf16
+
+    monkeypatch.setattr(cpu_bf16, "read_cpuinfo", lambda: cpuinfo)
+    run = [f"train.dir={tmp_path / 'run'}", "data.seq_len=32", "--dry-run"]
+    assert main(["train", TINY, "train.bf16=true", *run]) == 0
+    err = capsys.readouterr().err
+    assert err.count("train.bf16=false") == int(warned), err
+    if warned:
+        (line,) = [x for x in err.splitlines() if "train.bf16=false" in x]
+        assert line.startswith("megaloop: warning: train.bf16 is on, and this CPU has no bf16")
+    assert main(["train", TINY, "train.bf16=false", *run]) == 0
+    assert "train.bf16" not in capsys.readouterr().err
+
+
+def test_the_warning_replaces_torchs_dispatch_warning():
+    """torch warns once a process when a bf16 input meets an fp32 RMSNorm weight (made to warn
+    every time here); after the slow-bf16 warning it says nothing."""
+    from megaloop.train import cpu_bf16
+
+    def dispatch_warnings() -> list[str]:
+        x, weight = torch.randn(2, 8, dtype=torch.bfloat16), torch.ones(8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cpu_bf16.warn_if_slow(True, False, cpuinfo)
+            torch.nn.functional.rms_norm(x, (8,), weight)
+        return [str(w.message) for w in caught if "Mismatch dtype" in str(w.message)]
+
+    was = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)
+    try:
+        cpuinfo = SAPPHIRE_RAPIDS
+        assert len(dispatch_warnings()) == 1  # the warning this test can see
+        cpuinfo = AVX2_EPYC
+        assert dispatch_warnings() == []
+    finally:
+        torch.set_warn_always(was)
+
+
+def test_train_names_its_run_directory_first_and_last_and_labels_its_result(tmp_path, capsys):
+    run = tmp_path / "run"
+    args = [f"train.dir={run}", "train.steps=2", "data.seq_len=32", "train.eval_batches=1"]
+    assert main(["train", TINY, *args, "train.log_every=1", "wandb.mode=disabled"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == f"run directory: {run}"
+    final = read_metrics(run)["evals"][-1]
+    assert lines[-3] == "megaloop train: finished at step 2"
+    assert lines[-2].startswith(f"run directory: {run} (metrics.jsonl, checkpoints/)")
+    label, _, record = lines[-1].partition(" ")
+    assert label == "result:"
+    assert json.loads(record) == {
+        "valid_ce": final["ce"],
+        "hidden_rms": final["hidden_rms"],
+        "valid_windows": final["valid_windows"],
+    }
