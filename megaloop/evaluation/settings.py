@@ -498,8 +498,9 @@ class GenerateSettings:
         if self.early_exit == "none":
             if self.threshold is not None:
                 raise EvalError(
-                    f"--threshold is for --exit gate or margin; --exit {self.exit} runs every "
-                    "token --loops loops (drop --threshold or give --exit gate|margin|confidence)"
+                    f"--threshold is for an exit rule ({', '.join(EXIT_RULES)}); --exit "
+                    f"{self.exit} runs every token --loops loops (drop --threshold or give "
+                    f"--exit {'|'.join(EXIT_RULES)})"
                 )
         elif self.threshold is None:
             raise EvalError(

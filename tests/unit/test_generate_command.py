@@ -209,7 +209,10 @@ def never_loads(monkeypatch):
         (["--prompts", "{tmp}/empty.txt"], "--prompts .*empty.txt: no prompts"),
         (["--prompt", "a", "--exit", "gate"], "--exit gate needs --threshold T"),
         (["--prompt", "a", "--exit", "margin"], "--exit margin needs --threshold T"),
-        (["--prompt", "a", "--threshold", "0.5"], "--threshold is for --exit gate or margin"),
+        (
+            ["--prompt", "a", "--threshold", "0.5"],
+            r"--threshold is for an exit rule \(gate, margin, confidence\)",
+        ),
         (["--prompt", "a", "--loops", "0"], "--loops 0: must be >= 1"),
         (["--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
         (
