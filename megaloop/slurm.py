@@ -21,8 +21,7 @@ from pathlib import Path
 
 from megaloop.config import ConfigError, find_config
 from megaloop.parallel.launch import LaunchError
-from megaloop.parallel.planner import Layout, choose_layout
-from megaloop.parallel.planner import plan as plan_layout
+from megaloop.parallel.planner import Proposal, layout_given, propose
 
 TEMPLATES = Path(str(importlib.resources.files("megaloop") / "_files" / "slurm")).resolve()
 """slurm/ (megaloop/_files/slurm links to it; package data in a wheel)."""
@@ -132,7 +131,7 @@ class Run:
     config: str
     overrides: list
     run_dir: Path
-    layout: Layout
+    layout: Proposal
     missing: str | None = None
     """Why the run's data cannot be read from this machine (a file named in data.* is not
     there), None when it can: `slurm submit` refuses such a run, its dry run says it."""
@@ -152,17 +151,17 @@ def plan(job: TrainJob, config: str, overrides: list) -> Run:
 
     cfg = experiment.load(config, overrides)
     world = job.nodes * job.ranks_per_node
-    explicit = any(o.split("=", 1)[0] in ("parallel.tp", "parallel.pp") for o in overrides)
-    if explicit:
-        p = plan_layout(cfg, world, job.gpu_memory_gib, 1.0, 1.0)
-        layout = Layout(p.tp, p.pp, p.dp, "given on the command line")
-    else:
-        layout = choose_layout(cfg, world, job.gpus_per_node, job.gpu_memory_gib)
+    layout = propose(
+        cfg,
+        world,
+        job.gpu_memory_gib if job.gpus_per_node else None,
+        job.gpus_per_node,
+        layout_given(overrides),
+    )
     run_dir = Path(cfg.train.dir).resolve()
-    kept = [
-        o for o in overrides if not o.startswith(("train.dir=", "parallel.tp=", "parallel.pp="))
-    ]
-    kept += [f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}", f"train.dir={run_dir}"]
+    applied = {"parallel.tp": layout.plan.tp, "parallel.pp": layout.plan.pp, **layout.changes}
+    kept = [o for o in overrides if o.split("=", 1)[0].strip() not in (*applied, "train.dir")]
+    kept += [f"{k}={v}" for k, v in applied.items()] + [f"train.dir={run_dir}"]
     try:
         cfg.data.check_files()
         missing = None

@@ -1,6 +1,9 @@
-"""`megaloop plan CONFIG --gpus N --gpu-mem GiB [--search]`: a layout's memory, FLOPs, time."""
+"""`megaloop plan CONFIG --gpus N --gpu-mem GiB [--search]`: the layout `slurm submit` would
+choose (or the one given as parallel.tp/pp overrides), its memory, FLOPs and time."""
 
 from __future__ import annotations
+
+import contextlib
 
 from megaloop.commands.options import load_config, with_config
 from megaloop.config import ConfigError
@@ -60,6 +63,22 @@ def run(args) -> int:
         )
         print(planner.ranking(plans, left_out, args.gpus, args.gpu_mem))
         return 0 if plans else 1
-    p = planner.plan(cfg, args.gpus, args.gpu_mem, args.tflops, args.mfu)
-    print(planner.describe(p, cfg, args.gpu_mem, args.tflops, args.mfu))
+    fixed = planner.layout_given(args.overrides)
+    try:
+        proposal = planner.propose(
+            cfg, args.gpus, args.gpu_mem, args.gpus_per_node, fixed, args.tflops, args.mfu
+        )
+    except ConfigError:
+        if fixed:  # the breakdown of what was asked for, then why it cannot run
+            with contextlib.suppress(ConfigError):
+                _, closest = planner.fitted(cfg, args.gpus, args.gpu_mem, args.tflops, args.mfu)
+                print(planner.describe(closest, cfg, args.gpu_mem, args.tflops, args.mfu))
+        raise
+    print(planner.describe(proposal.plan, cfg, args.gpu_mem, args.tflops, args.mfu))
+    print(f"why: {proposal.why}")
+    if proposal.changes:
+        print(
+            f"applies with: {' '.join(proposal.overrides)} (add them to `megaloop train`; "
+            f"`megaloop slurm submit` on {args.gpus} GPUs adds them itself)"
+        )
     return 0

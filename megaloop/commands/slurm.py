@@ -33,8 +33,8 @@ def submit(args) -> int:
     script, run = slurm.prepare(job)
     run_dir, layout = run.run_dir, run.layout
     summary = (
-        f"layout: TP={layout.tp} PP={layout.pp} DP={layout.dp} on {job.nodes} node(s) x "
-        f"{job.ranks_per_node} rank(s): {layout.why}"
+        f"layout: TP={layout.plan.tp} PP={layout.plan.pp} DP={layout.plan.dp} on {job.nodes} "
+        f"node(s) x {job.ranks_per_node} rank(s): {layout.why}"
     )
     if args.dry_run:
         print(script, end="")

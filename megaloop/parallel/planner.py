@@ -128,18 +128,20 @@ def with_layout(cfg, engine: str, variant: int | None, tp: int, pp: int, recompu
 def search(
     cfg, gpus: int, gpu_mem_gib: float, tflops: float, mfu: float, gpus_per_node: int = 8
 ) -> tuple[list[Plan], list[str]]:
-    """The layouts that fit `gpus` GPUs of `gpu_mem_gib`, fastest first; among equal times the
-    smallest model-parallel degree (Megatron's advice), then anything that does not all-gather
-    the shared stack again at every loop (ZeRO-3), then the engines in ENGINES' order, then the
-    least memory. Also: why each other layout was left out."""
+    """The layouts that fit `gpus` GPUs of `gpu_mem_gib`, each at the largest micro-batch it
+    can run that fits (`fitted`), fastest first; among equal times the smallest model-parallel
+    degree (Megatron's advice), then anything that does not all-gather the shared stack again
+    at every loop (ZeRO-3), then the engines in ENGINES' order, then the least memory. A layout
+    whose row would repeat a faster one's numbers (the ZeRO stages at DP=1 shard nothing) is
+    named among the left out. Also: why each other layout was left out."""
     order = list(ENGINES)
     plans, left_out = [], []
     for engine, stage, tp, pp, recompute in candidates(cfg, min(gpus, gpus_per_node)):
         trial = with_layout(cfg, engine, stage, tp, pp, recompute)
         try:
-            p = plan(trial, gpus, gpu_mem_gib, tflops, mfu)
+            _, p = fitted(trial, gpus, gpu_mem_gib, tflops, mfu)
         except ConfigError as e:
-            left_out.append(f"{engine} TP={tp} PP={pp}: {e}")
+            left_out.append(f"{ENGINES[engine].label(stage)} TP={tp} PP={pp}: {e}")
             continue
         if p.fits(gpu_mem_gib):
             plans.append(p)
@@ -154,7 +156,16 @@ def search(
             p.total,
         )
     )
-    return plans, left_out
+    kept, seen = [], {}
+    for p in plans:
+        row = (p.tp, p.pp, p.dp, p.recompute, p.micro_batch, round(p.total / 2**30, 1))
+        row += (round(p.step_seconds, 6),)
+        if row in seen:
+            left_out.append(f"{p.name}: the same figures as {seen[row].name}")
+        else:
+            seen[row] = p
+            kept.append(p)
+    return kept, left_out
 
 
 def describe_model(cfg) -> str:
@@ -187,7 +198,7 @@ def describe(p: Plan, cfg, gpu_mem_gib: float, tflops: float, mfu: float) -> str
             f"{_gib(p.activations_per_loop)}; K={cfg.model.num_loops}, peak over the schedule)",
             f"  total        {_gib(p.total)}: {verdict} in {USABLE:.0%} of {gpu_mem_gib:g} GiB "
             f"({_gib(usable)})",
-            f"largest micro-batch that fits: {p.max_micro_batch}",
+            f"largest micro-batch the memory holds: {p.max_micro_batch}",
             f"step ({cfg.train.global_batch_size} x {cfg.data.seq_len} tokens): "
             f"{p.step_seconds:.3g} s at {mfu:.0%} MFU of {tflops:g} TFLOP/s per GPU; "
             f"{p.tokens_per_day / 1e9:.3g}B tokens/day",
@@ -203,7 +214,7 @@ def ranking(
         f"(compute, recompute and pipeline bubble; communication not modelled: among equal "
         f"times prefer the top row, the smallest TP x PP):",
         "",
-        "| # | engine | TP | PP | DP | recompute | GiB per GPU | max micro-batch | step (s) "
+        "| # | engine | TP | PP | DP | recompute | micro-batch | GiB per GPU | step (s) "
         "| tokens/day |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -211,57 +222,185 @@ def ranking(
         engine = ENGINES[p.engine].label(p.zero_stage, short=True)
         lines.append(
             f"| {i} | {engine} | {p.tp} | {p.pp} | {p.dp} | {p.recompute} | "
-            f"{p.total / 2**30:.1f} | {p.max_micro_batch} | {p.step_seconds:.3g} | "
+            f"{p.micro_batch} | {p.total / 2**30:.1f} | {p.step_seconds:.3g} | "
             f"{p.tokens_per_day / 1e9:.3g}B |"
         )
     if len(plans) > top:
         lines.append(f"... and {len(plans) - top} slower or larger")
+    if plans:
+        lines.append(
+            "micro-batch: each layout's largest that divides a data-parallel rank's share of "
+            "the global batch and fits, no larger than the config's (train.micro_batch_size=N "
+            "applies it)"
+        )
     if not plans:
-        lines.append("nothing fits; closest: " + "; ".join(left_out[:3]))
+        lines.append(
+            "nothing fits; left out, first: "
+            + "; ".join(left_out[:3])
+            + ". Use GPUs with more memory, more GPUs or a shorter data.seq_len"
+        )
     return "\n".join(lines)
 
 
+RECOMPUTE_ORDER = ("none", "selective", "full", "loop")
+"""train.recompute from the least compute to the least memory: the planner turns recompute on
+only as far as memory needs it."""
+
+LAYOUT_KEYS = ("parallel.tp", "parallel.pp")
+
+
+def layout_given(overrides: list) -> bool:
+    """The command line fixes TP x PP (`parallel.tp=` or `parallel.pp=`): plan that layout."""
+    return any(str(o).split("=", 1)[0].strip() in LAYOUT_KEYS for o in overrides)
+
+
+def with_micro_batch(cfg, b: int):
+    """`cfg` at micro-batch `b`; a counted train.eval_batches is rescaled to the same validation
+    windows (micro-batch j holds windows [j*b, (j+1)*b)) where that is a whole number."""
+    out = copy.deepcopy(cfg)
+    old, evals = cfg.train.micro_batch_size, cfg.train.eval_batches
+    out.train.micro_batch_size = b
+    if evals != "all" and (evals * old) % b == 0:
+        out.train.eval_batches = evals * old // b
+    return out
+
+
+def micro_batch_sizes(cfg, gpus: int) -> list[int]:
+    """The micro-batches a layout can run, largest first: divisors of a data-parallel rank's
+    share of the global batch, no larger than the config's own (our choice: the config's
+    micro-batch is a ceiling, a smaller GPU gets the same gradient in smaller pieces)."""
+    tp_pp, gbs = cfg.parallel.tp * cfg.parallel.pp, cfg.train.global_batch_size
+    if gpus % tp_pp:
+        return [cfg.train.micro_batch_size]  # plan() names the layout error
+    dp = gpus // tp_pp
+    if gbs % dp:
+        raise ConfigError(
+            f"config key 'train.global_batch_size': {gbs} windows a step do not split over "
+            f"DP={dp} ranks (TP={cfg.parallel.tp} PP={cfg.parallel.pp} on {gpus} GPUs); "
+            f"give a TP x PP whose DP divides {gbs}, fewer GPUs, or a global batch that is a "
+            f"multiple of {dp}"
+        )
+    share = gbs // dp
+    return [b for b in range(min(cfg.train.micro_batch_size, share), 0, -1) if share % b == 0]
+
+
+def fitted(cfg, gpus: int, gpu_mem_gib: float | None, tflops: float, mfu: float):
+    """(config, Plan) of the config's layout at the largest micro-batch it can run that fits
+    (`gpu_mem_gib` None: no GPU memory to fit, the largest it can run); where none fits, the
+    smallest micro-batch's, which does not. ConfigError when the layout cannot run at all."""
+    error, last = None, None
+    for b in micro_batch_sizes(cfg, gpus):
+        trial = with_micro_batch(cfg, b)
+        try:
+            p = plan(trial, gpus, gpu_mem_gib or 1.0, tflops, mfu)
+        except ConfigError as e:
+            error = error or e
+            continue
+        last = trial, p
+        if gpu_mem_gib is None or p.fits(gpu_mem_gib):
+            return last
+    if last is None:
+        raise error
+    return last
+
+
 @dataclass
-class Layout:
-    tp: int
-    pp: int
-    dp: int
+class Proposal:
+    """A layout the config can run on the GPUs and the overrides that apply it."""
+
+    plan: Plan
+    changes: dict
+    """Config key -> the value the proposal gives it, where it differs from the config's."""
     why: str
 
+    @property
+    def overrides(self) -> list[str]:
+        return [f"{k}={v}" for k, v in self.changes.items()]
 
-def choose_layout(cfg, world: int, gpus_per_node: int, gpu_memory_gib: float) -> Layout:
-    """For `megaloop slurm submit`: the largest data-parallel degree whose memory fits the GPU
-    for the config's engine and recompute (Megatron's advice: model parallelism only as far as
-    memory needs it), tensor parallel within a node before pipeline stages. Without GPUs there
-    is no memory to fit: pure DP. Raises ConfigError when nothing fits."""
-    tps, pps = tensor_parallel_sizes(gpus_per_node), pipeline_sizes(cfg, cfg.engine)
-    best, errors = None, []
-    for tp, pp in sorted(((t, p) for t in tps for p in pps), key=lambda c: (c[0] * c[1], c[1])):
-        trial = with_layout(cfg, cfg.engine, None, tp, pp, cfg.train.recompute)
-        try:
-            p = plan(trial, world, gpu_memory_gib, 1.0, 1.0)
-        except ConfigError as e:
-            errors.append(f"TP={tp} PP={pp}: {e}")
-            continue
-        if best is None or p.total < best.total:
-            best = p
-        if gpus_per_node == 0 or p.fits(gpu_memory_gib):
-            fits = (
-                "no GPUs: pure data parallel"
-                if gpus_per_node == 0
-                else f"~{p.total / 2**30:.1f} GiB per rank (weights, gradients, optimizer state, "
-                f"activations: `megaloop plan`) fits {USABLE:.0%} of {gpu_memory_gib:g} GiB"
-            )
-            smaller = "; the smallest model-parallel degree that does" if tp * pp > 1 else ""
-            return Layout(tp, pp, p.dp, fits + smaller)
-    if best is None:
+
+def _changes(cfg, chosen) -> dict:
+    keys = {
+        "parallel.tp": lambda c: c.parallel.tp,
+        "parallel.pp": lambda c: c.parallel.pp,
+        "train.micro_batch_size": lambda c: c.train.micro_batch_size,
+        "train.eval_batches": lambda c: c.train.eval_batches,
+        "train.recompute": lambda c: c.train.recompute,
+    }
+    return {k: get(chosen) for k, get in keys.items() if get(chosen) != get(cfg)}
+
+
+def _why(cfg, p: Plan, gpu_mem_gib: float | None, fixed: bool) -> str:
+    if gpu_mem_gib is None:
+        parts = ["no GPUs: pure data parallel" if not fixed else "no GPUs: nothing to fit"]
+    else:
+        parts = [
+            f"~{p.total / 2**30:.1f} GiB per rank (weights, gradients, optimizer state, "
+            f"activations: `megaloop plan`) fits {USABLE:.0%} of {gpu_mem_gib:g} GiB"
+        ]
+    if fixed:
+        parts.append("the layout given on the command line")
+    elif p.tp * p.pp > 1:
+        parts.append("the smallest model-parallel degree that runs and fits")
+    if p.micro_batch != cfg.train.micro_batch_size:
+        parts.append(
+            f"micro-batch {p.micro_batch}, the largest that divides a data-parallel rank's "
+            f"{cfg.train.global_batch_size // p.dp} windows"
+            + (" and fits" if gpu_mem_gib is not None else "")
+        )
+    if p.recompute != cfg.train.recompute:
+        tried = RECOMPUTE_ORDER[RECOMPUTE_ORDER.index(cfg.train.recompute) :]
+        less = tried[: tried.index(p.recompute)]
+        parts.append(f"recompute={p.recompute}: nothing fits with {' or '.join(less)}")
+    return "; ".join(parts)
+
+
+def propose(
+    cfg,
+    gpus: int,
+    gpu_mem_gib: float | None,
+    gpus_per_node: int = 8,
+    fixed: bool = False,
+    tflops: float = 989.4,
+    mfu: float = 0.4,
+) -> Proposal:
+    """What `megaloop plan` prints and `megaloop slurm submit` launches (one choice for both):
+    the smallest model-parallel degree whose memory fits (Megatron's advice: model parallelism
+    only as far as memory needs it; TP within a node before PP stages; only the config's own
+    TP x PP when `fixed`), at the config's engine and recompute, else at each heavier recompute
+    in turn, with the largest micro-batch that splits the global batch and fits (`fitted`).
+    `gpu_mem_gib` None (no GPUs): pure data parallel, nothing to fit. Raises ConfigError naming
+    the closest layout and what to change when nothing fits."""
+    if fixed:
+        layouts = [(cfg.parallel.tp, cfg.parallel.pp)]
+    else:
+        tps = tensor_parallel_sizes(gpus_per_node if gpu_mem_gib is not None else 0)
+        pps = pipeline_sizes(cfg, cfg.engine) if gpu_mem_gib is not None else [1]
+        layouts = sorted(((t, p) for t in tps for p in pps), key=lambda c: (c[0] * c[1], c[1]))
+    recomputes = RECOMPUTE_ORDER[RECOMPUTE_ORDER.index(cfg.train.recompute) :]
+    closest, errors = None, []
+    for recompute in recomputes:
+        for tp, pp in layouts:
+            trial = with_layout(cfg, cfg.engine, None, tp, pp, recompute)
+            try:
+                chosen, p = fitted(trial, gpus, gpu_mem_gib, tflops, mfu)
+            except ConfigError as e:
+                errors.append(f"TP={tp} PP={pp}: {e}")
+                continue
+            if gpu_mem_gib is None or p.fits(gpu_mem_gib):
+                return Proposal(p, _changes(cfg, chosen), _why(cfg, p, gpu_mem_gib, fixed))
+            if closest is None or p.total < closest.total:
+                closest = p
+    if closest is None:
+        if len(errors) == 1:
+            raise ConfigError(errors[0].split(": ", 1)[1])
         raise ConfigError(
-            f"no TP x PP layout fits {world} ranks and this config's batch: "
-            + "; ".join(errors[:3])
+            f"no TP x PP layout runs this config on {gpus} GPUs: " + "; ".join(errors[:3])
         )
     raise ConfigError(
-        f"no layout fits {gpu_memory_gib:g} GiB per GPU: the smallest estimate is "
-        f"{best.total / 2**30:.1f} GiB (TP={best.tp} PP={best.pp}); lower "
-        f"train.micro_batch_size or data.seq_len, set train.recompute=full, or use "
-        f"more GPUs per node (`megaloop plan CONFIG --search` ranks the layouts)"
+        f"nothing fits {gpu_mem_gib:g} GiB per GPU: the closest is {closest.name} at "
+        f"{closest.total / 2**30:.1f} GiB per GPU ({USABLE:.0%} of {gpu_mem_gib:g} GiB usable); "
+        f"use GPUs with more memory, more GPUs"
+        + ("" if not fixed else " or another TP x PP (drop the parallel.tp/pp overrides)")
+        + ", or a shorter data.seq_len (`megaloop plan CONFIG --search` ranks every engine "
+        "and layout)"
     )

@@ -150,7 +150,7 @@ def test_program_is_what_each_rank_runs(capsys):
     [
         (["--time", "1", "--warning-seconds", "60"], "--warning-seconds 60 must lie in [1, 60)"),
         (["--time", "soon"], "--time 'soon'"),
-        (["--gpu-mem", "4"], "no layout fits 4 GiB per GPU"),
+        (["--gpu-mem", "1"], "nothing fits 1 GiB per GPU: the closest is"),
         (["--tasks-per-node", "4"], "--tasks-per-node 4 with --gpus-per-node 8"),
         (["--cpus-per-task", "0"], "--cpus-per-task must be >= 1"),
         (["--program", "'python -m megaloop"], '--program "\'python -m megaloop": No closing'),

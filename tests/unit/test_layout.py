@@ -3,13 +3,16 @@
 engines' measured weights and optimizer state are held to the planner in test_parallel.py and
 test_deepspeed.py, where the real multi-process runs are."""
 
+import re
+
 import pytest
 import torch
 
 from megaloop import experiment
+from megaloop.config import ConfigError
 from megaloop.model.looped import build_model
 from megaloop.parallel import cost, measure, planner
-from support import TINY
+from support import ROOT, TINY
 
 SHAPE = [
     "model.hidden_size=64",
@@ -241,3 +244,117 @@ def test_plan_cli(capsys):
         == 0
     )
     assert "| 1 | " in capsys.readouterr().out
+
+
+# -- the planner's proposal: what `plan` prints and `slurm submit` launches --------------------
+
+STUDY_44M = "configs/experiments/study/44m/per_loop_norm.yaml"
+BASELINE_1P4B = "configs/experiments/fineweb/1p4b_baseline.yaml"
+
+
+def plan_lines(capsys, config, gpus, mem, *rest) -> tuple[int, str, str]:
+    from megaloop.cli import main
+
+    rc = main(["plan", config, "--gpus", str(gpus), "--gpu-mem", str(mem), *rest])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.parametrize("gpus, share", [(4, 16), (8, 8)])
+def test_plan_proposes_the_micro_batch_that_splits_the_study_batch(capsys, gpus, share):
+    """The study's 44M rows run 64 windows in one micro-batch of 64 (its released configs'
+    batch_size); on `gpus` data-parallel GPUs each rank holds 64 / gpus windows, so that is the
+    largest micro-batch, and the override that applies it is printed."""
+    rc, out, err = plan_lines(capsys, STUDY_44M, gpus, 80)
+    assert rc == 0, err
+    assert f"layout: megatron, TP=1 PP=1 DP={gpus}, micro-batch {share}, recompute=none" in out
+    assert f"applies with: train.micro_batch_size={share} (" in out
+
+
+def test_plan_of_the_1p4b_baseline_on_64_gpus_takes_tp_4():
+    """16 sequences a step split over DP = 64 / (TP x PP) only where DP divides 16: TP=4 (DP=16)
+    is the smallest model-parallel degree that runs, and one sequence a micro-batch fits."""
+    cfg = experiment.load(BASELINE_1P4B)
+    assert cfg.train.global_batch_size == 16 and cfg.parallel.tp == cfg.parallel.pp == 1
+    p = planner.propose(cfg, 64, 80.0, 8)
+    assert (p.plan.tp, p.plan.pp, p.plan.dp, p.plan.micro_batch) == (4, 1, 16, 1)
+    assert p.changes == {"parallel.tp": 4} and p.overrides == ["parallel.tp=4"]
+    with pytest.raises(ConfigError, match=r"16 windows a step do not split over DP=64"):
+        planner.propose(cfg, 64, 80.0, 8, fixed=True)
+
+
+def test_a_layout_that_does_not_fit_exits_nonzero_with_the_next_step(capsys):
+    rc, out, err = plan_lines(capsys, BASELINE_1P4B, 8, 2, "parallel.tp=1")
+    assert rc == 2
+    assert "does NOT fit in 90% of 2 GiB" in out  # the breakdown of what was asked for
+    (line,) = err.strip().splitlines()
+    assert line.startswith("megaloop: error: nothing fits 2 GiB per GPU: the closest is ")
+    assert "use GPUs with more memory, more GPUs" in line and "--search" in line
+
+
+def test_plan_turns_recompute_on_only_where_nothing_fits_without():
+    """The 1.4B run (4,096 tokens, K=4 x 24 layers) keeps ~66 GiB of activations a sequence:
+    with TP=1 fixed nothing fits 80 GiB without recompute (test_plan_of_the_1p4b_run), and
+    selective keeps the same stack activations; full recompute fits."""
+    cfg = experiment.load("configs/experiments/fineweb/1p4b_42b_tokens.yaml")
+    p = planner.propose(cfg, 128, 80.0, 8, fixed=True)
+    assert p.changes == {"train.recompute": "full"} and p.plan.fits(80)
+    assert "recompute=full: nothing fits with none or selective" in p.why
+    free = planner.propose(cfg, 128, 80.0, 8)  # free to shard instead: TP=2, no recompute
+    assert (free.plan.tp, free.plan.recompute) == (2, "none")
+
+
+def test_search_offers_each_layout_at_its_own_micro_batch_once(capsys):
+    rc, out, err = plan_lines(capsys, STUDY_44M, 4, 80, "--search")
+    assert rc == 0, err
+    rows = [line.split("|")[2:-1] for line in out.splitlines() if line.startswith("| ")][1:]
+    rows = [[cell.strip() for cell in row] for row in rows]
+    # engine, TP, PP, DP, recompute, micro-batch: DP=4 at 16 windows, DP=2 at 32, DP=1 at 64
+    assert ["megatron", "1", "1", "4", "none", "16"] == rows[0][:6]
+    assert {(r[3], r[5]) for r in rows if r[2] == "1"} <= {("4", "16"), ("2", "32"), ("1", "64")}
+    # a pipeline of PP stages needs a multiple of PP micro-batches: PP=4 at DP=1 runs 4 x 16
+    assert {(r[3], r[5]) for r in rows if r[2] == "4"} == {("1", "16")}
+    figures = [tuple(r[1:]) for r in rows]  # all but the engine
+    assert len(figures) == len(set(figures)), "two rows repeat the same figures"
+    # at DP=1 the ZeRO stages shard nothing: one row for the layout, not five
+    cfg = experiment.load(BASELINE_1P4B)
+    plans, left_out = planner.search(cfg, 8, 80.0, 989.4, 0.4)
+    tp8 = [p for p in plans if (p.tp, p.pp, p.recompute) == (8, 1, "none")]
+    assert len(tp8) == 1
+    same = "TP=8 PP=1 DP=1, micro-batch 1, recompute=none: the same figures as"
+    assert sum(same in why for why in left_out) == 4
+
+
+@pytest.mark.parametrize(
+    "config, nodes, gpus_per_node, overrides",
+    [
+        (STUDY_44M, 1, 4, []),
+        (BASELINE_1P4B, 8, 8, []),
+        ("configs/experiments/fineweb/1p4b_42b_tokens.yaml", 16, 8, []),
+        ("configs/experiments/fineweb/1p4b_42b_tokens.yaml", 16, 8, ["parallel.tp=1"]),
+    ],
+)
+def test_plan_and_slurm_submit_choose_the_same(
+    capsys, monkeypatch, tmp_path, config, nodes, gpus_per_node, overrides
+):
+    """One choice (planner.propose) for both: the layout `plan` prints for N GPUs is the one
+    `slurm submit` launches on N GPUs, with the same overrides in its job script."""
+    from megaloop.cli import main
+
+    monkeypatch.chdir(tmp_path)  # the dry run writes nothing; its data check only warns
+    rc, out, err = plan_lines(capsys, str(ROOT / config), nodes * gpus_per_node, 80, *overrides)
+    assert rc == 0, err
+    planned = re.search(r"^layout: \S+ TP=(\d+) PP=(\d+) DP=(\d+), micro-batch (\d+)", out, re.M)
+    applies = re.search(r"^applies with: (.*?) \(", out, re.M)
+    job = ["--nodes", str(nodes), "--gpus-per-node", str(gpus_per_node), "--dry-run"]
+    assert main(["slurm", "submit", str(ROOT / config), *job, *overrides]) == 0
+    script, summary = capsys.readouterr()
+    tp, pp, dp, micro = planned.groups()
+    assert f"layout: TP={tp} PP={pp} DP={dp} on {nodes} node(s)" in summary
+    words = script.replace("'", "").split()
+    assert f"parallel.tp={tp}" in words and f"parallel.pp={pp}" in words
+    for override in applies.group(1).split() if applies else []:
+        assert override in words
+    assert any(w.startswith("train.micro_batch_size=") for w in words) == (
+        applies is not None and f"train.micro_batch_size={micro}" in applies.group(1)
+    )
