@@ -195,14 +195,16 @@ def build_trainer(cfg: ExperimentConfig, log: bool = True, dry_run: bool = False
     if note and log and distributed.is_main():
         print(f"megaloop: {note}", flush=True)
     run_lock.hold(Path(cfg.train.dir), probe_only=dry_run)
-    start.check_start(cfg, distributed.world_size())
+    resume_from = start.check_start(cfg, distributed.world_size())
     t = cfg.train
     dataset = cfg.data.build(t.seed, train_samples=t.steps * t.global_batch_size)
     cfg.data.check_vocab(cfg.model.vocab_size, dataset.tokenizer.vocab_size)
     layout.eval_microbatches(t, dataset.valid_windows, dp, cfg.parallel.pp)  # before the model
     engine = cfg.engine_spec.build(cfg, cfg.data.seq_len, cfg.train.micro_batch_size)
     hooks = [*default_callbacks(cfg), *callbacks.registered()]
-    return Trainer(cfg, engine, dataset, hooks, log=log and distributed.is_main())
+    return Trainer(
+        cfg, engine, dataset, hooks, log=log and distributed.is_main(), resume_from=resume_from
+    )
 
 
 # -- checkpoints read back as experiments ---------------------------------------------------

@@ -162,15 +162,25 @@ class ShowsDefaults:
         return f"{help} (default: %(default)s)"
 
 
-def show_defaults(parser: argparse.ArgumentParser) -> None:
-    """Every parser under `parser` (itself included) shows its options' defaults."""
-    if not issubclass(parser.formatter_class, ShowsDefaults):
-        base = parser.formatter_class
-        parser.formatter_class = type(f"ShowsDefaults{base.__name__}", (ShowsDefaults, base), {})
+def every_parser(parser: argparse.ArgumentParser):
+    """`parser` and every parser under it."""
+    yield parser
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for child in action.choices.values():
-                show_defaults(child)
+                yield from every_parser(child)
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every parser under `parser` (itself included) shows its options' defaults, and a
+    required `--out` (`out_folder`) as required in its usage line."""
+    for p in every_parser(parser):
+        if not issubclass(p.formatter_class, ShowsDefaults):
+            base = p.formatter_class
+            p.formatter_class = type(f"ShowsDefaults{base.__name__}", (ShowsDefaults, base), {})
+        if p.get_default("positional_out"):
+            usage = p.format_usage().split(": ", 1)[1].rstrip("\n")
+            p.usage = usage.replace("[--out OUT]", "--out OUT")
 
 
 def with_config(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

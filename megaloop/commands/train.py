@@ -137,7 +137,7 @@ def dry_run_summary(trainer, config: str) -> str:
             f"({windows * dataset.seq_len:,} tokens)",
             f"  validation: {valid:,} windows"
             + (f" of the split's {split:,}" if split is not None else " (synthetic stream)"),
-            f"  train.dir: {t.dir} ({start_of(Path(t.dir), t.init_from)})",
+            f"  train.dir: {t.dir} ({described(Path(t.dir), trainer.resume_from, t.init_from)})",
         ]
     )
 
@@ -150,10 +150,19 @@ def start_of(run_dir: Path, init_from: str | None) -> str:
     Collective, as find_latest is."""
     from megaloop.train import checkpoint
 
+    if not run_dir.exists():
+        return described(run_dir, None, init_from)
+    return described(run_dir, checkpoint.find_latest(run_dir / "checkpoints"), init_from)
+
+
+def described(run_dir: Path, folder: Path | None, init_from: str | None) -> str:
+    """Where a run in `run_dir` starts: from checkpoint `folder` (its newest complete one),
+    else from init_from's weights or fresh."""
+    from megaloop.train import checkpoint
+
     weights = f"from the weights of {init_from}" if init_from else "fresh"
     if not run_dir.exists():
         return f"does not exist yet; the run creates it and starts {weights}"
-    folder = checkpoint.find_latest(run_dir / "checkpoints")
     if folder is not None:
         step = checkpoint.read_meta(folder)["step"]
         return f"exists; resumes from step {step}, its newest complete checkpoint {folder}"

@@ -30,19 +30,21 @@ INIT_FREE = (
 (max_seq_len only with RoPE: learned positions are a table of that many rows)."""
 
 
-def check_start(cfg, world_size: int) -> None:
+def check_start(cfg, world_size: int) -> Path | None:
     """Before any compute: the run may start where it will (collective through the files every
-    rank reads alike)."""
-    check_resume(cfg, world_size)
+    rank reads alike). Returns the checkpoint it resumes from (None: it starts fresh or from
+    train.init_from), looked up once: `start` loads it."""
+    folder = check_resume(cfg, world_size)
     check_init_from(cfg)
+    return folder
 
 
-def check_resume(cfg, world_size: int) -> None:
-    """The newest complete checkpoint of train.dir, if any, was written by this same experiment
-    in a layout this one can read."""
+def check_resume(cfg, world_size: int) -> Path | None:
+    """The newest complete checkpoint of train.dir, if any (returned), was written by this same
+    experiment in a layout this one can read."""
     folder = checkpoint.find_latest(Path(cfg.train.dir) / "checkpoints")
     if folder is None:
-        return
+        return None
     meta = checkpoint.read_meta(folder)
     changes = config_changes(meta["config"], cfg.to_dict())
     if changes:
@@ -54,6 +56,7 @@ def check_resume(cfg, world_size: int) -> None:
         )
     dp = data_parallel_size(cfg, world_size)
     ENGINES[meta["engine"]].check_reshard(cfg, meta["layout"], dp, folder)
+    return folder
 
 
 def check_init_from(cfg) -> None:
@@ -86,11 +89,10 @@ def check_init_from(cfg) -> None:
         )
 
 
-def start(checkpoints: Path, init_from: str | None, engine) -> tuple[Path | None, dict | None]:
-    """Load where the run starts into `engine`: the newest complete checkpoint under
-    `checkpoints` (returned with its position: step, consumed samples), else init_from's
-    weights (position None), else nothing."""
-    folder = checkpoint.find_latest(checkpoints)
+def start(folder: Path | None, init_from: str | None, engine) -> tuple[Path | None, dict | None]:
+    """Load where the run starts into `engine`: the checkpoint `check_start` found (returned
+    with its position: step, consumed samples), else init_from's weights (position None), else
+    nothing."""
     if folder is not None:
         return folder, checkpoint.load(folder, engine)
     if init_from:

@@ -48,8 +48,17 @@ class Trainer:
     """The step and the run's state; `fit` calls `callbacks` (megaloop/train/callbacks.py) for
     everything else."""
 
-    def __init__(self, cfg, engine, dataset, callbacks: Sequence[Callback] = (), log: bool = True):
+    def __init__(
+        self,
+        cfg,
+        engine,
+        dataset,
+        callbacks: Sequence[Callback] = (),
+        log: bool = True,
+        resume_from: Path | None = None,
+    ):
         self.cfg = cfg
+        self.resume_from = resume_from  # verified by start.check_start; None: no checkpoint
         self.engine = engine
         self.dataset = dataset
         self.run_dir = Path(cfg.train.dir)
@@ -132,8 +141,8 @@ class Trainer:
         )
 
     def resume(self) -> Path | None:
-        """Continue from the newest complete checkpoint of the run directory, if any."""
-        folder, position = start(self.checkpoints, self.cfg.train.init_from, self.engine)
+        """Continue from `resume_from`, else start from train.init_from's weights, if any."""
+        folder, position = start(self.resume_from, self.cfg.train.init_from, self.engine)
         if position is not None:
             self.step = position["step"]
             self.batches.consumed_samples = position["consumed_samples"]

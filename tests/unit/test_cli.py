@@ -377,6 +377,11 @@ def test_out_is_required_where_it_replaced_a_positional():
         args = build_parser().parse_args(words)
         with pytest.raises(ConfigError, match="required: --out"):
             args.fn(args)
+        parser = build_parser()._subparsers._group_actions[0].choices[words[0]]
+        if words[0] != "export":
+            parser = parser._subparsers._group_actions[0].choices[words[1]]
+        usage = parser.format_usage()
+        assert " --out OUT " in usage and "[--out OUT]" not in usage, usage
 
 
 @pytest.mark.parametrize(

@@ -376,7 +376,10 @@ def test_dry_run_of_a_run_that_can_resume_names_the_step_it_resumes_from(tmp_pat
 
     def says():
         assert main(["train", TINY, *overrides, "train.steps=8", "--dry-run"]) == 0
-        (line,) = [x for x in capsys.readouterr().out.splitlines() if "train.dir:" in x]
+        out = capsys.readouterr().out.splitlines()
+        (line,) = [x for x in out if "train.dir:" in x]
+        skips = [x for x in out if x.startswith("megaloop: skipping checkpoint")]
+        assert len(skips) <= 1, "the checkpoints were looked up more than once"
         return line
 
     resumes = f"  train.dir: {run} (exists; resumes from step {{}}, its newest complete checkpoint "
