@@ -115,9 +115,16 @@ def run(settings: DownstreamSettings) -> dict:
     with (
         downstream.task_setup(settings) as (tasks, task_manager),
         harness.as_export(settings.model) as (export_folder, source),
+        downstream.without_lm_eval_bars(),
     ):
         export = check_rule(settings, export_folder)
         model, tokenizer, device = downstream.loaded(export, settings)
+        passes = harness.progress(
+            None,
+            f"lm-eval passes (K=1..{K}, then each threshold)",
+            "pass",
+            total=K + len(settings.thresholds),
+        )
         lm_args = dict(
             pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size, device=device
         )
@@ -131,6 +138,7 @@ def run(settings: DownstreamSettings) -> dict:
             depth = {task: {"mean_loops": float(k)} for task in results["configs"]}
             folder = out / f"fixed-k{k}"
             runs.append(record(downstream.write(results, folder, info | fixed, depth), folder))
+            passes.update()
         model.config.num_loops, info["loops"] = K, K
         for threshold in settings.thresholds:
             model.config.early_exit, model.config.exit_threshold = settings.exit, threshold
@@ -140,6 +148,8 @@ def run(settings: DownstreamSettings) -> dict:
             rule = {"exit": settings.exit, "threshold": threshold, "mean_loops": mean}
             folder = out / f"{settings.exit}-{threshold!r}"
             runs.append(record(downstream.write(results, folder, info | rule, depth), folder))
+            passes.update()
+        passes.close()
     place(runs)
     summary = {
         **{k: info[k] for k in ("model", "step", "loops", "limit", "data_dir", "split", "splits")},

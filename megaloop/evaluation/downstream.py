@@ -256,6 +256,30 @@ def checked_lm(**kwargs):
 
 
 @contextlib.contextmanager
+def without_lm_eval_bars() -> Iterator[None]:
+    """lm-eval draws a bar per task (building its requests) and one per request kind in every
+    pass, with no switch for the first; `eval downstream --exit` runs K + thresholds passes, so
+    it hides them (the modules' own `tqdm` names) and draws one bar over the passes."""
+    import lm_eval.api.model
+    import lm_eval.api.task
+    import lm_eval.models.huggingface
+    from tqdm import tqdm
+
+    def hidden(*args, **kwargs):
+        return tqdm(*args, **{**kwargs, "disable": True})  # over lm-eval's own `disable=`
+
+    modules = (lm_eval.api.model, lm_eval.api.task, lm_eval.models.huggingface)
+    saved = [m.tqdm for m in modules]
+    for m in modules:
+        m.tqdm = hidden
+    try:
+        yield
+    finally:
+        for m, bar in zip(modules, saved, strict=True):
+            m.tqdm = bar
+
+
+@contextlib.contextmanager
 def task_setup(settings: DownstreamSettings) -> Iterator[tuple[tuple[str, ...], object]]:
     """The tasks to run and the lm-eval TaskManager that holds them (their generated YAMLs live
     in a temporary folder for the duration); unknown or unrunnable tasks are refused here."""

@@ -222,10 +222,10 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def progress(iterable, desc: str, unit: str = "batch"):
+def progress(iterable, desc: str, unit: str = "batch", total: int | None = None):
     from tqdm import tqdm
 
-    return tqdm(iterable, desc=desc, unit=unit, dynamic_ncols=True)
+    return tqdm(iterable, desc=desc, unit=unit, total=total, dynamic_ncols=True)
 
 
 def batches(slice_: torch.Tensor, batch_size: int, desc: str) -> Iterator[torch.Tensor]:

@@ -2,6 +2,7 @@
 scored on, the gold index of every sample format, and acc / acc_norm as lm-eval computes them."""
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -472,7 +473,12 @@ def test_adaptive_depth_at_the_extremes_is_fixed_k(export_dir, task_data, tmp_pa
     exits every token at loop 1: K = 1's and 1 loop per token."""
     out = tmp_path / "adaptive"
     assert adaptive(export_dir, task_data, out, "--exit", "margin", "--threshold", "1e30,0") == 0
-    assert "| **macro** | margin 1e+30 | 2.00 |" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "| **macro** | margin 1e+30 | 2.00 |" in printed.out
+    # one bar over the 4 passes (K=1, 2 and two thresholds), not lm-eval's 3 a pass (the
+    # export's loading draws its own, once)
+    bars = {line.split(":")[0] for line in re.split(r"[\r\n]", printed.err) if "%|" in line}
+    assert bars - {"Loading weights"} == {"lm-eval passes (K=1..2, then each threshold)"}, bars
     k1 = downstream.run(
         DownstreamSettings(
             model=export_dir,
