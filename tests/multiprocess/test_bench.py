@@ -596,7 +596,7 @@ def test_generate_mini_smoke(tmp_path):
 
 
 def test_adaptive_depth_smoke(tmp_path):  # two worker lanes, then two pinned processes
-    """SMOKE=1 bench/adaptive_depth: three seeds trained in two stages (exit-weighted, then the
+    """SMOKE=1 bench/adaptive_depth: two seeds trained in two stages (exit-weighted, then the
     gate alone from stage 1's checkpoint) and exported, the per-token evidence over each kind of
     token, every run of `bench generate` at batch 1 and 8 over its batches, one verdict per exit
     setting, and the report with its figures."""
@@ -608,7 +608,7 @@ def test_adaptive_depth_smoke(tmp_path):  # two worker lanes, then two pinned pr
     assert not work.exists()
     proc = subprocess.run([script, str(out)], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for seed in (0, 1, 2):
+    for seed in (0, 1):
         one = read_metrics(work / f"seed{seed}/stage1")["config"]
         two = read_metrics(work / f"seed{seed}/stage2")["config"]
         assert one["objective"]["kind"] == "exit_weighted" and one["data"]["task"] == "addition"
@@ -620,7 +620,7 @@ def test_adaptive_depth_smoke(tmp_path):  # two worker lanes, then two pinned pr
         assert json.loads((work / f"seed{seed}/hf/config.json").read_text())["exit_gate"]
 
     info = json.loads((out / "adaptive_depth.json").read_text())
-    assert info["smoke"] and info["seeds"] == [0, 1, 2] and info["episodes"] == {"1": 4, "8": 16}
+    assert info["smoke"] and info["seeds"] == [0, 1] and info["episodes"] == {"1": 4, "8": 16}
     always = {
         "operand digit",
         "format (+ = newline)",
@@ -652,7 +652,7 @@ def test_adaptive_depth_smoke(tmp_path):  # two worker lanes, then two pinned pr
                 assert r["tokens_per_s"] == pytest.approx(decoded / min(r["seconds"]))
     assert len(info["verdicts"]) == 3 * 4 * (3 + 5)
     for v in info["verdicts"]:
-        assert len(v["answer_accuracy"]) == 3 and isinstance(v["beats_fixed_depth"], bool)
+        assert len(v["answer_accuracy"]) == 2 and isinstance(v["beats_fixed_depth"], bool)
         assert v["beats_fixed_depth"] == (v["undominated"] and (v["by_accuracy"] or v["by_speed"]))
     report = (out / "README.md").read_text()
     assert report.startswith("# Adaptive depth against fixed depth")
