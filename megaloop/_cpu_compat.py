@@ -167,6 +167,19 @@ def _drop_log_message(logger: str, message: str) -> Callable[[], None]:
     return apply
 
 
+def _import_megatron_with_eager_fusions() -> None:
+    """Import megatron-core while `torch.compile` hands functions back unchanged, so its
+    `jit_fuser` (jit.py binds it to torch.compile at import) stays eager for the process."""
+    if "megatron.core" in sys.modules:
+        return
+    compile_ = torch.compile
+    torch.compile = lambda model=None, **kwargs: model if model is not None else (lambda m: m)
+    try:
+        importlib.import_module("megatron.core")
+    finally:
+        torch.compile = compile_
+
+
 def _set_env(name: str, value: str) -> Callable[[], None]:
     return lambda: os.environ.setdefault(name, value)
 
@@ -204,6 +217,13 @@ def _after_import(name: str, then: Callable[[types.ModuleType], None]) -> Callab
 
 
 PATCHES = [
+    Patch(
+        "jit.py:21 (jit_fuser), e.g. fusions/fused_bias_swiglu.py:15, transformer/utils.py:54",
+        "@jit_fuser = torch.compile on megatron-core's fused kernels: eager functions. Calling "
+        "one on a CPU would compile it with inductor's C++ backend; megaloop turns the fusions "
+        "off, and decorating them imported torch._dynamo and inductor (~2.5 s a process)",
+        _import_megatron_with_eager_fusions,
+    ),
     Patch(
         "~175 call sites, e.g. models/common/embeddings/rotary_pos_embedding.py:162, "
         "tensor_parallel/layers.py:261, pipeline_parallel/p2p_communication.py:190",
