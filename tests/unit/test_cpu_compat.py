@@ -101,3 +101,22 @@ def test_does_nothing_when_cuda_is_present(monkeypatch):
     monkeypatch.setattr(_cpu_compat, "installed", lambda d: "0.0.0")  # refused on a CPU
     _cpu_compat.apply()
     assert _cpu_compat._applied is False
+
+
+def test_megatron_cores_fusions_stay_eager_and_import_no_compiler():
+    """A fresh process: after apply(), megatron-core's jit_fuser hands a function back unchanged
+    and neither torch._dynamo nor inductor has been imported (they cost ~2.5 s a process)."""
+    import subprocess
+
+    code = (
+        "import sys; from megaloop import _cpu_compat; _cpu_compat.apply(); "
+        "import megaloop.parallel.megatron; from megatron.core import jit; "
+        "f = lambda x: x; "
+        "print(jit.jit_fuser(f) is f, 'torch._dynamo' in sys.modules, "
+        "'torch._inductor' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "False", "False"], out.stdout
