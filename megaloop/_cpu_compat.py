@@ -19,11 +19,14 @@ import importlib.abc
 import importlib.util
 import inspect
 import logging
+import multiprocessing
 import os
+import signal
 import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.managers import SyncManager
 
 import torch
 
@@ -180,6 +183,24 @@ def _import_megatron_with_eager_fusions() -> None:
         torch.compile = compile_
 
 
+def _write_results_queue_of_a_forked_manager():
+    """megatron-core's checkpoint results queue, its manager forked: a spawned one is a fresh
+    interpreter that imports torch to unpickle the first save's results (~2.5 s a process)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+        manager.start(_default_signal_handlers)
+        filesystem_async._results_queue = manager.Queue()
+    return filesystem_async._results_queue
+
+
+def _default_signal_handlers() -> None:
+    """In the forked manager: the trainer's SIGTERM/SIGUSR1 handlers only set a flag there."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def _set_env(name: str, value: str) -> Callable[[], None]:
     return lambda: os.environ.setdefault(name, value)
 
@@ -317,6 +338,16 @@ PATCHES = [
         "dist_checkpointing/strategies/state_dict_saver.py:204",
         "torch.tensor(..., device='cuda')",
         _module_torch("dist_checkpointing.strategies.state_dict_saver"),
+    ),
+    Patch(
+        "dist_checkpointing/strategies/filesystem_async.py:51-56 (_get_write_results_queue)",
+        "mp.get_context('spawn').Manager().Queue(): spawned to keep CUDA out of a fork; "
+        "without CUDA the manager is forked (the checkpoint writers already are)",
+        _set(
+            "dist_checkpointing.strategies.filesystem_async",
+            "_get_write_results_queue",
+            _write_results_queue_of_a_forked_manager,
+        ),
     ),
     Patch(
         "dist_checkpointing/exchange_utils.py:98-110,326,336,499",

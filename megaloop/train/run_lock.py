@@ -26,6 +26,18 @@ _held: dict[Path, int] = {}
 """This process's locks, by resolved run directory (an in-process rerun reuses its own)."""
 
 
+def _close_in_forked_child() -> None:
+    """A forked child (megatron-core's checkpoint writers and their results manager) drops its
+    copies: flock belongs to the open file, so a copy would hold the lock past this process's
+    release, or its kill -9."""
+    for fd in _held.values():
+        os.close(fd)
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_forked_child)
+
+
 class RunDirBusy(ConfigError):
     """Another live run holds the run directory."""
 

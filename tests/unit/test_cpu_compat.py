@@ -120,3 +120,30 @@ def test_megatron_cores_fusions_stay_eager_and_import_no_compiler():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["True", "False", "False"], out.stdout
+
+
+def test_checkpoint_results_go_through_a_forked_manager_that_sigterm_ends():
+    """megatron-core spawns the manager of its checkpoint results queue, a fresh interpreter
+    that imports torch in every saving process; here it is forked, and SIGTERM ends it as it
+    ends a spawned one although the trainer's SIGTERM handler (a flag) was installed first."""
+    import multiprocessing
+    import signal
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    saved, filesystem_async._results_queue = filesystem_async._results_queue, None
+    before = set(multiprocessing.active_children())
+    try:
+        queue = filesystem_async._get_write_results_queue()
+        assert filesystem_async._get_write_results_queue() is queue
+        (manager,) = set(multiprocessing.active_children()) - before
+        assert type(manager).__name__ == "ForkProcess"
+        queue.put({0: ["written"]})
+        assert queue.get(timeout=10) == {0: ["written"]}
+        manager.terminate()
+        manager.join(timeout=10)
+        assert manager.exitcode == -signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        filesystem_async._results_queue = saved
