@@ -37,15 +37,19 @@ slurm:
 PYTEST := HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q
 # The in-process tests spread over the cores (pytest-xdist, one thread each; a file's tests stay
 # on one worker, with its fixtures). `make test` adds to that pass the multi-process tests whose
-# processes run one after another (marker one_at_a_time) and the Slurm tests (a cluster that
-# mostly waits on its scheduler), then runs the other multi-process tests one at a time: their
-# ranks take the cores by themselves. --durations: the log names where the suite's time goes.
+# processes run one after another (marker one_at_a_time), then runs the other multi-process tests
+# one at a time (their ranks take the cores by themselves) and beside them the Slurm tests, a
+# cluster that mostly waits on its scheduler; their log follows. --durations: the log names
+# where the suite's time goes.
 IN_PROCESS := -n auto --dist loadfile -m "not multiprocess and not slurm"
-SHARED := -n auto --dist loadfile -m "not multiprocess or one_at_a_time"
+SHARED := -n auto --dist loadfile -m "(not multiprocess or one_at_a_time) and not slurm"
 
 test: $(STAMP) slurm lint
 	$(PYTEST) $(SHARED) --durations=15
-	$(PYTEST) -m "multiprocess and not one_at_a_time" --durations=15
+	log=$$(mktemp); $(PYTEST) -m slurm --durations=5 >$$log 2>&1 & slurm=$$!; \
+	$(PYTEST) -m "multiprocess and not one_at_a_time" --durations=15; multi=$$?; \
+	wait $$slurm; cluster=$$?; echo "== the Slurm tests, run beside the pass above"; \
+	cat $$log; rm -f $$log; [ $$multi = 0 ] && [ $$cluster = 0 ]
 
 # ruff (lint and format) and the import contracts of pyproject.toml (docs/architecture.md).
 lint: $(STAMP)

@@ -18,10 +18,12 @@ SHORT_RUN = [
     "train.micro_batch_size=16",
     "train.global_batch_size=16",
     "train.log_every=10",
+    "train.save_every=40",
     "train.eval_batches=2",
     "wandb.mode=disabled",
 ]
-"""Overrides on multiproc.BASE for the measured models: 40 steps of 16 sequences of 32 tokens."""
+"""Overrides on multiproc.BASE for the measured models: 40 steps of 16 sequences of 32 tokens,
+one checkpoint."""
 VARIANTS = {
     "norm": ["model.readout=norm"],
     "raw": ["model.readout=raw"],
