@@ -41,8 +41,11 @@ PYTEST := HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q
 # one at a time (their ranks take the cores by themselves) and beside them the Slurm tests, a
 # cluster that mostly waits on its scheduler; their log follows. --durations: the log names
 # where the suite's time goes.
-IN_PROCESS := -n auto --dist loadfile -m "not multiprocess and not slurm"
-SHARED := -n auto --dist loadfile -m "(not multiprocess or one_at_a_time) and not slurm"
+# Files go out in collection order (xdist's default sends the files with the most tests first),
+# so the few long multi-process files start first and the many short ones fill in at the end.
+XDIST := -n auto --dist loadfile --no-loadscope-reorder
+IN_PROCESS := $(XDIST) -m "not multiprocess and not slurm"
+SHARED := $(XDIST) -m "(not multiprocess or one_at_a_time) and not slurm"
 
 test: $(STAMP) slurm lint
 	$(PYTEST) $(SHARED) --durations=15

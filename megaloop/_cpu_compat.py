@@ -19,14 +19,12 @@ import importlib.abc
 import importlib.util
 import inspect
 import logging
-import multiprocessing
 import os
-import signal
+import queue
 import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.managers import SyncManager
 
 import torch
 
@@ -183,22 +181,14 @@ def _import_megatron_with_eager_fusions() -> None:
         torch.compile = compile_
 
 
-def _write_results_queue_of_a_forked_manager():
-    """megatron-core's checkpoint results queue, its manager forked: a spawned one is a fresh
-    interpreter that imports torch to unpickle the first save's results (~2.5 s a process)."""
+def _write_results_queue_in_this_process():
+    """megatron-core's checkpoint results queue as a plain queue: a save that runs in this
+    process (megaloop's saves are synchronous) puts its results and reads them here."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
-        manager = SyncManager(ctx=multiprocessing.get_context("fork"))
-        manager.start(_default_signal_handlers)
-        filesystem_async._results_queue = manager.Queue()
+        filesystem_async._results_queue = queue.Queue()
     return filesystem_async._results_queue
-
-
-def _default_signal_handlers() -> None:
-    """In the forked manager: the trainer's SIGTERM/SIGUSR1 handlers only set a flag there."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_DFL)
 
 
 def _set_env(name: str, value: str) -> Callable[[], None]:
@@ -341,12 +331,13 @@ PATCHES = [
     ),
     Patch(
         "dist_checkpointing/strategies/filesystem_async.py:51-56 (_get_write_results_queue)",
-        "mp.get_context('spawn').Manager().Queue(): spawned to keep CUDA out of a fork; "
-        "without CUDA the manager is forked (the checkpoint writers already are)",
+        "mp.get_context('spawn').Manager().Queue(): a server interpreter per saving process, "
+        "which imports torch to unpickle the first save's results (~2.5 s a rank); megaloop "
+        "saves synchronously, so its results never leave the process",
         _set(
             "dist_checkpointing.strategies.filesystem_async",
             "_get_write_results_queue",
-            _write_results_queue_of_a_forked_manager,
+            _write_results_queue_in_this_process,
         ),
     ),
     Patch(
