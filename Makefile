@@ -37,11 +37,10 @@ slurm:
 PYTEST := HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q
 # The in-process tests spread over the cores (pytest-xdist, one thread each; a file's tests stay
 # on one worker, with its fixtures). `make test` adds to that pass the multi-process tests whose
-# processes run one after another (marker one_at_a_time). Then the other multi-process tests,
-# as many files at once as cores: their ranks (one thread each) share the cores, and one test's
-# waits (startup, rendezvous, checkpoints, a killed rank) are another's compute. Beside them the
-# Slurm tests, a cluster that mostly waits on its scheduler; their log follows. --durations:
-# the log names where the suite's time goes.
+# processes run one after another (marker one_at_a_time). Then the other multi-process tests one
+# at a time (their ranks take the cores; two at once measured no faster, 2026-12-06, and slowed
+# the DeepSpeed tests up to 7x), and beside them the Slurm tests, a cluster that mostly waits on
+# its scheduler; their log follows. --durations: the log names where the suite's time goes.
 # Files go out in collection order (xdist's default sends the files with the most tests first),
 # so the few long multi-process files start first and the many short ones fill in at the end.
 XDIST := -n auto --dist loadfile --no-loadscope-reorder
@@ -51,7 +50,7 @@ SHARED := $(XDIST) -m "(not multiprocess or one_at_a_time) and not slurm"
 test: $(STAMP) slurm lint
 	$(PYTEST) $(SHARED) --durations=15
 	log=$$(mktemp); $(PYTEST) -m slurm --durations=5 >$$log 2>&1 & slurm=$$!; \
-	$(PYTEST) $(XDIST) -m "multiprocess and not one_at_a_time" --durations=15; multi=$$?; \
+	$(PYTEST) -m "multiprocess and not one_at_a_time" --durations=15; multi=$$?; \
 	wait $$slurm; cluster=$$?; echo "== the Slurm tests, run beside the pass above"; \
 	cat $$log; rm -f $$log; [ $$multi = 0 ] && [ $$cluster = 0 ]
 

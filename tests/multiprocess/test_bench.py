@@ -341,6 +341,7 @@ def test_mfu_smoke():
     assert float(rows[0][6].rstrip("x")) == pytest.approx(tps["1"] / tps["4"], rel=0.01, abs=0.006)
 
 
+@pytest.mark.one_at_a_time  # one process, memory counted, not timed
 def test_residual_memory_smoke():
     """An fp32 residual keeps more for backward than a bf16 one, by at least one H-sized tensor
     a layer application at 2 bytes more a value and at most two a layer application plus the
