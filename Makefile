@@ -1,7 +1,5 @@
 # Two commands for a fresh machine: `make demo` and `make test`. Both create .venv and install
 # the pinned dependencies first (torch==2.13.0 before anything else can ask for another torch).
-# --no-compile: Python compiles a module when it is first imported, not all of torch's at install
-# (install 111 s -> 58 s here; the first import of torch and megatron-core pays ~8 s once).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | cksum | cut -d' ' -f1)
@@ -15,8 +13,8 @@ install: $(STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --no-compile torch==2.13.0
-	$(PY) -m pip install --quiet --no-compile -r requirements.txt
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -r requirements.txt
 	$(PY) .ci/check_lock.py
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	rm -f $(VENV)/.installed-*
