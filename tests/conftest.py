@@ -1,7 +1,6 @@
 """Tests run megatron-core for real on the CPU: the compatibility layer is applied here (tests
 are an entry point) and a one-process world is set up once per session."""
 
-import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -93,18 +92,6 @@ _MEMORY_REPORTS: list[tuple[str, dict]] = []
 def memory_report():
     """Record a run's per-rank memory (printed at the end of the test session)."""
     return lambda name, report: _MEMORY_REPORTS.append((name, report))
-
-
-def pytest_sessionfinish(session):
-    """On a pytest-xdist worker: hand the memory reports to the controller, which prints them."""
-    output = getattr(session.config, "workeroutput", None)
-    if output is not None:
-        output["memory_reports"] = json.dumps(_MEMORY_REPORTS)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node, error):
-    _MEMORY_REPORTS.extend(json.loads(node.workeroutput.get("memory_reports", "[]")))
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -27,9 +27,9 @@ _held: dict[Path, int] = {}
 
 
 def _close_in_forked_child() -> None:
-    """A forked child (megatron-core's checkpoint writers and their results manager) drops its
-    copies: flock belongs to the open file, so a copy would hold the lock past this process's
-    release, or its kill -9."""
+    """A forked child (megatron-core's checkpoint writers are forks) drops its copies: flock
+    belongs to the open file, so a copy would hold the lock past this process's release, or its
+    kill -9."""
     for fd in _held.values():
         os.close(fd)
     _held.clear()

@@ -13,7 +13,7 @@ def _started_then_wait(started, done) -> None:
 
 def test_a_forked_child_does_not_keep_the_lock(tmp_path):
     """flock belongs to the open file, so a forked child's copy of the descriptor (megatron-core's
-    checkpoint writers and their results manager are forks) would hold the lock past the run's
+    checkpoint writers are forks) would hold the lock past the run's
     release, or past a kill -9 of the run."""
     fork = multiprocessing.get_context("fork")
     run_lock.acquire(tmp_path)
