@@ -21,12 +21,14 @@ RESUMABLE = (
     "train.save_every",
     "train.keep_last",
     "train.scale_alarm",
+    "train.recompute",
     "parallel",
     "deepspeed.zero_stage",
     "wandb",
 )
 """Config keys (or sections) that may change when a run resumes: its length, cadence and
-monitoring, and the layout (checkpoints reshard; `slurm submit` rewrites it). Any other
+monitoring, the layout (checkpoints reshard; `slurm submit` rewrites it) and activation
+recompute (memory, not arithmetic: a run resharded onto fewer devices may need it). Any other
 difference from the checkpoint's saved config stops the resume."""
 
 

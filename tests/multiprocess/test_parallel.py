@@ -35,6 +35,24 @@ LAYOUTS = {  # name: (processes, overrides)
     "dp2xpp2": (4, ["parallel.pp=2"]),
 }
 REL = 1e-5  # fp32; measured differences are ~1e-7
+RECOMPUTE = {  # objective: train.recompute of its TP x PP run (one option each)
+    "exit_weighted": "loop",
+    "exit_mixture": "selective",
+    "study": "full",
+}
+"""Recompute changes memory, not arithmetic (tests/unit/test_recompute.py, on one process), so
+these runs must still equal one process without it: each option meets TP's RNG and all-reduces
+and PP's stages here, without launches of its own. per_loop+penalty and the untied W_out run
+TP x PP without recompute."""
+
+
+def recompute(objective: str, layout: str) -> str:
+    return RECOMPUTE.get(objective, "none") if layout == "tp2xpp2" else "none"
+
+
+def layout_overrides(objective: str, layout: str) -> list[str]:
+    option = recompute(objective, layout)
+    return [*OBJECTIVES[objective], *LAYOUTS[layout][1], f"train.recompute={option}"]
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +65,7 @@ def run(reference_run, tmp_path_factory):
             return reference_run(objective)
         if (objective, layout) not in cache:
             run_dir = tmp_path_factory.mktemp(f"{objective}-{layout}")
-            nproc, overrides = LAYOUTS[layout]
-            train(nproc, run_dir, [*OBJECTIVES[objective], *overrides])
+            train(LAYOUTS[layout][0], run_dir, layout_overrides(objective, layout))
             cache[objective, layout] = (run_dir, metrics(run_dir))
         return cache[objective, layout]
 
@@ -73,11 +90,12 @@ def test_layout_equals_one_process(run, objective, layout, memory_report):
     _, reference = run(objective)
     _, parallel = run(objective, layout)
     assert len(parallel["steps"]) == 10
+    assert parallel["config"]["train"]["recompute"] == recompute(objective, layout)
     assert_same_curve(parallel, reference, REL)
     report = parallel["layout"]
     memory_report(f"{objective} {layout}", report)
     model = experiment.load(TINY, [*BASE, *OBJECTIVES[objective]]).model
-    cfg = experiment.load(TINY, [*BASE, *OBJECTIVES[objective], *LAYOUTS[layout][1]])
+    cfg = experiment.load(TINY, [*BASE, *layout_overrides(objective, layout)])
     planned = state_bytes(cfg, report["tp"], report["pp"], report["dp"])
     by_position = {}
     for r in report["ranks"]:  # the planner's per-rank figures are what the ranks hold
@@ -123,10 +141,11 @@ def test_the_study_preset_with_dropout_trains_at_tp2xpp2(run, tmp_path):
     """Dropout draws other masks in another layout, so no curve to equal: the run trains (finite,
     its loss falls) and differs from the same run without dropout."""
     _, without = run("study", "tp2xpp2")
-    train(4, tmp_path, [*OBJECTIVES["study"], "model.dropout=0.1", *LAYOUTS["tp2xpp2"][1]])
+    dropout = [*OBJECTIVES["study"], "model.dropout=0.1", "train.steps=5", "train.save_every=0"]
+    train(4, tmp_path, [*dropout, *LAYOUTS["tp2xpp2"][1]])
     losses = [r["loss"] for r in metrics(tmp_path)["steps"]]
-    assert len(losses) == 10 and losses[-1] < losses[0]
-    assert losses[1:] != [r["loss"] for r in without["steps"]][1:]
+    assert len(losses) == 5 and losses[-1] < losses[0]
+    assert losses[1:] != [r["loss"] for r in without["steps"]][1:5]
 
 
 def copy_run(source, run_dir, drop_after: int):
@@ -139,6 +158,7 @@ def copy_run(source, run_dir, drop_after: int):
 
 @pytest.mark.parametrize("objective", ["exit_weighted", "study"])
 def test_reshard_tp2xpp2_checkpoint_into_one_process(run, objective, tmp_path, capsys):
+    """Another layout, and recompute off where the TP x PP run had it on (RECOMPUTE)."""
     source, _ = run(objective, "tp2xpp2")
     _, reference = run(objective)
     copy_run(source, tmp_path / "run", drop_after=5)
