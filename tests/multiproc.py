@@ -188,13 +188,13 @@ def assert_same_curve(run: dict, ref: dict, rel: float, steps=None) -> None:
 
 def kill_9_then_resume(run_dir: Path, overrides: list[str], reference: dict) -> None:
     """SIGKILL a 2-rank run (torchrun and every rank, as when a node dies) while it waits at
-    step 8 (the hold-at-step fault: step 7 is its newest checkpoint, whatever the machine's
-    speed), rerun it, and check it resumed from step 7 and repeated the uninterrupted run's
-    remaining steps bit for bit (same layout, same arithmetic)."""
+    step 8 (the hold-at-step fault: step 7, its one checkpoint, is the newest, whatever the
+    machine's speed), rerun it, and check it resumed from step 7 and repeated the uninterrupted
+    run's remaining steps bit for bit (same layout, same arithmetic)."""
     import psutil
 
     proc = subprocess.Popen(
-        command(2, run_dir, [*overrides, "train.save_every=1"], ["--hold-at-step", "8"]),
+        command(2, run_dir, [*overrides, "train.save_every=7"], ["--hold-at-step", "8"]),
         env=env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -204,7 +204,7 @@ def kill_9_then_resume(run_dir: Path, overrides: list[str], reference: dict) -> 
         p.kill()
     proc.wait()
     assert (run_dir / "checkpoints/latest").read_text().strip() == "step_0000007"
-    out = train(2, run_dir, [*overrides, "train.save_every=1"])
+    out = train(2, run_dir, [*overrides, "train.save_every=7"])
     assert f"resumed from {run_dir}/checkpoints/step_0000007" in out.stdout
     assert_same_curve(metrics(run_dir), reference, 1e-12, steps=range(8, 11))
 

@@ -222,7 +222,7 @@ def test_export_of_a_tp2_pp2_checkpoint_loads_offline_in_a_fresh_process(tmp_pat
     from megaloop.model import build_model
 
     run = tmp_path / "run"
-    train(4, run, ["parallel.tp=2", "parallel.pp=2", "model.num_query_groups=2"])
+    train(4, run, ["parallel.tp=2", "parallel.pp=2", "model.num_query_groups=2", "train.steps=2"])
     out = tmp_path / "hf"
     assert main(["export", str(run), "--out", str(out)]) == 0
     assert json.loads((out / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == (

@@ -379,7 +379,7 @@ def test_ouros_architecture_has_rotary_positions():
 
 
 @pytest.mark.multiprocess
-def test_train_20_steps_from_an_import_at_tp2xpp2(imported, tmp_path):
+def test_train_10_steps_from_an_import_at_tp2xpp2(imported, tmp_path):
     _, ckpt = imported
     run_dir = tmp_path / "run"
     cmd = [
@@ -396,7 +396,7 @@ def test_train_20_steps_from_an_import_at_tp2xpp2(imported, tmp_path):
         *OVERRIDES,
         "parallel.tp=2",
         "parallel.pp=2",
-        "train.steps=20",
+        "train.steps=10",
         "train.save_every=0",
         f"train.init_from={ckpt}",
         f"train.dir={run_dir}",
@@ -404,8 +404,8 @@ def test_train_20_steps_from_an_import_at_tp2xpp2(imported, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     losses = [r["loss"] for r in metrics(run_dir)["steps"]]
-    assert len(losses) == 20 and all(math.isfinite(x) for x in losses)
-    assert sum(losses[-5:]) / 5 < 0.95 * sum(losses[:5]) / 5, losses  # 6.13 -> 5.50 here
+    assert len(losses) == 10 and all(math.isfinite(x) for x in losses)
+    assert sum(losses[-3:]) / 3 < 0.95 * sum(losses[:3]) / 3, losses  # 6.18 -> 5.73 here
     # the run started from the import: the same run from the seed's initialisation does not (on
     # one process: its first loss is TP2 x PP2's within 1e-5, tests/multiprocess/test_parallel.py)
     fresh = tmp_path / "fresh"
