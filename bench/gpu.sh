@@ -120,7 +120,8 @@ EOF
 
 step_preempt_resume() {
   local args=()
-  [ -n "$SMOKE" ] && args=(--steps 6 --at 3)
+  [ -n "$SMOKE" ] && args=(--steps 6 --at 3 model.hidden_size=32 model.num_layers=1
+                           data.seq_len=16 train.micro_batch_size=2 train.global_batch_size=2)
   "$PY" bench/preempt_resume.py "$SCRATCH/preempt" "${args[@]}"
 }
 
