@@ -25,11 +25,6 @@ def pytest_configure(config):
         config.addinivalue_line("filterwarnings", entry)
 
 
-def pytest_collection_modifyitems(items):
-    """Tests marked `runs_last` after all others, each group in collection order."""
-    items.sort(key=lambda item: item.get_closest_marker("runs_last") is not None)
-
-
 @pytest.fixture(autouse=True)
 def one_process_world():
     """A world of one, seeded the same for every test (init is a no-op when it exists; a test

@@ -274,7 +274,6 @@ def test_attention_smoke():
     assert low - 0.005 <= r <= high + 0.005, (r, megatron, sdpa)
 
 
-@pytest.mark.runs_last  # DeepSpeed's ranks among the engines
 def test_engines_smoke(tmp_path):
     out = run(
         "engines.py",

@@ -15,7 +15,7 @@ from megaloop.train.metrics import read as read_metrics
 from multiproc import BASE, OBJECTIVES, assert_same_curve, kill_9_then_resume, metrics, train
 from support import TINY
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.runs_last]  # see the marker
+pytestmark = pytest.mark.multiprocess
 
 OBJECTIVE = OBJECTIVES["per_loop+penalty"]  # clipping is on (optim.clip_grad=1, norms ~2)
 ZERO = {  # name: (processes, overrides)
