@@ -39,23 +39,20 @@ PYTEST := HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q
 # on one worker, with its fixtures). `make test` adds to that pass the multi-process tests whose
 # processes run one after another (marker one_at_a_time). Then the other multi-process tests one
 # at a time (their ranks take the cores; two at once measured no faster, 2026-12-06, and slowed
-# the DeepSpeed tests up to 7x), and beside them, in the core time their ranks leave idle while
-# they wait on each other (a fifth of it, measured), the Slurm tests, a cluster that mostly
-# waits on its scheduler, then the tests marked `background`; that log follows.
-# --durations: the log names where the suite's time goes. Files go out in collection order
-# (xdist's default sends the files with the most tests first), so the few long multi-process
-# files start first and the many short ones fill in at the end.
+# the DeepSpeed tests up to 7x), and beside them the Slurm tests, a cluster that mostly waits on
+# its scheduler; their log follows. --durations: the log names where the suite's time goes.
+# Files go out in collection order (xdist's default sends the files with the most tests first),
+# so the few long multi-process files start first and the many short ones fill in at the end.
 XDIST := -n auto --dist loadfile --no-loadscope-reorder
 IN_PROCESS := $(XDIST) -m "not multiprocess and not slurm"
-SHARED := $(XDIST) -m "(not multiprocess or one_at_a_time) and not slurm and not background"
-BESIDE := -m "slurm or background"
+SHARED := $(XDIST) -m "(not multiprocess or one_at_a_time) and not slurm"
 
 test: $(STAMP) slurm lint
 	$(PYTEST) $(SHARED) --durations=15
-	log=$$(mktemp); $(PYTEST) $(BESIDE) --durations=8 >$$log 2>&1 & beside=$$!; \
+	log=$$(mktemp); $(PYTEST) -m slurm --durations=5 >$$log 2>&1 & slurm=$$!; \
 	$(PYTEST) -m "multiprocess and not one_at_a_time" --durations=15; multi=$$?; \
-	wait $$beside; rest=$$?; echo "== the Slurm and background tests, run beside the pass above"; \
-	cat $$log; rm -f $$log; [ $$multi = 0 ] && [ $$rest = 0 ]
+	wait $$slurm; cluster=$$?; echo "== the Slurm tests, run beside the pass above"; \
+	cat $$log; rm -f $$log; [ $$multi = 0 ] && [ $$cluster = 0 ]
 
 # ruff (lint and format) and the import contracts of pyproject.toml (docs/architecture.md).
 lint: $(STAMP)

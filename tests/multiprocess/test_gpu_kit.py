@@ -15,7 +15,7 @@ import pytest
 
 from support import ROOT
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.one_at_a_time, pytest.mark.background]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.one_at_a_time]  # torchrun of one rank
 
 STEPS = ["preempt_resume", "recompute_memory", "mfu_129m", "mfu_1p4b", "fixed_k"]
 
