@@ -16,12 +16,12 @@ OPTIONS = ["selective", "full", "loop"]
 REL = 1e-6
 
 
-def assert_same_run(got: dict, want: dict, rel: float = REL) -> None:
+def assert_same_run(got: dict, want: dict) -> None:
     assert len(got["steps"]) == len(want["steps"])
     for a, b in zip(got["steps"], want["steps"]):
-        assert a["loss"] == pytest.approx(b["loss"], rel=rel), a["step"]
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=rel), a["step"]
-        assert a["hidden_rms"] == pytest.approx(b["hidden_rms"], rel=rel), a["step"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=REL), a["step"]
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=REL), a["step"]
+        assert a["hidden_rms"] == pytest.approx(b["hidden_rms"], rel=REL), a["step"]
 
 
 @pytest.fixture(scope="module")
