@@ -63,6 +63,19 @@ work to other processes): they import neither torch, megatron-core nor wandb, an
 fraction of a second. So does `train --print-config`."""
 
 
+def load_megatron(args) -> None:
+    """megatron-core, with what a CPU needs of it (_cpu_compat). megatron-core imports wandb as
+    it loads (its inference context and timers) whether or not anything logs to it: about 0.5 s
+    of every process's start. A process that will not log to wandb (every command but a train
+    run whose wandb.mode is not disabled: its `logs_to_wandb`) marks wandb absent first, and
+    megatron-core loads as it does without wandb installed."""
+    from megaloop import _cpu_compat
+
+    if not getattr(args, "logs_to_wandb", lambda _: False)(args):
+        sys.modules.setdefault("wandb", None)
+    _cpu_compat.apply()
+
+
 class ReaderSafe:
     """Standard output or error that outlives its reader. When the reader of a pipe goes
     (`| head -1`, `| grep -q`, a launcher or `| tee` ended by the signal that stops this run),
@@ -118,11 +131,9 @@ def main(argv=None) -> int:
     if extra:  # key=value overrides may also follow the options
         args.overrides = [*args.overrides, *extra]
     builds_model = getattr(args, "builds_model", args.command not in NO_MEGATRON)
-    if builds_model and not getattr(args, "print_config", False):
-        from megaloop import _cpu_compat
-
-        _cpu_compat.apply()
     try:
+        if builds_model and not getattr(args, "print_config", False):
+            load_megatron(args)
         return args.fn(args)
     except (ConfigError, LaunchError) as e:  # EvalError, PrepError, DataError among them
         print(f"megaloop: error: {e}", file=sys.stderr)

@@ -32,7 +32,13 @@ def add_parser(sub) -> None:
         help="open the data, build the model and layout as a run would, print a summary and "
         "exit before the first step; writes nothing to train.dir",
     )
-    p.set_defaults(fn=run)
+    p.set_defaults(fn=run, logs_to_wandb=logs_to_wandb)
+
+
+def logs_to_wandb(args) -> bool:
+    """Whether this run's wandb.mode is not disabled (cli.load_megatron: wandb is left unloaded
+    when it is)."""
+    return load_config(args).wandb.mode != "disabled"
 
 
 def run(args) -> int:

@@ -152,6 +152,26 @@ def test_config_only_commands_are_the_ones_that_build_no_model():
     assert NO_MEGATRON == {"configs", "params", "plan", "slurm", "sweep", "prep", "eval", "report"}
 
 
+@pytest.mark.parametrize(
+    "argv, loaded",
+    [
+        (["train", TINY, "wandb.mode=offline"], True),  # megatron-core imports it as it loads
+        (["train", TINY, "wandb.mode=disabled"], False),
+        (["depth", "RUN", "--data", "held_out.txt", "--out", "OUT"], False),  # no measurement logs
+    ],
+)
+def test_wandb_is_loaded_only_by_a_run_that_logs_to_it(argv, loaded):
+    """cli.load_megatron, in a fresh process (this one has wandb already): wandb stays unloaded
+    unless the run logs to it, whatever megatron-core imports."""
+    code = (
+        "import sys; from megaloop import cli; "
+        f"cli.load_megatron(cli.build_parser().parse_args({argv!r})); "
+        "import megatron.core.inference_params; print(sys.modules.get('wandb') is not None)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.split() == [str(loaded)], out.stderr[-2000:]
+
+
 def test_the_measurements_share_their_options_and_defaults():
     parsers = dict(commands(build_parser()))
     for path, out in MEASUREMENTS.items():
