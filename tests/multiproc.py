@@ -1,4 +1,5 @@
-"""Launching real multi-process runs (torchrun, gloo) of `megaloop train` from tests."""
+"""Launching real multi-process runs (gloo) of `megaloop train` from tests: under torchrun, or
+as ranks started here with the environment torchrun and srun give theirs."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -84,18 +87,58 @@ def finished(run_dir: Path) -> bool:
     return bool(data["evals"]) and data["evals"][-1]["step"] == steps
 
 
+def launch(nproc: int, args: list, timeout: float) -> subprocess.CompletedProcess:
+    """`nproc` ranks of `python ARGS`, each with the env:// variables torchrun gives its workers
+    (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; srun's tasks get the same from
+    megaloop.parallel.launch), started here: torchrun's agent imports torch before it starts
+    any rank, about 2 s of every launch on 2 cores. As the agent does, the first rank to fail
+    stops the others. stdout and stderr are the ranks' own, in rank order."""
+    port, procs, logs = free_port(), [], []
+    for rank in range(nproc):
+        task = {**env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc)}
+        task.update(LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        logs.append((out, err))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *args], env=task, stdout=out, stderr=err, start_new_session=True
+            )
+        )
+    deadline, failed = time.monotonic() + timeout, None
+    try:
+        while failed is None and any(p.poll() is None for p in procs):
+            failed = next((p for p in procs if p.poll() not in (None, 0)), None)
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(args, timeout)
+            time.sleep(0.05)
+    finally:
+        stop_groups(procs)  # what is left: the others after a failure, a rank's helpers
+    code = failed.returncode if failed else next((p.returncode for p in procs if p.returncode), 0)
+    text = [[f.seek(0) or f.read() for f in pair] for pair in logs]
+    for pair in logs:
+        for f in pair:
+            f.close()
+    return subprocess.CompletedProcess(
+        args, code, "".join(o for o, _ in text), "".join(e for _, e in text)
+    )
+
+
 def train(
     nproc: int, run_dir: Path, overrides: list[str], timeout: int = 300
 ) -> subprocess.CompletedProcess:
     """Run to completion; a run is judged by its result file, so an abort at process exit
-    after the work is done does not fail the test (the abort is still required to be that)."""
-    proc = subprocess.run(
-        command(nproc, run_dir, overrides),
-        capture_output=True,
-        text=True,
-        env=env(),
-        timeout=timeout,
-    )
+    after the work is done does not fail the test (the abort is still required to be that).
+    More than one process: ranks started by `launch` (torchrun itself: `command`)."""
+    if nproc == 1:
+        proc = subprocess.run(
+            command(1, run_dir, overrides),
+            capture_output=True,
+            text=True,
+            env=env(),
+            timeout=timeout,
+        )
+    else:
+        proc = launch(nproc, command(1, run_dir, overrides)[1:], timeout)
     ok = proc.returncode == 0 or (finished(run_dir) and EXIT_ABORT in proc.stderr)
     assert ok and finished(run_dir), proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc

@@ -1,6 +1,7 @@
 """The DeepSpeed engine: ZeRO 1/2/3 (and TP × DP) follow the one-process megatron-engine run,
 ZeRO-3 really partitions, kill -9 resumes exactly, and a ZeRO-3 checkpoint consolidates to the
-same weights. Every run is a real torchrun/gloo launch of `megaloop train engine=deepspeed`."""
+same weights. Every run is a real gloo launch of `megaloop train engine=deepspeed` (its ranks
+started by multiproc.launch, or by torchrun in the kill -9 and wrong-layout tests)."""
 
 import json
 

@@ -1,7 +1,8 @@
 """Tensor × pipeline × data parallel runs equal one process; checkpoints resume exactly, in any
 layout; a corrupt checkpoint is skipped; SIGTERM saves and exits for a requeue.
 
-Every run here is a real `megaloop train` under torchrun with gloo on the CPU.
+Every run here is a real `megaloop train` with gloo on the CPU, its ranks started as torchrun
+starts them (multiproc.launch; torchrun itself in the kill -9 test).
 """
 
 import shutil
