@@ -8,6 +8,7 @@ that build a model) and reports the errors every command shares in one line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import os
 import re
@@ -63,17 +64,21 @@ work to other processes): they import neither torch, megatron-core nor wandb, an
 fraction of a second. So does `train --print-config`."""
 
 
-def load_megatron(args) -> None:
-    """megatron-core, with what a CPU needs of it (_cpu_compat). megatron-core imports wandb as
-    it loads (its inference context and timers) whether or not anything logs to it: about 0.5 s
-    of every process's start. A process that will not log to wandb (every command but a train
-    run whose wandb.mode is not disabled: its `logs_to_wandb`) marks wandb absent first, and
-    megatron-core loads as it does without wandb installed."""
-    from megaloop import _cpu_compat
-
-    if not getattr(args, "logs_to_wandb", lambda _: False)(args):
-        sys.modules.setdefault("wandb", None)
-    _cpu_compat.apply()
+@contextlib.contextmanager
+def wandb_unloaded(args):
+    """A command that builds a model runs with wandb marked absent unless it logs to it (its
+    `logs_to_wandb`: a train run whose wandb.mode is not disabled). megatron-core imports wandb
+    as its modules load, whatever the run logs: about 1 s of every process's start; marked
+    absent, it loads as it does without wandb installed. The mark goes when the command ends,
+    so that a later command in the same process (a bench worker's, a test's) can load wandb."""
+    mark = "wandb" not in sys.modules and not getattr(args, "logs_to_wandb", lambda _: False)(args)
+    if mark:
+        sys.modules["wandb"] = None
+    try:
+        yield
+    finally:
+        if mark and "wandb" in sys.modules and sys.modules["wandb"] is None:
+            del sys.modules["wandb"]
 
 
 class ReaderSafe:
@@ -132,9 +137,13 @@ def main(argv=None) -> int:
         args.overrides = [*args.overrides, *extra]
     builds_model = getattr(args, "builds_model", args.command not in NO_MEGATRON)
     try:
-        if builds_model and not getattr(args, "print_config", False):
-            load_megatron(args)
-        return args.fn(args)
+        if not builds_model or getattr(args, "print_config", False):
+            return args.fn(args)
+        with wandb_unloaded(args):
+            from megaloop import _cpu_compat
+
+            _cpu_compat.apply()
+            return args.fn(args)
     except (ConfigError, LaunchError) as e:  # EvalError, PrepError, DataError among them
         print(f"megaloop: error: {e}", file=sys.stderr)
         return 2

@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
 
 
 def logs_to_wandb(args) -> bool:
-    """Whether this run's wandb.mode is not disabled (cli.load_megatron: wandb is left unloaded
+    """Whether this run's wandb.mode is not disabled (cli.wandb_unloaded: wandb stays unloaded
     when it is)."""
     return load_config(args).wandb.mode != "disabled"
 

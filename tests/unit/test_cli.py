@@ -161,15 +161,17 @@ def test_config_only_commands_are_the_ones_that_build_no_model():
     ],
 )
 def test_wandb_is_loaded_only_by_a_run_that_logs_to_it(argv, loaded):
-    """cli.load_megatron, in a fresh process (this one has wandb already): wandb stays unloaded
-    unless the run logs to it, whatever megatron-core imports."""
+    """cli.wandb_unloaded, in a fresh process (this one has wandb already): wandb stays unloaded
+    while a command that does not log to it loads megatron-core, and loads after it."""
     code = (
-        "import sys; from megaloop import cli; "
-        f"cli.load_megatron(cli.build_parser().parse_args({argv!r})); "
-        "import megatron.core.inference_params; print(sys.modules.get('wandb') is not None)"
+        "import sys; from megaloop import cli, _cpu_compat\n"
+        f"with cli.wandb_unloaded(cli.build_parser().parse_args({argv!r})):\n"
+        "    _cpu_compat.apply(); import megatron.core.inference_params\n"
+        "    print(sys.modules.get('wandb') is not None)\n"
+        "import wandb; print(wandb.__name__)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.split() == [str(loaded)], out.stderr[-2000:]
+    assert out.returncode == 0 and out.stdout.split() == [str(loaded), "wandb"], out.stderr[-2000:]
 
 
 def test_the_measurements_share_their_options_and_defaults():
