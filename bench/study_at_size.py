@@ -1,0 +1,378 @@
+"""The study's per-loop RMSNorm and raw rows at its own widths, 44M and 129M, on 2 CPU cores (run
+it as bench/study_at_size).
+
+    bench/study_at_size              44M x seeds 42, 101 (300 steps) and 129M x seed 42 (100
+                                     steps), both rows, then depth, halt and diagnose --dtype
+                                     bf16 of every final checkpoint; rewrites docs/study_at_size/
+    SMOKE=1 bench/study_at_size OUT  the same flow at a toy size, into OUT
+    bench/study_at_size --report [OUT]  rewrites OUT's report and figures from its JSON alone
+
+The question: does the drift bench/study_mini shows at d = 96 start the same way in the study's
+own models, and how fast does it grow per step there? Every setting is the preset's
+(configs/experiments/study/44m/ and 129m/: model, objective, optimizer, dropout, windows,
+vocabulary of 20,000), but for AT_SIZE's overrides: batch, steps, evaluation cadence and
+precision (fp32: under bf16 autocast a step on these CPUs takes 7-12 times as long). The data are
+study_mini's: the WikiText-103 test text trains, the validation text evaluates, tokenised as the
+study does (bench/miniature.py). Runs, measurements and the report go as in study_mini (two
+worker lanes of one thread; finished runs are skipped and interrupted ones resume from their
+last checkpoint, so a rerun continues).
+
+Environment: REPRO_SOURCE (wiki.test.raw and wiki.valid.raw; default ../shared/data/wikitext-103
+beside the repository), STUDY_WORK (the scratch folder; default runs/study_at_size), PYTHON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import miniature
+import study_mini
+import workers
+from study_mini import Job, fmt, spent, trajectory, write_json
+
+ROOT = Path(__file__).resolve().parent.parent
+SMOKE = study_mini.SMOKE
+ROWS = ("per_loop_norm", "per_loop_raw")
+SCALES = {"44m": ((42, 101), 6 if SMOKE else 300), "129m": ((42,), 4 if SMOKE else 100)}
+"""Per scale: the released seeds trained, and the optimizer steps of each run (at least 300 at
+44M and 100 at 129M: what 6 hours of 2 cores allow beside the longer miniature)."""
+EVAL_EVERY = 2 if SMOKE else 50
+AT_SIZE = [
+    "train.bf16=false",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+    f"train.eval_every={EVAL_EVERY}",
+    "train.eval_batches=16",
+    "train.log_every=1",
+    f"train.save_every={EVAL_EVERY}",
+    "wandb.mode=disabled",
+]
+"""What differs from the preset (each listed in the report): 2 windows of 256 tokens a step (the
+study: 64), fp32, validation every EVAL_EVERY steps on the first 16 batches of the validation
+split (32 windows, 8,192 tokens; the study: the whole split once an epoch), every step logged
+(the per-loop norms of each step), a checkpoint at each validation (a rerun resumes)."""
+SMOKE_MODEL = [
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.num_layers=1",
+    "model.ffn_hidden_size=64",
+    "model.max_seq_len=32",
+    "data.seq_len=32",
+    "data.stride=16",
+]
+SEQ_LEN = 32 if SMOKE else 256
+MEASURE = {
+    "depth": {"loops": [1, 2, 3, 4, 8], "sequences": 8 if SMOKE else 16},
+    "halt": {"calib": 8 if SMOKE else 16, "bench": 8 if SMOKE else 16},
+    "diagnose": {"tokens": 256 if SMOKE else 512, "rollout": 6 if SMOKE else 8},
+}
+"""The measurements' sizes (our choice, a fraction of study_mini's: a bf16 forward of 129M on
+these CPUs is slow)."""
+MARKS = (1, 2, 4, 6) if SMOKE else (1, 10, 50, 100, 150, 200, 250, 300)
+"""Steps at which the report shows each run's per-loop norms and the growth between them."""
+
+
+def overrides(vocab: int) -> list[str]:
+    """AT_SIZE; under SMOKE also the toy model, its vocabulary the tokenizer's own."""
+    return AT_SIZE + ([*SMOKE_MODEL, f"model.vocab_size={vocab}"] if SMOKE else [])
+
+
+def jobs(data: Path, vocab: int) -> list[Job]:
+    given = [f"data.path={data / 'train'}", f"data.valid_path={data / 'valid'}"]
+    return [
+        Job(
+            f"{scale}/{row}",
+            ROOT / f"configs/experiments/study/{scale}/{row}.yaml",
+            seed,
+            overrides=tuple(overrides(vocab)),
+            data_overrides=given,
+            steps=steps,
+            miniature=False,
+        )
+        for scale, (seeds, steps) in SCALES.items()
+        for row in ROWS
+        for seed in seeds
+    ]
+
+
+def measure(work: Path, runs: list[Job]) -> None:
+    """depth, halt and diagnose --dtype bf16 of each final checkpoint not measured yet."""
+
+    def one(job: Job) -> None:
+        run_dir = job.run_dir(work)
+        out = work / "measure" / run_dir.relative_to(work / "runs")
+        if (out / "diagnose.json").is_file():
+            return
+        began = time.time()
+        workers.call(miniature.measure, run_dir, out, work / "data/valid", MEASURE, SEQ_LEN, "bf16")
+        spent(work, f"measure/{job.name}/seed{job.seed}", time.time() - began)
+        print(f"measured {run_dir.relative_to(work)}", flush=True)
+
+    workers.each(one, runs)
+
+
+def growth(t: dict) -> dict:
+    """Per loop, the per-token L2 at each of MARKS (the training batch's, dropout on) and the
+    local growth per step between consecutive marks: (ln L2(b) - ln L2(a)) / (b - a), each L2
+    the mean over the 5 logged steps ending at its mark (a batch's own noise, not a fit)."""
+    steps, loops = t["train_steps"], t["train_l2_loops"]
+
+    def around(step: int, k: int) -> float | None:
+        near = [loops[i][k] for i, s in enumerate(steps) if step - 5 < s <= step]
+        return sum(near) / len(near) if near else None
+
+    marks = [m for m in MARKS if m <= steps[-1]]
+    out = {"marks": marks, "l2": [], "per_step": []}
+    for k in range(len(loops[0])):
+        l2 = [around(m, k) for m in marks]
+        out["l2"].append(l2)
+        out["per_step"].append(
+            [
+                (math.log(b) - math.log(a)) / (mb - ma)
+                for (a, ma), (b, mb) in zip(zip(l2, marks), zip(l2[1:], marks[1:]))
+            ]
+        )
+    return out
+
+
+def miniature_growth() -> dict:
+    """The same figures for bench/study_mini's committed d = 96 runs (200 steps, 3 seeds), per
+    row, for the comparison."""
+    path = ROOT / "docs/study_mini/study_mini.json"
+    if not path.is_file():
+        return {}
+    info = json.loads(path.read_text())
+    return {
+        row: {seed: growth(t) for seed, t in info["trajectories"][row].items()}
+        for row in ROWS
+        if row in info["trajectories"]
+    }
+
+
+# -- the report -------------------------------------------------------------------------------
+
+
+def slope_cells(by_seed: dict, k: int) -> list[str]:
+    """Per window between marks, the growth per step at loop k in percent, over seeds."""
+    windows = list(zip(*(g["per_step"][k] for g in by_seed.values())))
+    pct = [(f"{100 * min(w):+.2f}%", f"{100 * max(w):+.2f}%") for w in windows]
+    return [f"{lo} to {hi}" if len(by_seed) > 1 else lo for lo, hi in pct]
+
+
+def growth_table(info: dict, row: str) -> list[str]:
+    """The final loop's growth per step, window by window, at every scale."""
+    scales = {"d = 96 (study_mini)": info["miniature_growth"].get(row, {})}
+    scales |= {scale: info["growth"][f"{scale}/{row}"] for scale in SCALES}
+    marks = max((next(iter(g.values()))["marks"] for g in scales.values() if g), key=len)
+    windows = [f"{a}-{b}" for a, b in zip(marks, marks[1:])]
+    lines = ["| scale | " + " | ".join(windows) + " |", "|---|" + "---|" * len(windows)]
+    for name, by_seed in scales.items():
+        if by_seed:
+            k = len(next(iter(by_seed.values()))["l2"]) - 1
+            cells = slope_cells(by_seed, k)
+            lines.append(
+                f"| {name} | " + " | ".join(cells + ["–"] * (len(windows) - len(cells))) + " |"
+            )
+    return lines
+
+
+def runs_table(info: dict) -> list[str]:
+    """Per run: the final loop's L2 at each mark, the last validation's L2 and PPL at K=4."""
+    marks = [str(m) for m in MARKS]
+    lines = [
+        "| run | seed | " + " | ".join(f"L2 @ {m}" for m in marks) + " | valid L2 | PPL K=4 |",
+        "|---|---|" + "---|" * (len(marks) + 2),
+    ]
+    for name, by_seed in info["trajectories"].items():
+        for seed, t in by_seed.items():
+            g = info["growth"][name][seed]
+            at = dict(zip(map(str, g["marks"]), g["l2"][-1]))
+            cells = [fmt(at.get(m)) for m in marks]
+            lines.append(
+                f"| {name} | {seed} | "
+                + " | ".join(cells)
+                + f" | {fmt(t['final_l2'])} | {fmt(t['final_ppl'])} |"
+            )
+    return lines
+
+
+def write_report(info: dict, out: Path) -> None:
+    minutes = info["minutes"]
+    lines = [
+        "# The study's per-loop rows at its own widths",
+        "",
+        f"Written by `bench/study_at_size` ({'SMOKE' if info['smoke'] else 'full run'}; "
+        f"{info['cpus']} CPU cores; training {fmt(minutes['training'])} min, measurements "
+        f"{fmt(minutes['measuring'])} min of the two lanes' wall time).",
+        "**SMOKE run: a toy size, its numbers mean nothing.**" if info["smoke"] else "",
+        "",
+        "The preset's models (configs/experiments/study/{44m,129m}/; parameters: "
+        + ", ".join(f"{k} {v:,}" for k, v in info["params"].items())
+        + "), objective, optimizer, dropout and windows; only these overrides:",
+        "",
+        *(f"- `{o}`" for o in info["overrides"]),
+        "",
+        f"Seeds: {', '.join(f'{s} {v}' for s, v in info['seeds'].items())}. The norm is the "
+        "study's unit: the mean over tokens of the per-token L2 norm of the final loop's state "
+        "(sqrt(d) times the RMS megaloop logs), on each step's training batch (dropout on) and "
+        "on the validation windows (dropout off).",
+        "",
+        "## The final loop's norm over training",
+        "",
+        *runs_table(info),
+        "",
+        "## Its growth per step",
+        "",
+        "(ln L2(b) - ln L2(a)) / (b - a) between marks, each L2 the mean of the 5 steps ending "
+        "there, in percent a step; min to max over seeds. d = 96 is docs/study_mini's committed "
+        "run (2 layers, 16 windows of 128 a step, bf16 autocast, 200 steps, seeds 42, 101, 202).",
+        "",
+    ]
+    for row in ROWS:
+        lines += [f"### {row}", "", *growth_table(info, row), ""]
+    lines += [
+        "## Measurements of the final checkpoints",
+        "",
+        "`megaloop report` of `depth`, `halt` and `diagnose --dtype bf16`: "
+        "[measurements/report.md](measurements/report.md).",
+        "",
+        "![final-loop L2 over training](growth.png)",
+        "",
+        "![per-loop L2 of each run](loops.png)",
+        "",
+    ]
+    (out / "report.md").write_text("\n".join(lines))
+
+
+def plot(info: dict, out: Path) -> None:
+    """growth.png: the final loop's L2 per step, one panel a row, d = 96 beside the study's
+    widths; loops.png: every loop's L2 of each run at size."""
+
+    def row_panel(row: str):
+        def draw(ax):
+            mini = info.get("miniature_trajectories", {}).get(row, {})
+            for i, t in enumerate(mini.values()):
+                ax.plot(
+                    t["train_steps"],
+                    t["train_l2"],
+                    color="0.6",
+                    lw=0.8,
+                    label="d=96" if not i else None,
+                )
+            for scale, color in zip(SCALES, ("tab:blue", "tab:red")):
+                for i, t in enumerate(info["trajectories"][f"{scale}/{row}"].values()):
+                    ax.plot(
+                        t["train_steps"],
+                        t["train_l2"],
+                        color=color,
+                        lw=0.8,
+                        label=scale if not i else None,
+                    )
+
+        return draw
+
+    miniature.small_multiples(
+        {row: row_panel(row) for row in ROWS},
+        "final-loop L2 (training batch)",
+        "The final loop's norm: d = 96 (grey), 44M (blue), 129M (red)",
+        out / "growth.png",
+        legend=True,
+    )
+
+    def loop_panel(t: dict):
+        def draw(ax):
+            for k, values in enumerate(zip(*t["train_l2_loops"])):
+                ax.plot(t["train_steps"], values, lw=0.8, label=f"loop {k + 1}")
+
+        return draw
+
+    miniature.small_multiples(
+        {
+            f"{name} seed {seed}": loop_panel(t)
+            for name, by_seed in info["trajectories"].items()
+            for seed, t in by_seed.items()
+        },
+        "per-token L2",
+        "Every loop's norm over training",
+        out / "loops.png",
+        legend=True,
+    )
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--report"]:
+        out = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "docs/study_at_size"
+        info = json.loads((out / "study_at_size.json").read_text())
+        write_report(info, out)
+        plot(info, out)
+        print(f"study_at_size: report.md and figures rewritten from {out / 'study_at_size.json'}")
+        return
+    if SMOKE and len(sys.argv) < 2:
+        sys.exit("study_at_size: SMOKE=1 needs an OUT folder (it never writes docs/)")
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "docs/study_at_size"
+    work = Path(os.environ.get("STUDY_WORK", ROOT / "runs/study_at_size")).resolve()
+    source = Path(os.environ.get("REPRO_SOURCE", ROOT.parent / "shared/data/wikitext-103"))
+    python = os.environ.get("PYTHON", sys.executable)
+    out.mkdir(parents=True, exist_ok=True)
+    data, vocab = study_mini.prepare(work, source, python)
+    if vocab > 20000:
+        sys.exit(f"study_at_size: the tokenizer's {vocab} tokens exceed the preset's 20,000")
+    todo = jobs(data, vocab)
+    study_mini.train(work, todo)
+    measure(work, todo)
+    report = [python, "-m", "megaloop", "report", "runs", "measure"]
+    miniature.run([*report, "--out", str(out.resolve() / "measurements")], cwd=work)
+    miniature.relative_paths(out / "measurements" / "report.md", work)
+    info = summary(work, todo, vocab)
+    write_json(out / "study_at_size.json", info)
+    write_report(info, out)
+    plot(info, out)
+    print(f"study_at_size: report in {out}")
+
+
+def summary(work: Path, todo: list[Job], vocab: int) -> dict:
+    """What the report is written from: the runs' trajectories and growth, the miniature's,
+    the overrides, the parameter counts and the time spent."""
+    from megaloop import experiment
+    from megaloop.parallel.cost import parameter_counts
+
+    trajectories: dict = {}
+    for job in todo:
+        trajectories.setdefault(job.name, {})[str(job.seed)] = trajectory(job.run_dir(work))
+    taken = spent(work)
+    mini = ROOT / "docs/study_mini/study_mini.json"
+    mini_runs = json.loads(mini.read_text())["trajectories"] if mini.is_file() else {}
+    return {
+        "smoke": SMOKE,
+        "cpus": os.cpu_count(),
+        "vocab": vocab,
+        "overrides": overrides(vocab),
+        "seeds": {scale: list(seeds) for scale, (seeds, _) in SCALES.items()},
+        "steps": {scale: steps for scale, (_, steps) in SCALES.items()},
+        "params": {
+            job.name: parameter_counts(experiment.load(job.config, list(job.overrides)).model)[
+                "total"
+            ]
+            for job in todo
+        },
+        "minutes": {
+            "training": sum(v for k, v in taken.items() if k.startswith("runs/")) / 60,
+            "measuring": sum(v for k, v in taken.items() if k.startswith("measure/")) / 60,
+        },
+        "trajectories": trajectories,
+        "growth": {
+            name: {seed: growth(t) for seed, t in by_seed.items()}
+            for name, by_seed in trajectories.items()
+        },
+        "miniature_growth": miniature_growth(),
+        "miniature_trajectories": {row: mini_runs[row] for row in ROWS if row in mini_runs},
+    }
+
+
+if __name__ == "__main__":
+    main()
