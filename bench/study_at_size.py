@@ -93,6 +93,7 @@ def jobs(data: Path, vocab: int) -> list[Job]:
             data_overrides=given,
             steps=steps,
             miniature=False,
+            save_every=EVAL_EVERY,
         )
         for scale, (seeds, steps) in SCALES.items()
         for row in ROWS

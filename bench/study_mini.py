@@ -127,6 +127,8 @@ class Job:
     data_overrides: list[str] = field(default_factory=list)
     steps: int = STEPS
     miniature: bool = True
+    save_every: int | None = None
+    """None: one checkpoint, at the end."""
 
     def run_dir(self, work: Path) -> Path:
         return work / "runs" / self.name / f"seed{self.seed}"
@@ -167,7 +169,7 @@ def train(work: Path, jobs: list[Job]) -> None:
             *job.data_overrides,
             *job.overrides,
             f"train.steps={job.steps}",
-            f"train.save_every={job.steps}",
+            f"train.save_every={job.save_every or job.steps}",
             f"train.seed={job.seed}",
             f"train.dir={job.run_dir(work)}",
         ]

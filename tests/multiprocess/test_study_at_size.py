@@ -84,6 +84,8 @@ def test_smoke_run_of_study_at_size(tmp_path):
                 changed = {k for k in want if got.get(k) != want[k]}
                 assert changed <= listed, changed - listed
                 assert run["config"]["train"]["bf16"] is False
+                given = dict(o.split("=") for o in info["overrides"])  # a rerun resumes from
+                assert run["config"]["train"]["save_every"] == int(given["train.save_every"])
                 # the report's figures, from the run's own per-step records
                 d = run["config"]["model"]["hidden_size"]
                 steps = {r["step"]: r["hidden_rms"] for r in run["steps"]}
