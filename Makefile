@@ -12,7 +12,7 @@ SLURM_PACKAGES := slurmctld slurmd slurm-client munge
 install: $(STAMP)
 
 # pip compiles what it installs one file at a time; compileall does it on every core (201 ->
-# 170 s for this lock, 2 cores). Left out: torch's one Python 3.12-only test helper.
+# about 150 s for this lock, 2 cores). Left out: torch's one Python 3.12-only test helper.
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --no-compile torch==2.13.0

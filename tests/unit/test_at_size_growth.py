@@ -1,0 +1,29 @@
+"""bench/study_at_size's growth per step, on a norm that grows by a known rate: between two
+marks whose 5-step windows are full, (ln L2(b) - ln L2(a)) / (b - a) is that rate exactly."""
+
+import math
+import sys
+
+import pytest
+
+from support import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+import study_at_size  # noqa: E402
+
+
+def test_growth_per_step_is_the_rate_of_an_exponential_norm(monkeypatch):
+    monkeypatch.setattr(study_at_size, "MARKS", (1, 10, 50, 100))
+    rate, steps = 0.03, list(range(1, 61))  # 60 steps: mark 100 is past the run
+    t = {
+        "train_steps": steps,
+        "train_l2_loops": [[math.exp(rate * s), 2 * math.exp(rate * s)] for s in steps],
+    }
+    g = study_at_size.growth(t)
+    assert g["marks"] == [1, 10, 50]
+    window = sum(math.exp(rate * s) for s in range(46, 51)) / 5  # steps 46..50
+    assert g["l2"][0][2] == pytest.approx(window) and g["l2"][1][2] == pytest.approx(2 * window)
+    assert g["l2"][0][0] == pytest.approx(math.exp(rate))  # one step logged by step 1
+    for k in (0, 1):
+        assert g["per_step"][k][1] == pytest.approx(rate)  # 10 -> 50: full windows
+        assert g["per_step"][k][0] < rate  # 1 -> 10: step 1's L2 against a 6..10 mean
