@@ -482,3 +482,61 @@ def test_the_reports_l2_column_is_sqrt_d_times_the_rms():
         "| d16 | 2 | 40 | 15.000 ± 7.071 | 0.625 ± 0.1768 | 2.5 ± 0.7071 |",
         "| d64 | 1 | 40 | 5.000 | 0.25 | 2 |",
     ]
+
+
+def diagnosed(a_rad, scale_step, update_rms, K=2, rms=(1.0, 2.0, 3.0, 9.0)):
+    """A diagnose result by hand: a rollout of len(a_rad) + 1 loops, trained at K."""
+    mean, p999, top = rms[0], rms[2], rms[3]
+    dist = {"rms": {"mean": mean, "p50": mean, "p99": rms[1], "p99.9": p999, "max": top}}
+    return {
+        "settings": {"num_loops_trained": K},
+        "rollout": {
+            "loops": list(range(1, len(a_rad) + 2)),
+            "a_rad": a_rad,
+            "scale_step": scale_step,
+            "update_rms": update_rms,
+        },
+        "scale": [dist] * K,
+        "clamp": {"norm_ratio": 1.0, "delta_ce": 0.0},
+    }
+
+
+def test_the_radial_update_table_reads_the_loops_past_the_trained_depth():
+    """Appendix F by hand: trained at K = 2, a rollout of 4 loops has updates into loops 2, 3,
+    4; loops 3-4 are past K. a_rad there 4 and 6 (mean 5), Δs 5 and 5: ratio 1; the second
+    seed 2 and 2 over 4 and 4: 0.5; ‖b‖ over those loops and seeds: 0.5 to 8 (the update into
+    loop 2, 100, is the transient and left out). The tails: p99.9 3 and max 9 over mean 1."""
+    variant = report.Variant("k", None, "norm")
+    variant.results["diagnose"] = [
+        diagnosed([100.0, 4.0, 6.0], [1.0, 5.0, 5.0], [100.0, 8.0, 7.0]),
+        diagnosed([100.0, 2.0, 2.0], [1.0, 4.0, 4.0], [100.0, 0.5, 1.0], rms=(2, 4, 8, 10)),
+    ]
+    assert report.table_radial_step([variant])[2:] == [
+        "| norm | 2 | 3-4 | 3.5 ± 2.121 | 4.5 ± 0.7071 | 0.75 ± 0.354 | [0.5, 8] |"
+    ]
+    scale = report.table_clamp_and_scale([variant])[1]
+    assert scale[2].endswith("| 3.5 ± 0.707 | 7 ± 2.83 |"), scale[2]
+
+
+def test_a_diverging_perplexity_does_not_flatten_the_depth_figure():
+    """One variant's K = 1 PPL of 1e20 (study_mini's terminal raw) would set a linear axis:
+    the axis is logarithmic, its top 10x the largest curve's median (raw's: (1e4 + 130) / 2),
+    and the point beyond it is a triangle on the top edge."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+
+    def depth_result(ppl):
+        rows = [{"loops": k, "ppl": p} for k, p in zip((1, 2, 3, 4), ppl)]
+        return {"settings": {"clamp": False}, "rows": rows}
+
+    variants = []
+    for name, ppl in (("raw", [1e20, 1e4, 130.0, 100.0]), ("norm", [2500, 2200, 2140, 2145])):
+        variants.append(report.Variant(name, None, name))
+        variants[-1].results["depth"] = [depth_result(ppl)]
+    ax = report.figures(variants)["ppl_vs_k"].axes[0]
+    assert ax.get_yscale() == "log"
+    low, top = ax.get_ylim()
+    assert top == pytest.approx(10 * 5065.0) and low == pytest.approx(100 / 1.5)
+    edge = [line for line in ax.get_lines() if line.get_marker() == "^"]
+    assert [(list(e.get_xdata()), list(e.get_ydata())) for e in edge] == [([1], [top])]
