@@ -10,14 +10,17 @@ it as bench/study_at_size).
 The question: does the drift bench/study_mini shows at d = 96 start the same way in the study's
 own models, and how fast does it grow per step there? Every setting is the preset's
 (configs/experiments/study/44m/ and 129m/: model, objective, optimizer, dropout, windows,
-vocabulary of 20,000), but for AT_SIZE's overrides: batch, steps, evaluation cadence and
-precision (fp32: under bf16 autocast a step on these CPUs takes 7-12 times as long). The data are
+vocabulary of 20,000), but for AT_SIZE's overrides: batch, steps and evaluation cadence, and
+precision where STUDY_PRECISION=fp32 asks for it. The data are
 study_mini's: the WikiText-103 test text trains, the validation text evaluates, tokenised as the
 study does (bench/miniature.py). Runs, measurements and the report go as in study_mini (two
 worker lanes of one thread; finished runs are skipped and interrupted ones resume from their
 last checkpoint, so a rerun continues).
 
-Environment: REPRO_SOURCE (wiki.test.raw and wiki.valid.raw; default ../shared/data/wikitext-103
+Environment: STUDY_PRECISION, `bf16` (the preset's and the study's: autocast with an fp32
+residual stream; the default) or `fp32` (for a CPU without native bf16 arithmetic: on AVX2 a 44M
+step under autocast takes 7-12 times an fp32 one, while with AMX it takes a seventh of one);
+REPRO_SOURCE (wiki.test.raw and wiki.valid.raw; default ../shared/data/wikitext-103
 beside the repository), STUDY_WORK (the scratch folder; default runs/study_at_size), PYTHON.
 """
 
@@ -32,6 +35,7 @@ from pathlib import Path
 
 import miniature
 import study_mini
+import verdicts
 import workers
 from study_mini import Job, fmt, spent, trajectory, write_json
 
@@ -42,8 +46,9 @@ SCALES = {"44m": ((42, 101), 6 if SMOKE else 300), "129m": ((42,), 4 if SMOKE el
 """Per scale: the released seeds trained, and the optimizer steps of each run (at least 300 at
 44M and 100 at 129M: what 6 hours of 2 cores allow beside the longer miniature)."""
 EVAL_EVERY = 2 if SMOKE else 50
+PRECISION = study_mini.PRECISION
 AT_SIZE = [
-    "train.bf16=false",
+    *(["train.bf16=false"] if PRECISION == "fp32" else []),
     "train.micro_batch_size=2",
     "train.global_batch_size=2",
     f"train.eval_every={EVAL_EVERY}",
@@ -53,9 +58,10 @@ AT_SIZE = [
     "wandb.mode=disabled",
 ]
 """What differs from the preset (each listed in the report): 2 windows of 256 tokens a step (the
-study: 64), fp32, validation every EVAL_EVERY steps on the first 16 batches of the validation
-split (32 windows, 8,192 tokens; the study: the whole split once an epoch), every step logged
-(the per-loop norms of each step), a checkpoint at each validation (a rerun resumes)."""
+study: 64), fp32 where STUDY_PRECISION asks for it, validation every EVAL_EVERY steps on the
+first 16 batches of the validation split (32 windows, 8,192 tokens; the study: the whole split
+once an epoch), every step logged (the per-loop norms of each step), a checkpoint at each
+validation (a rerun resumes)."""
 SMOKE_MODEL = [
     "model.hidden_size=32",
     "model.num_heads=2",
@@ -231,12 +237,25 @@ def write_report(info: dict, out: Path) -> None:
         "",
         "(ln L2(b) - ln L2(a)) / (b - a) between marks, each L2 the mean of the 5 steps ending "
         "there, in percent a step; min to max over seeds. d = 96 is docs/study_mini's committed "
-        "run (2 layers, 16 windows of 128 a step, bf16 autocast, 200 steps, seeds 42, 101, 202).",
+        f"run (2 layers, 16 windows of 128 a step, {info['miniature_precision']}, 200 steps, "
+        "seeds 42, 101, 202).",
         "",
     ]
     for row in ROWS:
         lines += [f"### {row}", "", *growth_table(info, row), ""]
+    scales = {f"d = 96, {info['miniature_steps']} steps": info["miniature_figures"]}
+    scales |= {f"{scale}, {info['steps'][scale]} steps": info["figures"][scale] for scale in SCALES}
     lines += [
+        "## Verdicts across scales",
+        "",
+        "Each claim's figure per seed and its verdict by the rule fixed in bench/verdicts.py "
+        "(RULES) before these runs were read: **follows** when every seed meets the study's "
+        "claim, **against** when every seed goes the other way, **mixed** otherwise; – where "
+        "the scale has no such row or measurement (docs/study_mini keeps no per-seed "
+        "measurements of its d = 96 checkpoints).",
+        "",
+        *verdicts.table(scales),
+        "",
         "## Measurements of the final checkpoints",
         "",
         "`megaloop report` of `depth`, `halt` and `diagnose --dtype bf16`: "
@@ -350,6 +369,7 @@ def summary(work: Path, todo: list[Job], vocab: int) -> dict:
     mini_runs = json.loads(mini.read_text())["trajectories"] if mini.is_file() else {}
     return {
         "smoke": SMOKE,
+        "precision": PRECISION,
         "cpus": os.cpu_count(),
         "vocab": vocab,
         "overrides": overrides(vocab),
@@ -372,7 +392,27 @@ def summary(work: Path, todo: list[Job], vocab: int) -> dict:
         },
         "miniature_growth": miniature_growth(),
         "miniature_trajectories": {row: mini_runs[row] for row in ROWS if row in mini_runs},
+        "miniature_precision": json.loads(mini.read_text())["precision"] if mini_runs else None,
+        "figures": figures(work, todo, trajectories),
+        "miniature_steps": json.loads(mini.read_text())["steps"] if mini_runs else None,
+        "miniature_figures": {
+            row: {seed: verdicts.run_figures(t, None) for seed, t in by_seed.items()}
+            for row, by_seed in mini_runs.items()
+        },
     }
+
+
+def figures(work: Path, todo: list[Job], trajectories: dict) -> dict:
+    """Per scale, row and seed, what the verdict rules read (bench/verdicts.py)."""
+    out: dict = {}
+    for job in todo:
+        scale, row = job.name.split("/")
+        measured = work / "measure" / scale / row / f"seed{job.seed}"
+        t = trajectories[job.name][str(job.seed)]
+        out.setdefault(scale, {}).setdefault(row, {})[str(job.seed)] = verdicts.run_figures(
+            t, measured
+        )
+    return out
 
 
 if __name__ == "__main__":

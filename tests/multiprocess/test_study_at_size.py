@@ -57,6 +57,7 @@ def test_smoke_run_of_study_at_size(tmp_path):
     env = {
         **os.environ,
         "SMOKE": "1",
+        "STUDY_PRECISION": "fp32",  # the cheap one on any CPU; the default is the study's bf16
         "REPRO_SOURCE": str(miniature_source(tmp_path, seed=5)),
         "STUDY_WORK": str(work),
         "PYTHON": sys.executable,
@@ -105,6 +106,9 @@ def test_smoke_run_of_study_at_size(tmp_path):
                 final = math.sqrt(d) * run["evals"][-1]["hidden_rms"][-1]
                 t = info["trajectories"][f"{scale}/{row}"][str(seed)]
                 assert t["final_l2"] == pytest.approx(final, rel=JSON_REL)
+                f = info["figures"][scale][row][str(seed)]  # what the verdicts read
+                assert f["l2_final"] == pytest.approx(final, rel=JSON_REL)
+                assert f["ppl4"] > 1 and 1 <= f["halt_mean_loops"] <= 4
                 measured = work / "measure" / scale / row / f"seed{seed}"
                 assert (
                     json.loads((measured / "diagnose.json").read_text())["settings"]["dtype"]
@@ -113,6 +117,8 @@ def test_smoke_run_of_study_at_size(tmp_path):
     report = (out / "report.md").read_text()
     assert "**SMOKE run" in report and "- `train.bf16=false`" in report
     assert report.count("| d = 96 (study_mini) |") == 2  # the committed miniature, beside
+    verdict_lines = [line for line in report.splitlines() if line.startswith("| per-loop CE th")]
+    assert len(verdict_lines) == 1 and verdict_lines[0].count("**") == 6  # d = 96, 44M, 129M
     assert (out / "growth.png").is_file() and (out / "loops.png").is_file()
     assert str(tmp_path) not in (out / "measurements/report.md").read_text()
     (out / "report.md").unlink()
