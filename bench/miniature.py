@@ -87,9 +87,18 @@ def prepare(bench: str, work: Path, source: Path, python: str, *prep_options: st
     return data
 
 
-def measure(run_dir: Path, out: Path, data: Path, settings: dict, seq_len: int, dtype: str):
-    """`megaloop depth`, `halt` and `diagnose --dtype DTYPE` of a run into OUT, in this process
-    (a worker's): `settings` holds each one's sizes (bench/repro_mini.py's MEASURE)."""
+def measure(
+    run_dir: Path,
+    out: Path,
+    data: Path,
+    settings: dict,
+    seq_len: int,
+    dtype: str,
+    diagnose: bool = True,
+):
+    """`megaloop depth`, `halt` and (unless `diagnose` is false) `diagnose --dtype DTYPE` of a
+    run or checkpoint into OUT, in this process (a worker's): `settings` holds each one's sizes
+    (bench/repro_mini.py's MEASURE)."""
     from megaloop import _cpu_compat
 
     _cpu_compat.apply()
@@ -120,6 +129,8 @@ def measure(run_dir: Path, out: Path, data: Path, settings: dict, seq_len: int, 
             out=out,
         )
     )
+    if not diagnose:
+        return
     diagnostics.run(
         DiagnoseSettings(
             model=run_dir,

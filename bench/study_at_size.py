@@ -123,17 +123,18 @@ def measure(work: Path, runs: list[Job]) -> None:
     workers.each(one, runs)
 
 
-def growth(t: dict) -> dict:
-    """Per loop, the per-token L2 at each of MARKS (the training batch's, dropout on) and the
-    local growth per step between consecutive marks: (ln L2(b) - ln L2(a)) / (b - a), each L2
-    the mean over the 5 logged steps ending at its mark (a batch's own noise, not a fit)."""
+def growth(t: dict, marks: tuple[int, ...] | None = None) -> dict:
+    """Per loop, the per-token L2 at each of `marks` (default MARKS; the training batch's,
+    dropout on) and the local growth per step between consecutive marks: (ln L2(b) - ln L2(a))
+    / (b - a), each L2 the mean over the 5 logged steps ending at its mark (a batch's own noise,
+    not a fit)."""
     steps, loops = t["train_steps"], t["train_l2_loops"]
 
     def around(step: int, k: int) -> float | None:
         near = [loops[i][k] for i, s in enumerate(steps) if step - 5 < s <= step]
         return sum(near) / len(near) if near else None
 
-    marks = [m for m in MARKS if m <= steps[-1]]
+    marks = [m for m in marks or MARKS if m <= steps[-1]]
     out = {"marks": marks, "l2": [], "per_step": []}
     for k in range(len(loops[0])):
         l2 = [around(m, k) for m in marks]

@@ -33,20 +33,27 @@ def run_figures(trajectory: dict, measured: Path | None) -> dict:
         "l2_last": float(np.mean(l2[-5:])),
         "l2_final": trajectory["final_l2"],
     }
-    if measured is None or not (measured / "diagnose.json").is_file():
+    found = {
+        c: json.loads((measured / f"{c}.json").read_text())
+        for c in ("depth", "halt", "diagnose")
+        if measured is not None and (measured / f"{c}.json").is_file()
+    }
+    if "depth" in found:
+        rows = found["depth"]["rows"]
+        out["ppl"] = {str(r["loops"]): r["ppl"] for r in rows}
+        out["ppl4"] = next(r["ppl"] for r in rows if r["loops"] == 4)
+    if "halt" in found:
+        out["halt_mean_loops"] = found["halt"]["benchmark"]["dynamic"]["mean_loops"]
+    if "diagnose" not in found:
         return out
-    depth, halt, diag = (
-        json.loads((measured / f"{c}.json").read_text()) for c in ("depth", "halt", "diagnose")
-    )
-    K = diag["settings"]["num_loops_trained"]
-    roll, first = diag["rollout"], K - 1  # rollout[key][k - 2]: the update into loop k
-    tail = diag["scale"][-1]["rms"]
-    settled = slice(first, None) if len(roll["a_rad"]) > first else slice(None)
+    from megaloop.evaluation.report import settled as settled_loops
+
+    diag = found["diagnose"]
+    roll, tail = diag["rollout"], diag["scale"][-1]["rms"]
+    first, last = settled_loops(diag)
+    settled = slice(first - 2, last - 1)  # rollout[key][k - 2]: the update into loop k
     return {
         **out,
-        "ppl": {str(r["loops"]): r["ppl"] for r in depth["rows"]},
-        "ppl4": next(r["ppl"] for r in depth["rows"] if r["loops"] == 4),
-        "halt_mean_loops": halt["benchmark"]["dynamic"]["mean_loops"],
         "r": diag["radial"]["r"],
         "clamp_delta_ce": diag["clamp"]["delta_ce"],
         "b_rms": float(np.mean(roll["update_rms"][settled])),

@@ -68,6 +68,7 @@ def test_a_runs_figures_are_read_from_its_measurements(tmp_path):
     diagnose = {
         "settings": {"num_loops_trained": 2},
         "rollout": {
+            "loops": [1, 2, 3, 4],
             "a_rad": [9.0, 2.0, 4.0],
             "scale_step": [9.0, 3.0, 3.0],
             "update_rms": [9.0, 1.0, 2.0],
