@@ -122,14 +122,18 @@ def group(runs: list[dict], results: list[dict]) -> list[Variant]:
 
 
 def label(variants: list[Variant]) -> None:
-    """Name each variant by the folder its seeds' run directories share (runs/<variant>/seedN)
-    when that tells the variants apart, else by the config values that do."""
-    folders = [{Path(p).parent.name for p in v.run_paths()} for v in variants]
-    names = [f.pop() if len(f) == 1 else None for f in folders]
-    if None not in names and len(set(names)) == len(names):
-        for v, name in zip(variants, names):
-            v.label = name
-        return
+    """Name each variant by the folder its seeds' run directories share (runs/<variant>/seedN),
+    with the folder above it where the folder alone does not tell the variants apart
+    (runs/44m/<row>/seedN beside runs/129m/<row>/seedN), else by the config values that do."""
+    for depth in (1, 2):
+        folders = [
+            {"/".join(Path(p).parent.parts[-depth:]) for p in v.run_paths()} for v in variants
+        ]
+        names = [f.pop() if len(f) == 1 else None for f in folders]
+        if None not in names and len(set(names)) == len(names):
+            for v, name in zip(variants, names):
+                v.label = name
+            return
     known = [v for v in variants if v.config is not None]
     keys = sorted(
         {

@@ -424,11 +424,13 @@ def test_variants_are_named_by_their_folder_or_else_by_what_differs():
 
     apart = report.group([run("r/a/seed0", "norm", 1.0), run("r/b/seed0", "raw", 1.0)], [])
     assert [v.label for v in apart] == ["a", "b"]
+    scales = report.group([run("44m/a/seed0", "norm", 1.0), run("129m/a/seed0", "raw", 1.0)], [])
+    assert [v.label for v in scales] == ["129m/a", "44m/a"]  # the folder above tells them apart
     shared = report.group(
         [
-            run("one/s/seed0", "norm", 1.0),
-            run("two/s/seed0", "raw", 2.0),
-            run("two/s/seed1", "raw", 2.0),
+            run("x/s/seed0", "norm", 1.0),
+            run("x/s/seed1", "raw", 2.0),
+            run("x/s/seed2", "raw", 2.0),
         ],
         [],
     )
