@@ -358,15 +358,15 @@ def _figure(title: str, xlabel: str, ylabel: str):
 
 
 def _bounded_log_y(ax, lines: list, span: float = 10.0) -> None:
-    """A log perplexity axis that one diverging point cannot flatten: its top is `span` times
-    the largest of the curves' (`lines`) medians; a point past it is drawn as a triangle on the
-    top edge, labelled with its value."""
+    """A log perplexity axis that a diverging point or row cannot flatten: its top is `span`
+    times the median over the curves (`lines`) of each one's median; a point past it is drawn
+    as a triangle on the top edge, labelled with its value."""
     curves = [np.asarray(line.get_ydata(), dtype=float) for line in lines]
     values = np.concatenate(curves) if curves else np.array([])
     values = values[np.isfinite(values) & (values > 0)]
     if not len(values):
         return
-    top = min(values.max() * 1.5, span * max(np.median(c) for c in curves))
+    top = min(values.max() * 1.5, span * np.median([np.median(c) for c in curves]))
     ax.set_yscale("log")
     ax.set_ylim(values.min() / 1.5, top)
     for line in lines:
