@@ -496,9 +496,36 @@ def build(inputs: list[Path], out: Path) -> Path:
     for name, fig in figs.items():
         fig.savefig(out / f"{name}.png", dpi=120)
         plt.close(fig)
-    clamp, scale = table_clamp_and_scale(variants)
     images = {name: f"![{name}]({name}.png)" for name in figs}
-    sections = [
+    lines = [
+        "# megaloop report",
+        "",
+        f"{len(runs)} runs and {len(results)} measurement results in "
+        f"{len(variants)} variants (seeds pooled: mean ± sample std).",
+        "",
+        "| variant | runs | depth | halt | diagnose |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {v.label} | {len(v.runs)} | "
+        + " | ".join(str(len(v.results[c])) for c in COMMANDS)
+        + " |"
+        for v in variants
+    ]
+    for title, body in sections(variants, images):
+        lines += ["", f"## {title}", "", *body]
+    lines += ["", "## Inputs", ""]
+    lines += [f"- run `{r['path']}`" for r in runs]
+    lines += [f"- {r['command']} `{r['_path']}` (model `{r['model']['path']}`)" for r in results]
+    path = out / "report.md"
+    path.write_text("\n".join(lines).rstrip() + "\n")
+    return path
+
+
+def sections(variants: list[Variant], images: dict[str, str]) -> list[tuple[str, list[str]]]:
+    """The report's sections in the study's order: (title, lines)."""
+    clamp, scale = table_clamp_and_scale(variants)
+    return [
         (
             "Validation perplexity and final-loop hidden scale (Table 2)",
             [
@@ -560,26 +587,3 @@ def build(inputs: list[Path], out: Path) -> Path:
             ],
         ),
     ]
-    lines = [
-        "# megaloop report",
-        "",
-        f"{len(runs)} runs and {len(results)} measurement results in "
-        f"{len(variants)} variants (seeds pooled: mean ± sample std).",
-        "",
-        "| variant | runs | depth | halt | diagnose |",
-        "|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {v.label} | {len(v.runs)} | "
-        + " | ".join(str(len(v.results[c])) for c in COMMANDS)
-        + " |"
-        for v in variants
-    ]
-    for title, body in sections:
-        lines += ["", f"## {title}", "", *[line for line in body]]
-    lines += ["", "## Inputs", ""]
-    lines += [f"- run `{r['path']}`" for r in runs]
-    lines += [f"- {r['command']} `{r['_path']}` (model `{r['model']['path']}`)" for r in results]
-    path = out / "report.md"
-    path.write_text("\n".join(lines).rstrip() + "\n")
-    return path
