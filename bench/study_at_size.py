@@ -216,7 +216,7 @@ def write_report(info: dict, out: Path) -> None:
         "",
         f"Written by `bench/study_at_size` ({'SMOKE' if info['smoke'] else 'full run'}; "
         f"{info['cpus']} CPU cores; training {fmt(minutes['training'])} min, measurements "
-        f"{fmt(minutes['measuring'])} min of the two lanes' wall time).",
+        f"{fmt(minutes['measuring'])} min, summed over the two lanes that ran side by side).",
         "**SMOKE run: a toy size, its numbers mean nothing.**" if info["smoke"] else "",
         "",
         "The preset's models (configs/experiments/study/{44m,129m}/; parameters: "
