@@ -45,6 +45,7 @@ def test_smoke_run_of_study_mini_long(tmp_path):
             run_dir = work / "runs/long" / row / f"seed{seed}"
             run = read(run_dir)
             assert run["steps"][-1]["step"] == STEPS and run["config"]["train"]["bf16"] is False
+            assert run["config"]["train"]["global_batch_size"] == 8  # LONG: half the miniature's
             for step in MEASURE_AT:  # every measured checkpoint was kept and measured
                 assert (run_dir / "checkpoints" / f"step_{step:07d}").is_dir()
                 measured = work / "measure/long" / row / f"seed{seed}" / f"step_{step:07d}"
