@@ -325,21 +325,16 @@ def plot(info: dict, out: Path) -> None:
     )
 
 
+def rewrite(info: dict, out: Path) -> None:
+    write_report(info, out)
+    plot(info, out)
+
+
 def main() -> None:
-    if sys.argv[1:2] == ["--report"]:
-        out = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "docs/study_at_size"
-        info = json.loads((out / "study_at_size.json").read_text())
-        write_report(info, out)
-        plot(info, out)
-        print(f"study_at_size: report.md and figures rewritten from {out / 'study_at_size.json'}")
+    given = study_mini.command_line("study_at_size", rewrite)
+    if given is None:
         return
-    if SMOKE and len(sys.argv) < 2:
-        sys.exit("study_at_size: SMOKE=1 needs an OUT folder (it never writes docs/)")
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "docs/study_at_size"
-    work = Path(os.environ.get("STUDY_WORK", ROOT / "runs/study_at_size")).resolve()
-    source = Path(os.environ.get("REPRO_SOURCE", ROOT.parent / "shared/data/wikitext-103"))
-    python = os.environ.get("PYTHON", sys.executable)
-    out.mkdir(parents=True, exist_ok=True)
+    out, work, source, python = given
     data, vocab = study_mini.prepare(work, source, python)
     if vocab > 20000:
         sys.exit(f"study_at_size: the tokenizer's {vocab} tokens exceed the preset's 20,000")

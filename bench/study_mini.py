@@ -595,19 +595,35 @@ def plot(trajectories: dict, out: Path) -> None:
     )
 
 
-def main() -> None:
+def command_line(bench: str, rewrite) -> tuple[Path, Path, Path, str] | None:
+    """What the study benches share: `BENCH --report [OUT]` calls rewrite(info, OUT) on
+    OUT/BENCH.json (default OUT docs/BENCH) and returns None; otherwise `BENCH [OUT]` gives
+    (OUT, the scratch folder STUDY_WORK, the text folder REPRO_SOURCE, the PYTHON to run), OUT
+    made. Under SMOKE, OUT must be given: a smoke run never writes docs/."""
     if sys.argv[1:2] == ["--report"]:
-        out = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "docs/study_mini"
-        info = json.loads((out / "study_mini.json").read_text())
-        write_report(info, out)
-        plot(info["trajectories"], out)
-        print(f"study_mini: report.md and growth.png rewritten from {out / 'study_mini.json'}")
-        return
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "docs/study_mini"
-    work = Path(os.environ.get("STUDY_WORK", ROOT / "runs/study_mini")).resolve()
+        out = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "docs" / bench
+        rewrite(json.loads((out / f"{bench}.json").read_text()), out)
+        print(f"{bench}: report.md and figures rewritten from {out / f'{bench}.json'}")
+        return None
+    if SMOKE and len(sys.argv) < 2:
+        sys.exit(f"{bench}: SMOKE=1 needs an OUT folder (it never writes docs/)")
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "docs" / bench
+    work = Path(os.environ.get("STUDY_WORK", ROOT / "runs" / bench)).resolve()
     source = Path(os.environ.get("REPRO_SOURCE", ROOT.parent / "shared/data/wikitext-103"))
-    python = os.environ.get("PYTHON", sys.executable)
     out.mkdir(parents=True, exist_ok=True)
+    return out, work, source, os.environ.get("PYTHON", sys.executable)
+
+
+def rewrite(info: dict, out: Path) -> None:
+    write_report(info, out)
+    plot(info["trajectories"], out)
+
+
+def main() -> None:
+    given = command_line("study_mini", rewrite)
+    if given is None:
+        return
+    out, work, source, python = given
     clock = {"start": time.time()}
     data, vocab = prepare(work, source, python)
     clock["prepared"] = time.time()

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -300,21 +299,16 @@ def plot(info: dict, out: Path) -> None:
     )
 
 
+def rewrite(info: dict, out: Path) -> None:
+    write_report(info, out)
+    plot(info, out)
+
+
 def main() -> None:
-    if sys.argv[1:2] == ["--report"]:
-        out = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "docs/study_mini_long"
-        info = json.loads((out / "study_mini_long.json").read_text())
-        write_report(info, out)
-        plot(info, out)
-        print(f"study_mini_long: report.md and figures rewritten from {out}")
+    given = study_mini.command_line("study_mini_long", rewrite)
+    if given is None:
         return
-    if SMOKE and len(sys.argv) < 2:
-        sys.exit("study_mini_long: SMOKE=1 needs an OUT folder (it never writes docs/)")
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "docs/study_mini_long"
-    work = Path(os.environ.get("STUDY_WORK", ROOT / "runs/study_mini_long")).resolve()
-    source = Path(os.environ.get("REPRO_SOURCE", ROOT.parent / "shared/data/wikitext-103"))
-    python = os.environ.get("PYTHON", sys.executable)
-    out.mkdir(parents=True, exist_ok=True)
+    out, work, source, python = given
     data, vocab = study_mini.prepare(work, source, python)
     todo = jobs(data, vocab)
     study_mini.train(work, todo)

@@ -118,15 +118,26 @@ def both(row: str, other: str, read: Callable) -> Callable[[dict], tuple | None]
     return value
 
 
+def norm_far_above_raw(claim: str, source: str, study: str, what: str, key: str) -> Rule:
+    """per_loop_norm's `key` over per_loop_raw's, by FACTOR either way."""
+    return Rule(
+        claim,
+        source,
+        study,
+        f"{what}, per_loop_norm / per_loop_raw",
+        ratio("per_loop_norm", "per_loop_raw", key),
+        lambda x: x >= FACTOR,
+        lambda x: x <= 1 / FACTOR,
+    )
+
+
 RULES = (
-    Rule(
+    norm_far_above_raw(
         "per-loop CE through RMSNorm drifts far above raw readouts",
         "Table 2",
         "39,207 (44M), 56,051 (129M) against tens",
-        "final-loop L2, per_loop_norm / per_loop_raw",
-        ratio("per_loop_norm", "per_loop_raw", "l2_final"),
-        lambda x: x >= FACTOR,
-        lambda x: x <= 1 / FACTOR,
+        "final-loop L2",
+        "l2_final",
     ),
     Rule(
         "the normalised state drifts by orders of magnitude under per-loop CE",
@@ -188,14 +199,12 @@ RULES = (
         )
         for row in ("per_loop_raw", "per_loop_norm_penalty", "final_norm")
     ),
-    Rule(
+    norm_far_above_raw(
         "normalised readouts learn far larger residual updates than raw ones",
         "App. F",
         "‖b‖_rms in [20.4, 258.3] against [0.07, 0.51]",
-        "settled ‖b_k‖_rms, per_loop_norm / per_loop_raw",
-        ratio("per_loop_norm", "per_loop_raw", "b_rms"),
-        lambda x: x >= FACTOR,
-        lambda x: x <= 1 / FACTOR,
+        "settled ‖b_k‖_rms",
+        "b_rms",
     ),
     Rule(
         "the radial update a_rad predicts the measured scale step",
