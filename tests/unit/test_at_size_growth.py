@@ -27,3 +27,21 @@ def test_growth_per_step_is_the_rate_of_an_exponential_norm(monkeypatch):
     for k in (0, 1):
         assert g["per_step"][k][1] == pytest.approx(rate)  # 10 -> 50: full windows
         assert g["per_step"][k][0] < rate  # 1 -> 10: step 1's L2 against a 6..10 mean
+
+
+def test_the_runs_train_in_the_presets_bf16_unless_fp32_is_asked_for(monkeypatch):
+    """No STUDY_PRECISION: the preset's bf16, so precision is not an override; fp32 is one."""
+    assert study_at_size.PRECISION == "bf16"  # this test process sets no STUDY_PRECISION
+    assert not any(o.startswith("train.bf16") for o in study_at_size.AT_SIZE)
+    monkeypatch.setenv("STUDY_PRECISION", "fp32")
+    import importlib
+
+    import study_mini
+
+    try:
+        importlib.reload(study_mini)
+        assert "train.bf16=false" in importlib.reload(study_at_size).AT_SIZE
+    finally:
+        monkeypatch.delenv("STUDY_PRECISION")
+        importlib.reload(study_mini)
+        importlib.reload(study_at_size)
