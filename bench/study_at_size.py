@@ -162,6 +162,17 @@ def miniature_growth() -> dict:
     }
 
 
+def long_scale() -> dict:
+    """bench/study_mini_long's committed d = 96 figures at its last step, measured as these
+    runs are, as one more column of the verdict table ({} until that bench has run): read at
+    report time, so `--report` picks up a later long run without retraining here."""
+    path = ROOT / "docs/study_mini_long/study_mini_long.json"
+    if not path.is_file():
+        return {}
+    info = json.loads(path.read_text())
+    return {f"d = 96, {info['steps']} steps": info["figures"][str(info["steps"])]}
+
+
 # -- the report -------------------------------------------------------------------------------
 
 
@@ -245,6 +256,8 @@ def write_report(info: dict, out: Path) -> None:
     for row in ROWS:
         lines += [f"### {row}", "", *growth_table(info, row), ""]
     scales = {f"d = 96, {info['miniature_steps']} steps": info["miniature_figures"]}
+    longer = long_scale()
+    scales |= longer
     scales |= {f"{scale}, {info['steps'][scale]} steps": info["figures"][scale] for scale in SCALES}
     lines += [
         "## Verdicts across scales",
@@ -253,7 +266,12 @@ def write_report(info: dict, out: Path) -> None:
         "(RULES) before these runs were read: **follows** when every seed meets the study's "
         "claim, **against** when every seed goes the other way, **mixed** otherwise; – where "
         "the scale has no such row or measurement (docs/study_mini keeps no per-seed "
-        "measurements of its d = 96 checkpoints).",
+        "measurements of its d = 96 checkpoints)."
+        + (
+            f" The {next(iter(longer))} column is docs/study_mini_long's (8 windows a step)."
+            if longer
+            else ""
+        ),
         "",
         *verdicts.table(scales),
         "",

@@ -45,3 +45,31 @@ def test_the_runs_train_in_the_presets_bf16_unless_fp32_is_asked_for(monkeypatch
         monkeypatch.delenv("STUDY_PRECISION")
         importlib.reload(study_mini)
         importlib.reload(study_at_size)
+
+
+def test_the_verdict_table_gains_the_long_miniatures_column_once_it_has_run(tmp_path, monkeypatch):
+    """The cross-scale table reads docs/study_mini_long's figures at its last step, penalty and
+    final-norm rows included, and has no such column before that bench has run."""
+    import json
+
+    info = json.loads((ROOT / "docs/study_at_size/study_at_size.json").read_text())
+    monkeypatch.setattr(study_at_size, "ROOT", tmp_path)
+    study_at_size.write_report(info, tmp_path)
+    assert "2000 steps" not in (tmp_path / "report.md").read_text()
+
+    run = {"l2_first": 10.0, "l2_last": 50.0, "l2_final": 50.0}
+    figures = {
+        "per_loop_norm": {"42": {**run, "ppl": {"1": 100.0, "4": 100.0}, "ppl4": 100.0}},
+        "final_norm": {"42": {**run, "ppl": {"1": 150.0, "4": 90.0}, "ppl4": 90.0}},
+    }
+    long = tmp_path / "docs/study_mini_long"
+    long.mkdir(parents=True)
+    (long / "study_mini_long.json").write_text(
+        json.dumps({"steps": 2000, "figures": {"250": {}, "2000": figures}})
+    )
+    study_at_size.write_report(info, tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    header = next(line for line in text.splitlines() if line.startswith("| claim |"))
+    assert "| d = 96, 2000 steps | 44m, 300 steps |" in header
+    final_norm = next(line for line in text.splitlines() if line.startswith("| final_norm stays"))
+    assert "| 0.9 (seeds 42): **follows** | – | – |" in final_norm
