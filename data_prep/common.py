@@ -4,7 +4,6 @@ tokenizers, the megatron-core indexed-dataset writer, executors and manifests.""
 from __future__ import annotations
 
 import gzip
-import hashlib
 import io
 import json
 import re
@@ -28,15 +27,6 @@ from data_prep.config import (  # noqa: F401  (EOS and PrepError re-exported for
     trained_tokenizer,
 )
 from megaloop.data.tokenizer import WORD_SPECIALS, special_tokens
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
-
 
 # -- reading ---------------------------------------------------------------------------------
 

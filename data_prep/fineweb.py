@@ -33,12 +33,12 @@ from data_prep.common import (
     read_stats,
     resolve_tokenizer,
     run_pipeline,
-    sha256_file,
     stat,
     token_dtype,
     write_manifest,
 )
 from data_prep.config import FineWebConfig, Prepared
+from megaloop.digest import file_digest
 
 
 class PackedShardWriter(TokenizingStep):
@@ -212,7 +212,7 @@ def prepare(cfg: FineWebConfig) -> dict:
         "eos_token": cfg.eos_token,
         "eos_id": eos,
         "tokenizer": str(Path(tokenizer).resolve()),
-        "tokenizer_sha256": sha256_file(tokenizer),
+        "tokenizer_sha256": file_digest(tokenizer),
         "seconds": round(time.perf_counter() - start, 2),
         "datatrove_stats": stats,
     }

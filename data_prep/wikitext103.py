@@ -46,12 +46,12 @@ from data_prep.common import (
     read_stats,
     resolve_tokenizer,
     run_pipeline,
-    sha256_file,
     stat,
     token_dtype,
     write_manifest,
 )
 from data_prep.config import Prepared, WikiTextConfig, trained_tokenizer
+from megaloop.digest import file_digest
 
 SPLITS = ("train", "valid", "test")
 HUB_DATASET, HUB_CONFIG = "Salesforce/wikitext", "wikitext-103-raw-v1"
@@ -355,7 +355,7 @@ def check_finished_tokenizer(out: Path, tokenizer: Path) -> None:
         if not (path.is_file() and (out / f"{split}.bin").is_file()):
             continue
         recorded = (_read_marker(path) or {}).get("tokenizer_sha256")
-        digest = digest or sha256_file(tokenizer)
+        digest = digest or file_digest(tokenizer)
         if recorded != digest:
             raise PrepError(
                 f"{path}: the {split} split was made with another tokenizer (sha256 "
@@ -436,9 +436,9 @@ def prepare(cfg: WikiTextConfig) -> dict:
             "eos_token": eos,
             "eos_id": eos_token_id,
             "tokenizer": str(Path(tokenizer).resolve()),
-            "tokenizer_sha256": sha256_file(tokenizer),
+            "tokenizer_sha256": file_digest(tokenizer),
             "source": str(path),
-            "source_sha256": sha256_file(path),
+            "source_sha256": file_digest(path),
             "seconds": round(time.perf_counter() - start, 2),
             "datatrove_stats": stats,
         }

@@ -17,12 +17,13 @@ and the SwiGLU linear_fc1 is [gate; up].
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
 
 import torch
+
+from megaloop.digest import file_digest
 
 CODE_DIR = Path(__file__).parent / "model"
 AUTO_MAP = {
@@ -38,13 +39,9 @@ CODE_FILES = (
 )
 
 
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def own_code() -> dict[str, str]:
     """sha256 of this megaloop's export code, by file name."""
-    return {name: sha256(CODE_DIR / name) for name in CODE_FILES}
+    return {name: file_digest(CODE_DIR / name) for name in CODE_FILES}
 
 
 def code_problem(folder: Path, config: dict) -> str | None:
@@ -66,7 +63,7 @@ def code_problem(folder: Path, config: dict) -> str | None:
     for name, digest in recorded.items():
         if not (folder / name).is_file():
             return f"{name} is missing"
-        if sha256(folder / name) != digest:
+        if file_digest(folder / name) != digest:
             return f"{name} differs from the code recorded at export (sha256)"
     return None
 
@@ -206,7 +203,7 @@ def write(state: dict, cfg, folder: Path, out: Path) -> Path:
             {
                 **hf_config(cfg.model),
                 "run_config": cfg.to_dict(),
-                "megaloop_code": {name: sha256(out / name) for name in CODE_FILES},
+                "megaloop_code": {name: file_digest(out / name) for name in CODE_FILES},
             },
             indent=1,
         )

@@ -371,13 +371,13 @@ def _recorded_tokenizer(manifest: dict, folder: Path, given: str) -> str:
     the file of that name in the prepared folder (moved, or recorded relative to another
     directory). Found nowhere, `given` (data.tokenizer) if it names a file; never `bytes` in its
     place, which would read the data with another vocabulary."""
-    import hashlib
+    from megaloop.digest import file_digest
 
     recorded, digest = manifest.get("tokenizer"), manifest.get("tokenizer_sha256")
     if not isinstance(recorded, str):
         return given
     for path in (Path(recorded), folder / Path(recorded).name):
-        if path.is_file() and digest in (None, hashlib.sha256(path.read_bytes()).hexdigest()):
+        if path.is_file() and digest in (None, file_digest(path)):
             return str(path)
     if given != "bytes":
         return given

@@ -24,10 +24,10 @@ import shutil
 from pathlib import Path
 
 import torch.distributed as dist
-import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megaloop.config import CheckpointError
+from megaloop.digest import file_digest
 from megaloop.parallel import comm
 from megaloop.train.callbacks import Callback
 
@@ -42,17 +42,9 @@ def _is_rank0() -> bool:
     return dist.get_rank() == 0
 
 
-def _file_digest(path: Path) -> str:
-    h = xxhash.xxh64()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _write_manifest(folder: Path) -> None:
     files = {
-        str(p.relative_to(folder)): {"bytes": p.stat().st_size, "xxh64": _file_digest(p)}
+        str(p.relative_to(folder)): {"bytes": p.stat().st_size, "xxh64": file_digest(p, "xxh64")}
         for p in sorted(folder.rglob("*"))
         if p.is_file()
     }
@@ -74,7 +66,7 @@ def verify(folder: Path) -> str | None:
             return f"{name} is missing"
         if path.stat().st_size != expected["bytes"]:
             return f"{name} has {path.stat().st_size} bytes, the manifest says {expected['bytes']}"
-        if _file_digest(path) != expected["xxh64"]:
+        if file_digest(path, "xxh64") != expected["xxh64"]:
             return f"{name} does not match its checksum (corrupt)"
     return None
 

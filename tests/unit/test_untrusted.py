@@ -313,7 +313,7 @@ def _semantics_swapped(folder: Path, marker: Path) -> None:
 
 
 def _hash_recomputed(folder: Path, marker: Path) -> None:
-    from megaloop.export import sha256
+    from megaloop.digest import file_digest as sha256
 
     _code_swapped(folder, marker)
     config = json.loads((folder / "config.json").read_text())
