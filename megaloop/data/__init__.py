@@ -29,10 +29,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from megaloop.config import Config, DataError, check, fail
 from megaloop.data.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from megaloop.data.batches import Dataset
 
 __all__ = [
     "KINDS",
@@ -120,7 +123,7 @@ class DataConfig(Config):
             f"must be >= the tokenizer's {tokenizer_vocab} tokens (of data.kind={self.kind})",
         )
 
-    def build(self, seed: int, train_samples: int = 0):
+    def build(self, seed: int, train_samples: int = 0) -> Dataset:
         """The data for a run that reads `train_samples` training samples (indexed data sizes
         its shuffle to them); inputs are checked first."""
         self.check_files()

@@ -9,6 +9,7 @@ resumed run, in any layout, continues where the last one stopped.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -90,6 +91,49 @@ class StridedWindows:
         epoch, j = divmod(index, self.windows)
         start = int(self.order(epoch)[j]) * self.stride
         return np.asarray(self.read(start, self.seq_len + 1), dtype=np.int64)
+
+
+class Dataset(Protocol):
+    """What training and evaluation read from data of every kind (DataConfig.build): a step's
+    micro-batches from `batches`, validation windows by index from `batch(indices, "valid")`,
+    and how many there are (None: a stream without end)."""
+
+    tokenizer: object
+    valid_windows: int | None
+
+    def batch(self, indices, split: str = "train") -> torch.Tensor: ...
+
+    def batches(
+        self,
+        global_batch_size: int,
+        micro_batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        consumed_samples: int = 0,
+    ): ...
+
+
+class IndexableData:
+    """Data whose every sample is a function of its index (synthetic, text, megatron-core
+    indexed): a kind gives `sample` and its validation `Windows` (None: `sample(i, "valid")`
+    draws them), and batching is written here once."""
+
+    valid: Windows | None = None
+
+    def sample(self, index: int, split: str = "train") -> np.ndarray:
+        raise NotImplementedError
+
+    @property
+    def valid_windows(self) -> int | None:
+        return None if self.valid is None else len(self.valid)
+
+    def batch(self, indices, split: str = "train") -> torch.Tensor:
+        if split == "valid" and self.valid is not None:
+            return self.valid.batch(indices)
+        return torch.from_numpy(np.stack([self.sample(i, split) for i in indices]))
+
+    def batches(self, *args, **kwargs) -> Batches:
+        return Batches(self, *args, **kwargs)
 
 
 class Batches:

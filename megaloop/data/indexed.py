@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megaloop.config import DataError
-from megaloop.data.batches import Batches, StridedWindows, Windows, strided_windows
+from megaloop.data.batches import IndexableData, StridedWindows, Windows, strided_windows
 from megaloop.data.tokenizer import Tokenizer
 from megaloop.parallel import comm
 
@@ -165,7 +165,7 @@ class TokenStream:
         return np.concatenate(parts).astype(np.int64)
 
 
-class IndexedData:
+class IndexedData(IndexableData):
     def __init__(
         self,
         train_prefix: str,
@@ -195,23 +195,11 @@ class IndexedData:
             stream.read, stream.num_tokens, seq_len, valid_prefix or train_prefix, stride
         )
 
-    @property
-    def valid_windows(self) -> int:
-        return len(self.valid)
-
-    def sample(self, index: int) -> np.ndarray:
+    def sample(self, index: int, split: str = "train") -> np.ndarray:
         if self.stride is not None:
             return self.train[index]
         item = self.train[index]
         return torch.cat([item["tokens"], item["labels"][-1:]]).numpy()
-
-    def batch(self, indices, split: str = "train") -> torch.Tensor:
-        if split == "valid":
-            return self.valid.batch(indices)
-        return torch.from_numpy(np.stack([self.sample(i) for i in indices]))
-
-    def batches(self, *args, **kwargs) -> Batches:
-        return Batches(self, *args, **kwargs)
 
 
 def gpt_dataset(

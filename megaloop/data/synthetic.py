@@ -27,9 +27,8 @@ from __future__ import annotations
 import string
 
 import numpy as np
-import torch
 
-from megaloop.data.batches import Batches
+from megaloop.data.batches import IndexableData
 
 
 def addition(rng: np.random.Generator, digits: int) -> str:
@@ -127,25 +126,13 @@ def answer_kinds(tokens: np.ndarray, task: str) -> np.ndarray:
     return kinds
 
 
-class SyntheticDataset:
-    """A built-in corpus as indexable data; the valid split is the fixed VALID_SEED stream."""
-
-    valid_windows = None
-    """Unbounded: validation takes a stated number of samples (train.eval_batches)."""
+class SyntheticDataset(IndexableData):
+    """A built-in corpus as indexable data; the valid split is the fixed VALID_SEED stream,
+    without end: validation takes a stated number of samples (train.eval_batches)."""
 
     def __init__(self, task: str, seed: int, seq_len: int, depth: int, tokenizer):
         self.task, self.seed, self.seq_len, self.depth = task, seed, seq_len, depth
         self.tokenizer = tokenizer
 
-    def batch(self, indices, split: str = "train") -> torch.Tensor:
-        return torch.from_numpy(
-            np.stack(
-                [
-                    sample(self.task, self.seed, i, self.seq_len + 1, self.depth, split)
-                    for i in indices
-                ]
-            )
-        )
-
-    def batches(self, *args, **kwargs) -> Batches:
-        return Batches(self, *args, **kwargs)
+    def sample(self, index: int, split: str = "train") -> np.ndarray:
+        return sample(self.task, self.seed, index, self.seq_len + 1, self.depth, split)

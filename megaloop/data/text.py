@@ -6,10 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from megaloop.config import DataError
-from megaloop.data.batches import Batches, Windows
+from megaloop.data.batches import IndexableData, Windows
 from megaloop.data.tokenizer import Tokenizer
 
 
@@ -31,7 +30,7 @@ def read_text(path: str, key: str) -> str:
         ) from None
 
 
-class TextDataset:
+class TextDataset(IndexableData):
     def __init__(
         self,
         splits: dict[str, np.ndarray],
@@ -53,10 +52,6 @@ class TextDataset:
         self.valid = Windows(
             lambda start, n: valid[start : start + n], len(valid), seq_len, "the validation text"
         )
-
-    @property
-    def valid_windows(self) -> int:
-        return len(self.valid)
 
     @classmethod
     def from_files(
@@ -82,15 +77,7 @@ class TextDataset:
             }
         return cls({"train": train, "valid": valid}, seed, seq_len, tokenizer, names)
 
-    def sample(self, index: int) -> np.ndarray:
+    def sample(self, index: int, split: str = "train") -> np.ndarray:
         tokens = self.splits["train"]
         start = np.random.default_rng([self.seed, index]).integers(0, len(tokens) - self.seq_len)
         return tokens[start : start + self.seq_len + 1].astype(np.int64)
-
-    def batch(self, indices, split: str = "train") -> torch.Tensor:
-        if split == "valid":
-            return self.valid.batch(indices)
-        return torch.from_numpy(np.stack([self.sample(i) for i in indices]))
-
-    def batches(self, *args, **kwargs) -> Batches:
-        return Batches(self, *args, **kwargs)
