@@ -357,7 +357,7 @@ def main() -> None:
     if vocab > 20000:
         sys.exit(f"study_at_size: the tokenizer's {vocab} tokens exceed the preset's 20,000")
     todo = jobs(data, vocab)
-    study_mini.train(work, todo)
+    study_mini.train(work, todo, "study_at_size")
     measure(work, todo)
     report = [python, "-m", "megaloop", "report", "runs", "measure"]
     miniature.run([*report, "--out", str(out.resolve() / "measurements")], cwd=work)

@@ -109,10 +109,10 @@ MEASURE = {
 }
 SEQ_LEN = 32 if SMOKE else 128
 FACTOR = 5.0
-EXIT_UNHEALTHY = 65
-"""`megaloop train`'s exit when a loss went non-finite: a diverged run is a result."""
 """A comparison counts in a verdict when it holds by this factor in every seed (our choice, the
 same bar as docs/drift_regime's)."""
+EXIT_UNHEALTHY = 65
+"""`megaloop train`'s exit when a loss went non-finite: a diverged run is a result."""
 
 
 @dataclass
@@ -150,13 +150,14 @@ def data_overrides(data: Path, vocab: int) -> list[str]:
     ]
 
 
-def train(work: Path, jobs: list[Job]) -> None:
-    """Every job not finished yet, in the two workers."""
+def train(work: Path, jobs: list[Job], bench: str = "study_mini") -> None:
+    """Every job not finished yet, in the two workers; `bench` names the caller in what it
+    prints."""
     from megaloop.train.metrics import finished
 
     todo = [j for j in jobs if not finished(j.run_dir(work), j.steps)]
     lock = threading.Lock()
-    print(f"study_mini: {len(jobs) - len(todo)} of {len(jobs)} runs finished; training {len(todo)}")
+    print(f"{bench}: {len(jobs) - len(todo)} of {len(jobs)} runs finished; training {len(todo)}")
 
     def one(job: Job) -> int:
         log = work / "logs" / f"{job.name}-seed{job.seed}.log".replace("/", "-")
@@ -182,7 +183,7 @@ def train(work: Path, jobs: list[Job]) -> None:
 
     codes = workers.each(one, todo)
     if any(code not in (0, EXIT_UNHEALTHY) for code in codes):
-        sys.exit("study_mini: some runs failed; see the logs above")
+        sys.exit(f"{bench}: some runs failed; see the logs above")
 
 
 def spent(work: Path, what: str | None = None, seconds: float = 0.0) -> dict[str, float]:

@@ -311,7 +311,7 @@ def main() -> None:
     out, work, source, python = given
     data, vocab = study_mini.prepare(work, source, python)
     todo = jobs(data, vocab)
-    study_mini.train(work, todo)
+    study_mini.train(work, todo, "study_mini_long")
     measure(work, todo)
     finals = [str(checkpoint(work, job, STEPS)[1].relative_to(work)) for job in todo]
     report = [python, "-m", "megaloop", "report", "runs", *finals]
