@@ -118,7 +118,8 @@ def test_smoke_run_of_study_at_size(tmp_path):
     assert "**SMOKE run" in report and "- `train.bf16=false`" in report
     assert report.count("| d = 96 (study_mini) |") == 2  # the committed miniature, beside
     verdict_lines = [line for line in report.splitlines() if line.startswith("| per-loop CE th")]
-    assert len(verdict_lines) == 1 and verdict_lines[0].count("**") == 6  # d = 96, 44M, 129M
+    # d = 96 at 200 steps and (docs/study_mini_long's) at 2,000, 44M, 129M
+    assert len(verdict_lines) == 1 and verdict_lines[0].count("**") == 8
     assert (out / "growth.png").is_file() and (out / "loops.png").is_file()
     assert str(tmp_path) not in (out / "measurements/report.md").read_text()
     (out / "report.md").unlink()
