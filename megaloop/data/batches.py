@@ -103,14 +103,8 @@ class Dataset(Protocol):
 
     def batch(self, indices, split: str = "train") -> torch.Tensor: ...
 
-    def batches(
-        self,
-        global_batch_size: int,
-        micro_batch_size: int,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        consumed_samples: int = 0,
-    ): ...
+    def batches(self, *args, **kwargs):
+        """This rank's micro-batches, step by step (Batches' arguments)."""
 
 
 class IndexableData:
