@@ -228,18 +228,17 @@ def middle_thresholds(hf) -> dict[str, float]:
     tokens exit at different loops (asserted where used)."""
     import torch
 
-    from megaloop.model.semantics import Survival, top1_margin, top1_probability
+    from megaloop.model.modes import EXIT_RULES
+    from megaloop.model.semantics import Survival
 
-    scores = {"gate": [], "margin": [], "confidence": []}
-    survival = Survival()
+    scores = {rule: [] for rule in EXIT_RULES}
+    survivals = {rule: Survival() for rule in EXIT_RULES}
     with torch.no_grad():
         h0, rope = hf.embed(prompts(8, 12, seed=9))
         for k, h in hf.loops(h0, rope, hf.config.num_loops - 1, hf.config.clamp):
-            survival.step(hf.exit_probability(h)[..., 0])
-            scores["gate"].append(survival.cumulative())
-            logits = hf.readout(h, k, hf.config.num_loops - 1)
-            scores["margin"].append(top1_margin(logits))
-            scores["confidence"].append(top1_probability(logits))
+            lam, logits = hf.exit_probability(h)[..., 0], hf.readout(h, k, hf.config.num_loops - 1)
+            for rule, spec in EXIT_RULES.items():
+                scores[rule].append(spec.score(survivals[rule], lam, logits))
     return {rule: torch.cat(s).median().item() for rule, s in scores.items()}
 
 

@@ -5,6 +5,13 @@ fixed K (tokens/s, mean loops, CE) under each exit rule, threshold and KV policy
 from __future__ import annotations
 
 from megaloop.commands.options import deprecated, measurement, measurement_settings
+from megaloop.evaluation.settings import (
+    KV_POLICIES,
+    asynchronous_policies,
+    default_thresholds,
+    kv_policies,
+    scores,
+)
 from megaloop.extras import require
 
 BUILDS_MODEL = True
@@ -34,21 +41,24 @@ def add_parser(sub) -> None:
     measurement(p, longest=128, batch=None)
     p.add_argument(
         "--exit",
-        help="exit rules, comma-separated (default: margin and confidence, and gate if the "
-        "model has an exit gate)",
+        help=f"exit rules, comma-separated ({scores()}; default: every rule the model can run, "
+        "one that reads the gate only on a model with an exit gate)",
     )
     p.add_argument(
         "--threshold",
-        help="every rule's thresholds, comma-separated (default per rule: gate 0.3,0.5,0.7,0.9; "
-        "margin 0.5,1,2,4; confidence 0.5,0.7,0.9,0.97)",
+        help=f"every rule's thresholds, comma-separated (default per rule: {default_thresholds()})",
     )
     deprecated(p, "--thresholds", "--threshold")
-    p.add_argument("--kv", default="copy,share,recompute", help="KV policies, comma-separated")
+    p.add_argument(
+        "--kv",
+        default=",".join(KV_POLICIES),
+        help=f"KV policies, comma-separated ({kv_policies()})",
+    )
     p.add_argument(
         "--batching",
         default="sync,async",
         help="sync (every row at the same token) and/or async (every row at its own loop: "
-        "copy and share, batch > 1), comma-separated",
+        f"{', '.join(asynchronous_policies())}, batch > 1), comma-separated",
     )
     p.add_argument(
         "--batch-size", default="1,8", help="rows decoded together, comma-separated: one run each"

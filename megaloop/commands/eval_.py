@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from megaloop.commands.options import batch_size
-from megaloop.evaluation.settings import EXIT_RULES, MODEL_KINDS, SPLITS
+from megaloop.evaluation.settings import EXIT_RULES, MODEL_KINDS, SPLITS, scores
 from megaloop.extras import require
 
 BUILDS_MODEL = False  # `eval compare` builds none; `eval downstream` says it does (builds_model)
@@ -49,8 +49,7 @@ def add_parser(sub) -> None:
     )
     down.add_argument(
         "--threshold",
-        help="the --exit rule's thresholds, comma-separated: gate, a cumulative exit "
-        "probability; margin, a top-1 minus top-2 logit; confidence, a top-1 probability "
+        help=f"the --exit rule's thresholds, comma-separated, on its score: {scores()} "
         "(required with --exit)",
     )
     down.add_argument(

@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 from megaloop.commands.options import deprecated
-from megaloop.evaluation.settings import BATCHING, DTYPES, EXITS, KV_POLICIES, MODEL_KINDS
+from megaloop.evaluation.settings import (
+    BATCHING,
+    DTYPES,
+    EXITS,
+    KV_POLICIES,
+    MODEL_KINDS,
+    asynchronous_policies,
+    kv_policies,
+    scores,
+)
 from megaloop.extras import require
 
 BUILDS_MODEL = True
@@ -23,14 +32,14 @@ def add_parser(sub) -> None:
         "--exit",
         choices=list(EXITS),
         default="fixed",
-        help="gate: Ouro's cumulative exit probability >= T; margin: top-1 minus top-2 logit "
-        ">= T; confidence: top-1 probability >= T; fixed (or none): every token runs K loops",
+        help=f"a token exits at the first loop whose score >= T ({scores()}); fixed (or none): "
+        "every token runs K loops",
     )
     p.add_argument(
         "--threshold",
         type=float,
-        help="the --exit rule's T, e.g. the one `megaloop halt` calibrated (required with gate, "
-        "margin or confidence)",
+        help="the --exit rule's T, e.g. the one `megaloop halt` calibrated (required with an "
+        "exit rule)",
     )
     p.add_argument(
         "--loops", type=int, help="K, the most loops a token runs (default: the model's)"
@@ -39,15 +48,16 @@ def add_parser(sub) -> None:
         "--kv",
         choices=list(KV_POLICIES),
         default="copy",
-        help="what a token's skipped (loop, layer) cache slots hold (docs/generation.md)",
+        help=f"what a token's skipped (loop, layer) cache slots hold: {kv_policies()}",
     )
     p.add_argument(
         "--batching",
         choices=["auto", *BATCHING],
         default="auto",
         help="sync: a batch's rows decode a token together (one prompt streams); async: every "
-        "row at its own loop, no row waiting for the deepest (copy, share; printed when done); "
-        "auto: async for a batch of prompts under an exit rule with copy or share, else sync",
+        f"row at its own loop, no row waiting for the deepest ({', '.join(asynchronous_policies())}"
+        "; printed when done); auto: async for a batch of prompts under an exit rule with a "
+        "policy it runs, else sync",
     )
     p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampling")

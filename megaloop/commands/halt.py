@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megaloop.commands.options import deprecated, measurement, measurement_settings
-from megaloop.evaluation.settings import RULES, EvalError
+from megaloop.evaluation.settings import EXIT_RULES, EvalError, scores
 from megaloop.extras import require
 
 BUILDS_MODEL = True
@@ -36,17 +36,17 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--exit",
-        choices=list(RULES),
+        choices=list(EXIT_RULES),
         default="margin",
-        help="exit rule: margin, per sequence, mean top-1 minus top-2 logit >= T; gate, per "
-        "token, Ouro's cumulative exit probability >= T",
+        help=f"exit rule: the first loop whose score >= T ({scores()}), per token; margin per "
+        "sequence, its tokens' mean (the study's)",
     )
-    deprecated(p, "--rule", "--exit", choices=list(RULES))
+    deprecated(p, "--rule", "--exit", choices=list(EXIT_RULES))
     p.add_argument(
         "--threshold",
         type=float,
-        help="the --exit rule's T (margin: tau; gate: q), given instead of calibrated "
-        "(default: calibrated to the PPL budget)",
+        help="the --exit rule's T, given instead of calibrated (default: calibrated to the PPL "
+        "budget)",
     )
     deprecated(p, "--tau", "--exit margin --threshold", type=float, dest="tau", default=None)
     deprecated(p, "--q", "--exit gate --threshold", type=float, dest="q", default=None)
@@ -56,15 +56,17 @@ def add_parser(sub) -> None:
 
 def threshold(args) -> float | None:
     """--threshold, or the deprecated --tau (margin) or --q (gate), each only with its rule."""
-    old, other = (args.tau, args.q) if args.exit == "margin" else (args.q, args.tau)
-    if other is not None:
+    old = {
+        rule: value for rule, value in (("margin", args.tau), ("gate", args.q)) if value is not None
+    }
+    if any(rule != args.exit for rule in old):
         raise EvalError(
             "--tau is the margin rule's threshold and --q the gate rule's; "
             f"give --threshold T with --exit {args.exit}"
         )
-    if old is not None and args.threshold is not None:
+    if old and args.threshold is not None:
         raise EvalError("give --threshold alone (--tau and --q are its old spellings)")
-    return args.threshold if old is None else old
+    return old.get(args.exit, args.threshold)
 
 
 def run(args) -> int:

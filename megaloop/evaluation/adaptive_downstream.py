@@ -28,22 +28,18 @@ import numpy as np
 
 from megaloop.evaluation import downstream, harness
 from megaloop.evaluation.exported import (
-    EvalError,
     Export,
     open_export,
 )
-from megaloop.evaluation.settings import DownstreamSettings
+from megaloop.evaluation.settings import DownstreamSettings, check_gate
 
 
 def check_rule(settings: DownstreamSettings, folder: Path) -> Export:
     """The export `folder` (MODEL's, harness.as_export), opened; EvalError, before its model is
     built, for a gate rule on a model without one."""
     export = open_export(folder)
-    if settings.exit == "gate" and not export.config.get("exit_gate"):
-        raise EvalError(
-            f"--exit gate: {settings.model} has no exit gate (it was trained without "
-            f"model.exit_gate); use --exit margin, or a model trained with the exit gate"
-        )
+    if settings.exit is not None:
+        check_gate(settings.exit, bool(export.config.get("exit_gate")), settings.model)
     return export
 
 

@@ -37,11 +37,10 @@ import torch
 
 from megaloop.evaluation import harness
 from megaloop.evaluation.settings import EvalError, GenerateBenchSettings
+from megaloop.model.modes import EXIT_RULES, KV_POLICIES, asynchronous_policies
 
 TOLERANCE = 0.15
 """The acceptance: measured speed-up within 15% of the predicted one."""
-ASYNC_POLICIES = ("copy", "share")
-"""What DepthAsyncDecoder decodes (`recompute` resumes earlier tokens: a row-synchronous step)."""
 
 
 @contextmanager
@@ -228,7 +227,7 @@ def exiting(settings: GenerateBenchSettings, rules, k_max: int, b: int, warm=Fal
         for t in settings.thresholds_of(rule)[: 1 if warm else None]
         for kv in settings.policies
         for batching in settings.batching
-        if batching == "sync" or (b > 1 and kv in ASYNC_POLICIES)
+        if batching == "sync" or (b > 1 and kv in asynchronous_policies())
     ]
 
 
@@ -416,8 +415,8 @@ def run(settings: GenerateBenchSettings) -> dict:
     return result
 
 
-MARKERS = {"gate": "^", "margin": "s"}
-COLOURS = {"copy": "tab:blue", "share": "tab:orange", "recompute": "tab:green"}
+MARKERS = dict(zip(EXIT_RULES, "^sovDp*"))
+COLOURS = dict(zip(KV_POLICIES, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")))
 
 
 def plot(result: dict, path: Path) -> None:

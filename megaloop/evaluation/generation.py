@@ -26,8 +26,8 @@ from tqdm import tqdm
 from transformers.generation.streamers import BaseStreamer
 
 from megaloop.evaluation import exported, harness
-from megaloop.evaluation.exported import EvalError, placement
-from megaloop.evaluation.settings import GenerateSettings
+from megaloop.evaluation.exported import placement
+from megaloop.evaluation.settings import GenerateSettings, check_gate
 from megaloop.model.decoding import LoopCache
 
 
@@ -90,11 +90,7 @@ def open_export(settings: GenerateSettings, folder: Path):
     settings' rule, threshold, K and KV policy, and its tokenizer padding on the left (with end
     of text, or id 0, as the pad)."""
     export = exported.open_export(folder)
-    if settings.early_exit == "gate" and not export.config.get("exit_gate"):
-        raise EvalError(
-            f"{settings.model}: this model has no exit gate (trained without model.exit_gate), "
-            "so --exit gate cannot run; use --exit margin --threshold T or --exit fixed"
-        )
+    check_gate(settings.early_exit, bool(export.config.get("exit_gate")), settings.model)
     overrides = dict(early_exit=settings.early_exit, kv_policy=settings.kv)
     if settings.threshold is not None:
         overrides["exit_threshold"] = settings.threshold

@@ -1,9 +1,11 @@
 """Calibrated halting and its real speedup (the study's Appendix H).
 
-Rule `margin` (per sequence): the margin at loop k is the mean over the sequence's tokens of
-top-1 minus top-2 logit; a sequence exits at the first k with margin ≥ τ, else at K_max.
-Rule `gate` (per token, Ouro's): a token exits at the first k whose cumulative exit probability
-1 − Π_{j≤k}(1 − λ_j) reaches q, else at K_max; its prediction is that loop's.
+Any exit rule of modes.EXIT_RULES, by its unit (ExitRuleSpec.halts). Per sequence (`margin`,
+the study's): the score at loop k is the mean over the sequence's tokens of theirs (top-1 minus
+top-2 logit); a sequence exits at the first k whose score reaches τ, else at K_max. Per token
+(`gate`, Ouro's; `confidence`): a token exits at the first k whose score (the cumulative exit
+probability 1 − Π_{j≤k}(1 − λ_j); the top-1 probability) reaches the threshold, else at K_max;
+its prediction is that loop's.
 
 Calibration (one slice): a single K_max pass caches every loop's per-token CE and the rule's
 scores; the threshold is the smallest whose dynamic PPL is within ρ of fixed-K_max PPL on the
@@ -24,9 +26,9 @@ import numpy as np
 import torch
 
 from megaloop.evaluation import harness, ppl_text
-from megaloop.evaluation.exported import EvalError
-from megaloop.evaluation.settings import HaltSettings, Rule
-from megaloop.model.semantics import Loops, Survival, each_loop, exits, top1_margin
+from megaloop.evaluation.settings import HaltSettings, check_gate
+from megaloop.model.modes import EXIT_RULES, ExitRuleSpec
+from megaloop.model.semantics import Loops, Survival, each_loop, exits
 
 
 def exit_loops(scores: np.ndarray, threshold: float | None) -> np.ndarray:
@@ -74,17 +76,24 @@ def calibrate(scores: np.ndarray, ce: np.ndarray, tokens: int, rho: float) -> di
     }
 
 
-def sequence_margin(logits: torch.Tensor) -> torch.Tensor:
-    """Mean over tokens of top-1 minus top-2 logit, per sequence: [b, s, V] → [b]."""
-    return top1_margin(logits).mean(-1)
+def token_scores(model, rule: ExitRuleSpec, survival: Survival, h, logits) -> torch.Tensor:
+    """The rule's score [b, s] of every token of H_k, from its logits (a rule that reads them)
+    or its gate (λ in double precision, as survival accumulates it)."""
+    lam = model.exit_probability(h).squeeze(-1).double() if rule.needs_gate else None
+    return rule.score(survival, lam, logits)
+
+
+def unit_scores(rule: ExitRuleSpec, scores: torch.Tensor) -> torch.Tensor:
+    """A unit's score: per sequence the mean of its tokens' [b, s] → [b]; per token as is."""
+    return scores.mean(-1) if rule.halts == "sequence" else scores
 
 
 def cached_pass(
-    model, slice_: torch.Tensor, k_max: int, rule: Rule, batch_size: int, device: str
+    model, slice_: torch.Tensor, k_max: int, rule: str, batch_size: int, device: str
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per-unit scores [units, K-1] and per-unit summed CE [units, K] from one K_max pass
-    (units: sequences for `margin`, tokens for `gate`)."""
-    scores, ce = [], []
+    (units: sequences or tokens, by the rule's ExitRuleSpec.halts)."""
+    scores, ce, spec = [], [], EXIT_RULES[rule]
     with torch.no_grad():
         for batch in harness.batches(slice_, batch_size, "calibration pass"):
             batch = batch.to(device)
@@ -93,13 +102,10 @@ def cached_pass(
             for k, h in harness.trajectory(model, inputs, k_max):
                 logits = model.readout(h, k, k_max)
                 token_ce = harness.token_ce(logits, targets).double()
-                if rule == "margin":
-                    loop_ce.append(token_ce.sum(1))
-                    loop_score.append(sequence_margin(logits).double())
-                else:
-                    survival.step(model.exit_probability(h).squeeze(-1).double())
-                    loop_ce.append(token_ce.flatten())
-                    loop_score.append(survival.cumulative().flatten())
+                score = unit_scores(spec, token_scores(model, spec, survival, h, logits))
+                per_sequence = spec.halts == "sequence"
+                loop_ce.append(token_ce.sum(1) if per_sequence else token_ce.flatten())
+                loop_score.append(score.double().flatten())
             ce.append(torch.stack(loop_ce, 1).cpu().numpy())
             scores.append(
                 torch.stack(loop_score[:-1], 1).cpu().numpy()
@@ -131,15 +137,15 @@ def reaches(score: torch.Tensor, threshold: float | None, last: bool) -> torch.T
 
 
 def dynamic_depth(
-    model, batch: torch.Tensor, k_max: int, rule: Rule, threshold: float | None
+    model, batch: torch.Tensor, k_max: int, rule: str, threshold: float | None
 ) -> tuple[float, int, list[int], list[int]]:
     """One batch with dynamic batching: summed CE, loop×token forward steps, each sequence's
-    exit loop and (gate rule) each token's exit loop. A sequence leaves the batch once it
-    halts: at its margin's exit (`margin`), or once every token has exited (`gate`; a token is
-    read out at its own exit)."""
+    exit loop and (a per-token rule) each token's exit loop. A sequence leaves the batch once
+    it halts: at its score's exit (per sequence), or once every token has exited (per token;
+    a token is read out at its own exit)."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
     h, rope = model.embed(inputs)
-    run = DynamicBatch(model, rule, threshold, k_max, h, targets)
+    run = DynamicBatch(model, EXIT_RULES[rule], threshold, k_max, h, targets)
     each_loop(run.loops, lambda: run.loop(rope))
     return run.total_ce, run.steps, run.seq_exit, run.token_exit
 
@@ -148,7 +154,7 @@ class DynamicBatch:
     """`dynamic_depth`'s state, loop by loop: the sequences still running and what the ones
     that halted have read out."""
 
-    def __init__(self, model, rule: Rule, threshold, k_max: int, h, targets):
+    def __init__(self, model, rule: ExitRuleSpec, threshold, k_max: int, h, targets):
         self.model, self.rule, self.threshold, self.k_max = model, rule, threshold, k_max
         self.h, self.targets = h, targets
         self.loops = Loops(model, k_max)
@@ -161,35 +167,38 @@ class DynamicBatch:
         k = self.loops.loop
         h = self.h = self.model.step(self.h, self.loops, rope)
         self.steps += h.shape[0] * h.shape[1]
-        halt = self.margin_halts(h, k) if self.rule == "margin" else self.gate_halts(h, k)
+        per_sequence = self.rule.halts == "sequence"
+        halt = self.sequences_halt(h, k) if per_sequence else self.tokens_halt(h, k)
         for r in self.rows[halt].tolist():
             self.seq_exit[r] = k
         keep = ~halt
         if not keep.any():
             return False
         self.h, self.rows = h[keep], self.rows[keep]
-        if self.rule == "gate":
+        if self.survival.survive is not None:
             self.survival.keep(keep)
+        if not per_sequence:
             self.exited = self.exited[keep]
         return True
 
-    def margin_halts(self, h: torch.Tensor, k: int) -> torch.Tensor:
+    def sequences_halt(self, h: torch.Tensor, k: int) -> torch.Tensor:
         logits = self.model.readout(h, k, self.k_max)
-        halt = reaches(sequence_margin(logits), self.threshold, k == self.k_max)
+        score = token_scores(self.model, self.rule, self.survival, h, logits).mean(-1)
+        halt = reaches(score, self.threshold, k == self.k_max)
         if halt.any():
             ce = harness.token_ce(logits[halt], self.targets[self.rows[halt]])
             self.total_ce += ce.double().sum().item()
         return halt
 
-    def gate_halts(self, h: torch.Tensor, k: int) -> torch.Tensor:
-        self.survival.step(self.model.exit_probability(h).squeeze(-1))
-        cumulative = self.survival.cumulative()
+    def tokens_halt(self, h: torch.Tensor, k: int) -> torch.Tensor:
+        logits = self.model.readout(h, k, self.k_max) if self.rule.reads == "logits" else None
+        score = token_scores(self.model, self.rule, self.survival, h, logits)
         if self.exited is None:
-            self.exited = torch.zeros_like(cumulative, dtype=torch.bool)
-        new = reaches(cumulative, self.threshold, k == self.k_max) & ~self.exited
+            self.exited = torch.zeros_like(score, dtype=torch.bool)
+        new = reaches(score, self.threshold, k == self.k_max) & ~self.exited
         if new.any():  # only the tokens that exit here are read out
-            logits = self.model.readout(h[new], k, self.k_max)
-            ce = harness.token_ce(logits[None], self.targets[self.rows][new][None])
+            read = self.model.readout(h[new], k, self.k_max) if logits is None else logits[new]
+            ce = harness.token_ce(read[None], self.targets[self.rows][new][None])
             self.total_ce += ce.double().sum().item()
             self.token_exit += [k] * int(new.sum())
         self.exited = self.exited | new
@@ -200,7 +209,7 @@ def benchmark(
     model,
     slice_: torch.Tensor,
     k_max: int,
-    rule: Rule,
+    rule: str,
     threshold: float | None,
     batch_size: int,
     device: str,
@@ -245,22 +254,18 @@ def benchmark(
         "loop_token_steps": sum(r[1] for r in results),
         "speedup": (tokens / seconds) / fixed[-1]["tokens_per_s"],
     }
-    if rule == "gate":
+    if EXIT_RULES[rule].halts == "token":
         dynamic["mean_token_exit_loop"] = float(np.mean([e for r in results for e in r[3]]))
     return {"tokens": tokens, "fixed": fixed, "dynamic": dynamic}
 
 
 def run(settings: HaltSettings) -> dict:
-    """Calibrate (unless `settings.threshold` is given: τ for margin, q for gate) and benchmark."""
+    """Calibrate (unless `settings.threshold` is given) and benchmark."""
     harness.check_data(settings.data)
     device, dtype = harness.device_and_dtype(settings.dtype, settings.device)
     opened = harness.open_model(settings.model, device, dtype)
     model = opened.model
-    if settings.rule == "gate" and model.exit_gate is None:
-        raise EvalError(
-            f"--exit gate: {settings.model} has no exit gate (trained without "
-            f"model.exit_gate); use --exit margin"
-        )
+    check_gate(settings.rule, model.exit_gate is not None, settings.model)
     settings = opened.fitted(settings)
     tokens = harness.read_tokens(settings.data, opened.encode)
     calib_slice = harness.windows(
@@ -326,7 +331,7 @@ def evaluate_threshold(scores: np.ndarray, ce: np.ndarray, tokens: int, threshol
 
 def markdown(result: dict) -> str:
     s, c, b = result["settings"], result["calibration"], result["benchmark"]
-    name = "τ (margin)" if s["rule"] == "margin" else "q (cumulative exit probability)"
+    name = f"threshold ({EXIT_RULES[s['rule']].summary})"
     threshold = "never early" if c["threshold"] is None else f"{c['threshold']:.4g}"
     d = b["dynamic"]
     lines = [

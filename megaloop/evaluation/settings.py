@@ -13,10 +13,10 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal, Self, get_args
+from typing import ClassVar, Self
 
 from megaloop.config import ConfigError
-from megaloop.model.modes import EarlyExit, KVPolicy
+from megaloop.model.modes import EXIT_RULES, KV_POLICIES, asynchronous_policies, gate_missing
 
 
 class EvalError(ConfigError):
@@ -37,8 +37,6 @@ a GPU (the study's precision), float32 on a CPU."""
 MODEL_KINDS = "a run directory, a checkpoint folder or a `megaloop export` folder"
 """What MODEL may name, for every command that reads a model (its help, its errors)."""
 
-Rule = Literal["margin", "gate"]
-RULES: tuple[Rule, ...] = ("margin", "gate")
 SPLITS = ("validation", "default")
 
 
@@ -80,8 +78,7 @@ def parse_thresholds(text: str) -> tuple[float, ...]:
         values = []
     if not values or not all(math.isfinite(t) for t in values):
         raise EvalError(
-            f"--threshold {text!r}: give finite numbers, comma-separated, e.g. 0.5,0.9 "
-            f"(gate: a cumulative exit probability; margin: a top-1 minus top-2 logit)"
+            f"--threshold {text!r}: give finite numbers, comma-separated, e.g. 0.5,0.9 ({scores()})"
         )
     return tuple(sorted(set(values)))
 
@@ -179,9 +176,10 @@ class HaltSettings(Measurement):
     """PPL budget: dynamic PPL <= rho x fixed-K_max PPL on the calibration slice."""
     calib: int = 160
     bench: int = 160
-    rule: Rule = "margin"
+    rule: str = "margin"
+    """A key of modes.EXIT_RULES."""
     threshold: float | None = None
-    """Given: τ (margin) or q (gate), and calibration only reports it. None: calibrated."""
+    """Given: the rule's threshold, and calibration only reports it. None: calibrated."""
 
     def validate(self) -> None:
         if self.rho < 1:
@@ -193,8 +191,7 @@ class HaltSettings(Measurement):
         positive(
             "an empty slice measures nothing", loops=self.k_max, calib=self.calib, bench=self.bench
         )
-        if self.rule not in RULES:
-            raise EvalError(f"--exit {self.rule}: give one of {', '.join(RULES)}")
+        one_of("--exit", self.rule, EXIT_RULES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -235,21 +232,40 @@ class FixedKSettings(Measurement):
 
 SYNTHETIC_TASKS = ("addition", "lookup", "chase")
 """data.SyntheticConfig's tasks, whose answers `bench generate --task` scores."""
-EXIT_RULES: tuple[str, ...] = tuple(r for r in get_args(EarlyExit) if r != "none")
-KV_POLICIES: tuple[str, ...] = get_args(KVPolicy)
 BATCHING: tuple[str, ...] = ("sync", "async")
 """How a batch decodes under early exit: `sync`, every row at the same token, each loop run by
 the rows still active; `async`, every row at its own loop (DepthAsyncDecoder; `copy` and
 `share`, batch > 1)."""
-DEFAULT_THRESHOLDS: dict[str, tuple[float, ...]] = {
-    "gate": (0.3, 0.5, 0.7, 0.9),
-    "margin": (0.5, 1.0, 2.0, 4.0),
-    "confidence": (0.5, 0.7, 0.9, 0.97),
-}
-"""`bench generate`'s thresholds per rule when --threshold is not given: from early exits to late
-ones on a trained model (gate: cumulative exit probability, Ouro's range; margin: top-1 minus
-top-2 logit, around the study's calibrated τ; confidence: the top-1 probability). `megaloop
-halt`'s calibrated value is the point to add with --threshold."""
+
+
+def scores() -> str:
+    """Each exit rule's score, for help texts and errors: `gate: ...; margin: ...`."""
+    return "; ".join(f"{name}: {rule.summary}" for name, rule in EXIT_RULES.items())
+
+
+def default_thresholds() -> str:
+    """Each exit rule's default thresholds, for help texts: `gate 0.3,0.5; margin ...`."""
+    return "; ".join(
+        f"{name} {','.join(f'{t:g}' for t in rule.thresholds)}" for name, rule in EXIT_RULES.items()
+    )
+
+
+def kv_policies() -> str:
+    """Each KV policy in a few words, for help texts."""
+    return "; ".join(f"{name}: {policy.summary}" for name, policy in KV_POLICIES.items())
+
+
+def one_of(option_: str, value: str, allowed) -> None:
+    """EvalError unless `value` is one of `allowed` (names, or a table keyed by them)."""
+    if value not in allowed:
+        raise EvalError(f"{option_} {value}: give one of {', '.join(allowed)}")
+
+
+def check_gate(rule: str, has_gate: bool, model) -> None:
+    """EvalError for an exit rule that reads the gate, on a model without one."""
+    why = gate_missing(rule, has_gate, str(model))
+    if why:
+        raise EvalError(why)
 
 
 def names(option_: str, text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
@@ -280,10 +296,12 @@ class GenerateBenchSettings(Measurement):
     and KV policy, and at each fixed K, at each batch size. `out` is a folder."""
 
     rules: tuple[str, ...] | None = None
-    """Exit rules (EXIT_RULES). None: every rule the model has (gate needs an exit gate)."""
+    """Exit rules (modes.EXIT_RULES). None: every rule the model can run (one that reads the
+    gate needs an exit gate)."""
     thresholds: tuple[float, ...] | None = None
-    """Every rule's thresholds. None: DEFAULT_THRESHOLDS per rule."""
-    policies: tuple[str, ...] = KV_POLICIES
+    """Every rule's thresholds. None: each rule's own (modes.ExitRuleSpec.thresholds; `megaloop
+    halt`'s calibrated value is the point to add)."""
+    policies: tuple[str, ...] = tuple(KV_POLICIES)
     batching: tuple[str, ...] = BATCHING
     """BATCHING to run each exiting run with; `async` runs only where it applies."""
     batch_sizes: tuple[int, ...] = (1, 8)
@@ -304,8 +322,8 @@ class GenerateBenchSettings(Measurement):
     def validate(self) -> None:
         set_ = object.__setattr__
         if self.rules is not None:
-            set_(self, "rules", names("--exit", ",".join(self.rules), EXIT_RULES))
-        set_(self, "policies", names("--kv", ",".join(self.policies), KV_POLICIES))
+            set_(self, "rules", names("--exit", ",".join(self.rules), tuple(EXIT_RULES)))
+        set_(self, "policies", names("--kv", ",".join(self.policies), tuple(KV_POLICIES)))
         set_(self, "batching", names("--batching", ",".join(self.batching), BATCHING))
         if self.task is not None and self.task not in SYNTHETIC_TASKS:
             raise EvalError(
@@ -348,16 +366,13 @@ class GenerateBenchSettings(Measurement):
     def exit_rules(self, has_gate: bool) -> tuple[str, ...]:
         """The rules to run on a model with or without an exit gate."""
         if self.rules is None:
-            return tuple(r for r in EXIT_RULES if r != "gate" or has_gate)
-        if "gate" in self.rules and not has_gate:
-            raise EvalError(
-                f"--exit gate: {self.model} has no exit gate; give --exit margin (or train "
-                "with model.exit_gate=true)"
-            )
+            return tuple(r for r in EXIT_RULES if not gate_missing(r, has_gate, ""))
+        for rule in self.rules:
+            check_gate(rule, has_gate, self.model)
         return self.rules
 
     def thresholds_of(self, rule: str) -> tuple[float, ...]:
-        return DEFAULT_THRESHOLDS[rule] if self.thresholds is None else self.thresholds
+        return EXIT_RULES[rule].thresholds if self.thresholds is None else self.thresholds
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -393,13 +408,13 @@ class DownstreamSettings:
         positive("an empty evaluation measures nothing", limit=self.limit)
         if self.split not in SPLITS:
             raise EvalError(f"--split {self.split}: give one of {', '.join(SPLITS)}")
-        if self.exit is not None and self.exit not in EXIT_RULES:
-            raise EvalError(f"--exit {self.exit}: give one of {', '.join(EXIT_RULES)}")
+        if self.exit is not None:
+            one_of("--exit", self.exit, EXIT_RULES)
         if (self.exit is None) != (not self.thresholds):
             given, missing = ("--exit", "--threshold") if self.exit else ("--threshold", "--exit")
             raise EvalError(
                 f"{given} needs {missing}: adaptive depth is a rule "
-                "(--exit gate|margin|confidence) and its thresholds (--threshold T[,T2,...]) "
+                f"(--exit {'|'.join(EXIT_RULES)}) and its thresholds (--threshold T[,T2,...]) "
                 "together"
             )
         if self.thresholds:
@@ -407,7 +422,7 @@ class DownstreamSettings:
 
 
 EXITS = {**{rule: rule for rule in EXIT_RULES}, "fixed": "none", "none": "none"}
-"""`--exit`'s values → the exported config's early_exit (every rule of modes.EarlyExit by its
+"""`--exit`'s values → the exported config's early_exit (every rule of modes.EXIT_RULES by its
 own name; fixed, alias none: every token runs K): the one place an exit rule changes name
 between the command line and the model."""
 
@@ -425,8 +440,7 @@ class GenerateSettings:
     exit: str = "fixed"
     """A key of EXITS."""
     threshold: float | None = None
-    """The rule's threshold (gate: cumulative exit probability; margin: top-1 − top-2 logit;
-    confidence: the top-1 probability)."""
+    """The rule's threshold on its score (modes.ExitRuleSpec.summary)."""
     loops: int | None = None
     """K, the most loops a token runs. None: the model's num_loops."""
     kv: str = "copy"
@@ -455,16 +469,14 @@ class GenerateSettings:
                 set_(self, name, Path(getattr(self, name)))
         if (self.prompt is None) == (self.prompts is None):
             raise EvalError("give one of --prompt TEXT and --prompts FILE")
-        if self.exit not in EXITS:
-            raise EvalError(f"--exit {self.exit}: give one of {', '.join(EXITS)}")
-        if self.kv not in KV_POLICIES:
-            raise EvalError(f"--kv {self.kv}: give one of {', '.join(KV_POLICIES)}")
-        if self.batching not in ("auto", *BATCHING):
-            raise EvalError(f"--batching {self.batching}: give one of auto, {', '.join(BATCHING)}")
-        if self.batching == "async" and self.kv == "recompute":
+        one_of("--exit", self.exit, EXITS)
+        one_of("--kv", self.kv, KV_POLICIES)
+        one_of("--batching", self.batching, ("auto", *BATCHING))
+        if self.batching == "async" and self.kv not in asynchronous_policies():
+            runs = " or ".join(asynchronous_policies())
             raise EvalError(
-                "--batching async decodes --kv copy or share (recompute resumes earlier tokens at "
-                "the loop a row needs, a synchronous step): give --kv copy or --batching sync"
+                f"--batching async decodes --kv {runs} ({self.kv} resumes earlier tokens at the "
+                "loop a row needs, a synchronous step): give another --kv or --batching sync"
             )
         if self.dtype not in DTYPES:
             raise EvalError(f"--dtype {self.dtype}: give one of {', '.join(DTYPES)}")
@@ -491,7 +503,7 @@ class GenerateSettings:
         prompt streams)."""
         if self.batching != "auto":
             return self.batching
-        takes_async = rows > 1 and self.early_exit != "none" and self.kv in ("copy", "share")
+        takes_async = rows > 1 and self.early_exit != "none" and self.kv in asynchronous_policies()
         return "async" if takes_async else "sync"
 
     def check_threshold(self) -> None:
@@ -512,12 +524,13 @@ class GenerateSettings:
 
     def threshold_note(self) -> str | None:
         """What a threshold out of the rule's useful range does (legitimate, e.g. for testing)."""
-        t = self.threshold
-        rule = self.early_exit
-        if rule in ("gate", "confidence") and t > 1 or rule == "margin" and t == float("inf"):
+        if self.early_exit == "none":
+            return None
+        t, (low, high) = self.threshold, EXIT_RULES[self.early_exit].bounds
+        if t > high or t == float("inf"):
             return f"--threshold {t} never exits early: every token runs all K loops"
-        if t is not None and t <= 0:
-            return f"--threshold {t} exits every token at loop 1 (its score is never below 0)"
+        if t <= low:
+            return f"--threshold {t} exits every token at loop 1 (its score is never below {low:g})"
         return None
 
     def check_sampling(self) -> None:

@@ -24,6 +24,7 @@ from .modes import (
     PositionEmbedding,
     ReadoutMode,
     RecurrenceMode,
+    gate_missing,
 )
 
 
@@ -74,15 +75,13 @@ FIELDS = (
     Field("tie_word_embeddings", True, "tie_embeddings", shape=True),
     # the inference-time recurrent-scale clamp: each token's H_k held at its loop-1 RMS
     Field("clamp", False),
-    # each token's exit loop (semantics.EXIT_SCORES): none, all at K; gate, the first loop whose
-    # cumulative exit probability reaches exit_threshold; margin, the first whose top-1 minus
-    # top-2 logit does (`megaloop halt`'s threshold as it is). Its logits are that loop's; with a
-    # cache, it runs no loop after it (docs/generation.md)
+    # each token's exit loop: none, all at K; an exit rule (modes.EXIT_RULES), the first loop
+    # whose score reaches exit_threshold. Its logits are that loop's; with a cache, it runs no
+    # loop after it (docs/generation.md)
     Field("early_exit", "none", modes=EarlyExit),
     Field("exit_threshold", 0.5),
-    # what early exit's cache holds at the loops a token skipped: copy, the exit loop's keys and
-    # values; share, one slot per layer (the last computed); recompute, computed when a later
-    # token needs them (exact). A forward's `kv_policy` overrides it for a new cache
+    # what early exit's cache holds at the loops a token skipped (modes.KV_POLICIES). A
+    # forward's `kv_policy` overrides it for a new cache
     Field("kv_policy", "copy", modes=KVPolicy),
     Field("use_cache", True),
 )
@@ -100,8 +99,9 @@ def check(values: dict[str, Any]) -> None:
             raise ValueError(f"{f.name}={values[f.name]!r}: use one of {modes}")
     if SHARES_LOOP_NORM[values["loop_norm"]] and values["recurrence"] != "none":
         raise ValueError("loop_norm='shared' is the inter-loop norm; recurrence must be none")
-    if values["early_exit"] == "gate" and not values["exit_gate"]:
-        raise ValueError("early_exit='gate' needs a model trained with the exit gate")
+    why = gate_missing(values["early_exit"], values["exit_gate"], "the model", "early_exit")
+    if why:
+        raise ValueError(why)
     if values["num_loops"] < 1:
         raise ValueError(f"num_loops={values['num_loops']}: must be >= 1")
 

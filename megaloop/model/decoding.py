@@ -1,7 +1,7 @@
 """Early exit with a KV cache, and the decoders that run rows at their own loops: shipped with an
 export beside modeling_megaloop.py (sha256 recorded), as semantics.py is.
 
-A token that exits at loop k runs no loop after it; its KV policy (modes.KV_LOOP_SLOTS) says what
+A token that exits at loop k runs no loop after it; its KV policy (modes.KV_POLICIES) says what
 the (loop, layer) slots it skipped hold for later tokens (docs/generation.md). Two decoders:
 `exiting`, the forward of a LoopCache, runs a batch's new tokens loop by loop together
 (semantics.each_loop), gathering the ones still running; `DepthAsyncDecoder` runs every row at
@@ -13,12 +13,11 @@ rules per row; neither iterates over loops itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import get_args
 
 import torch
 from transformers.cache_utils import Cache
 
-from .modes import KEEPS_HIDDEN, KV_LOOP_SLOTS, KVPolicy
+from .modes import KV_POLICIES, asynchronous_policies
 from .semantics import Loops, each_loop, each_step
 
 
@@ -43,7 +42,7 @@ def attendable(key_mask: torch.Tensor | None, queries: torch.Tensor, keys: int) 
 
 class LoopCache(Cache):
     """Early exit's KV cache: (loop, layer) slots of keys and values [b, kv_heads, T, head_dim],
-    as many per layer as the KV policy keeps (modes.KV_LOOP_SLOTS), and what the exiting forward
+    as many per layer as the KV policy keeps (modes.KV_POLICIES), and what the exiting forward
     counts: each new token's exit loop and loops run (`exit_loops`, `loops_run`: one [b, s] per
     forward) and every application of the stack to a token (`loop_applications`, recompute's
     catch-up included). `recompute` also keeps every token's latest hidden state (`tokens`)."""
@@ -51,10 +50,10 @@ class LoopCache(Cache):
     is_compileable = False
 
     def __init__(self, kv_policy: str = "copy"):
-        if kv_policy not in get_args(KVPolicy):
-            raise ValueError(f"kv_policy={kv_policy!r}: use one of {', '.join(get_args(KVPolicy))}")
+        if kv_policy not in KV_POLICIES:
+            raise ValueError(f"kv_policy={kv_policy!r}: use one of {', '.join(KV_POLICIES)}")
         super().__init__(layers=[])
-        self.kv_policy = kv_policy
+        self.kv_policy, self.policy = kv_policy, KV_POLICIES[kv_policy]
         self.num_loops: int | None = None
         self.num_layers = 0
         self.length = 0
@@ -69,8 +68,8 @@ class LoopCache(Cache):
         return self.length
 
     def slot(self, index: int) -> int:
-        """The slot of cache entry (k - 1)·L + l: its own, or layer l's under `share`."""
-        return index % self.num_layers if self.kv_policy == "share" else index
+        """The slot of cache entry (k - 1)·L + l: its own, or layer l's where a layer keeps one."""
+        return index % len(self.keys)
 
     def grow(self, s: int, num_loops: int, like: torch.Tensor, layers: int) -> None:
         """Room for s new positions in every slot (capacity doubled when full, so a decoded token
@@ -78,7 +77,7 @@ class LoopCache(Cache):
         [b, kv_heads, 0, head_dim]."""
         if self.num_loops is None:
             self.num_loops, self.num_layers = num_loops, layers
-            slots = KV_LOOP_SLOTS[self.kv_policy](num_loops) * layers
+            slots = self.policy.loop_slots(num_loops) * layers
             self.keys = [like.clone() for _ in range(slots)]
             self.values = [like.clone() for _ in range(slots)]
         elif num_loops != self.num_loops:
@@ -222,8 +221,9 @@ def bytes_per_token(config, itemsize: int, kv_policy: str, num_loops: int) -> in
     reference, depth and position."""
     c = config
     kv = 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * itemsize
-    total = KV_LOOP_SLOTS[kv_policy](num_loops) * c.num_hidden_layers * kv
-    if KEEPS_HIDDEN[kv_policy]:
+    policy = KV_POLICIES[kv_policy]
+    total = policy.loop_slots(num_loops) * c.num_hidden_layers * kv
+    if policy.resumes:
         total += (c.hidden_size + 1) * itemsize + 2 * torch.long.itemsize
     return total
 
@@ -265,7 +265,7 @@ def exiting(
         open_[rows[stop], cols[stop]] = False
         if exits_early:
             running = open_.clone()
-            if cache.kv_policy == "copy" and k < K and bool(stop.any()):
+            if cache.policy.copies_down and k < K and bool(stop.any()):
                 cache.copy_down(k, rows[stop], offset + cols[stop])
         return bool(running.any())
 
@@ -284,7 +284,7 @@ def fresh_tokens(model, input_ids, positions, cache: LoopCache, K: int) -> Token
     cache.grow(s, K, h0.new_zeros(b, c.num_key_value_heads, 0, head_dim), len(model.layers))
     depth, offset = torch.zeros_like(input_ids), cache.get_seq_length() - s
     new = Tokens(h0, depth, h0.new_ones(b, s, 1), positions, offset)
-    if not KEEPS_HIDDEN[cache.kv_policy]:
+    if not cache.policy.resumes:
         return new
     cache.tokens = new if cache.tokens is None else cache.tokens.extend(new)
     return cache.tokens
@@ -327,7 +327,7 @@ def run_loop(
     else:
         work = torch.zeros_like(tokens.depth, dtype=torch.bool)
         work[:, -s:] = running
-        if cache.kv_policy == "recompute":
+        if cache.policy.resumes:
             work |= (tokens.depth == k - 1) & running.any(1, keepdim=True)
         rows, idx, valid = gather_index(work)
         written = (rows[:, None].expand_as(idx)[valid], idx[valid])
@@ -516,10 +516,11 @@ class DepthAsyncDecoder:
 
     @staticmethod
     def check(kv_policy: str, attention_mask: torch.Tensor | None) -> None:
-        if kv_policy not in ("copy", "share"):
+        if KV_POLICIES[kv_policy].resumes:
+            runs = ", ".join(asynchronous_policies())
             raise ValueError(
-                f"kv_policy={kv_policy!r}: depth-asynchronous decoding runs `copy` or `share`; "
-                "decode `recompute` with generate() (a LoopCache, one token a forward)"
+                f"kv_policy={kv_policy!r}: depth-asynchronous decoding runs {runs}; decode "
+                f"{kv_policy} with generate() (a LoopCache, one token a forward)"
             )
         if attention_mask is not None and bool((attention_mask.diff(dim=1) < 0).any()):
             raise ValueError("attention_mask: pad prompts on the left (the pads first)")
@@ -559,7 +560,7 @@ class DepthAsyncDecoder:
         stop, read = loops.stop(h)
         done = stop.nonzero().squeeze(1)
         if len(done):
-            if self.cache.kv_policy == "copy":
+            if self.cache.policy.copies_down:
                 self.copy_down(stop & (loop < self.K), loop, slots)
             fed = self.start_next(done, loop, h, read, next_input)
             h[done] = self.model.embed_at(fed, (self.length - self.pads)[done])
@@ -620,7 +621,7 @@ class RowSlots:
         self.mask = mask[:, None, None]
         self.blocks = decoder.blocks[:, :, :, :end]
         self.read, self.block = None, 0  # read: the rows' blocks; else layer l's is block + l·b
-        if decoder.cache.kv_policy == "share":  # one slot a layer
+        if not decoder.cache.policy.per_loop:  # one slot a layer
             self.written = decoder.layer_blocks + rows
             if not whole:
                 self.read = self.written

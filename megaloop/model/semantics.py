@@ -28,6 +28,7 @@ from torch import nn
 
 from .modes import (
     DAMPING_SIZE,
+    EXIT_RULES,
     READOUT_NORMALIZES,
     SHARES_LOOP_NORM,
     readout_owns_norm,
@@ -263,6 +264,11 @@ class Survival:
         """Σ_{j≤k} p_j = 1 − S_k, the probability of having exited by loop k."""
         return 1 - self.survive
 
+    def exited(self, lam: torch.Tensor) -> torch.Tensor:
+        """Advances S by λ_k; 1 − S_k, the gate rule's score."""
+        self.step(lam)
+        return self.cumulative()
+
     def keep(self, rows: torch.Tensor) -> None:
         """Keep the rows still running (dynamic batching drops the finished ones)."""
         self.survive = self.survive[rows]
@@ -275,54 +281,26 @@ def exit_probabilities(gates: list[torch.Tensor]) -> torch.Tensor:
 
 
 def exits(score: torch.Tensor, threshold: float) -> torch.Tensor:
-    """The early-exit decision: a token exits at the first loop whose score (the cumulative exit
-    probability, or the top-1 margin) reaches the threshold."""
+    """The early-exit decision: a token exits at the first loop whose score (modes.EXIT_RULES)
+    reaches the threshold."""
     return score >= threshold
-
-
-def top1_margin(logits: torch.Tensor) -> torch.Tensor:
-    """Top-1 minus top-2 logit per token, [..., V] → [...] (fp32): the study's halting score.
-    On one token it is what `megaloop halt` calibrates (its per-sequence mean over one token)."""
-    top = logits.float().topk(2, dim=-1).values
-    return top[..., 0] - top[..., 1]
-
-
-def top1_probability(logits: torch.Tensor) -> torch.Tensor:
-    """The largest softmax probability per token, [..., V] → [...] (fp32): a post-hoc
-    confidence rule that needs no training, against which a learned gate is measured."""
-    return logits.float().softmax(-1).amax(-1)
 
 
 # ---- early exit: which of the running tokens stop at loop k ---------------------------------
 
-ExitScore = Callable[[Survival, torch.Tensor | None, torch.Tensor | None], torch.Tensor | None]
-
-EXIT_SCORES: dict[str, ExitScore] = {
-    # fixed K: no score, every token runs to the last loop
-    "none": lambda survival, lam, logits: None,
-    # Ouro's gate: the cumulative exit probability 1 − S_k
-    "gate": lambda survival, lam, logits: (survival.step(lam), survival.cumulative())[1],
-    # the study's margin: top-1 minus top-2 logit of this loop's readout
-    "margin": lambda survival, lam, logits: top1_margin(logits),
-    # post-hoc confidence: the largest probability of this loop's readout
-    "confidence": lambda survival, lam, logits: top1_probability(logits),
-}
-"""Per modes.EarlyExit: (the survival so far, λ_k, logits_k of the running tokens) → their
-score at loop k, which exits compares with the threshold."""
-
-READS_GATE = {"none": False, "gate": True, "margin": False, "confidence": False}
-READS_LOGITS = {"none": False, "gate": False, "margin": True, "confidence": True}
-
 
 class ExitRule:
-    """Loop by loop, which of the running tokens stop: those whose score (EXIT_SCORES) reaches
-    the threshold, and all of them at loop K. Call `stop` at each loop in order, with λ_k when
-    the rule reads the gate and logits_k when it reads them; `keep` the tokens that go on when
-    the stopped ones leave the batch, `restart` those that begin a new token."""
+    """Loop by loop, which of the running tokens stop: those whose score (modes.EXIT_RULES)
+    reaches the threshold, and all of them at loop K (rule `none`: only then). Call `stop` at
+    each loop in order, with λ_k when the rule reads the gate and logits_k when it reads them;
+    `keep` the tokens that go on when the stopped ones leave the batch, `restart` those that
+    begin a new token."""
 
     def __init__(self, rule: str, threshold: float, num_loops: int):
         self.rule, self.threshold, self.num_loops = rule, threshold, num_loops
-        self.reads_gate, self.reads_logits = READS_GATE[rule], READS_LOGITS[rule]
+        self.spec = EXIT_RULES.get(rule)
+        self.reads_gate = self.spec is not None and self.spec.reads == "gate"
+        self.reads_logits = self.spec is not None and self.spec.reads == "logits"
         self.survival = Survival()
 
     def stop(
@@ -334,7 +312,7 @@ class ExitRule:
     ) -> torch.Tensor:
         """Booleans of H_k's shape less the hidden dimension: which running tokens exit at
         their loop."""
-        score = EXIT_SCORES[self.rule](self.survival, lam, logits)
+        score = None if self.spec is None else self.spec.score(self.survival, lam, logits)
         last = loop >= self.num_loops
         if isinstance(last, torch.Tensor):
             return last.clone() if score is None else exits(score, self.threshold) | last

@@ -202,7 +202,7 @@ def gateless(tmp_path_factory):
         (["--kv", "foo"], "--kv 'foo': give one or more of copy, share, recompute"),
         (["--batching", "fast"], "--batching 'fast': give one or more of sync, async"),
         (["--exit", "fixed"], "--exit 'fixed': give one or more of gate, margin"),
-        (["--exit", "gate"], "--exit gate: .* has no exit gate; give --exit margin"),
+        (["--exit", "gate"], "--exit gate: .* has no exit gate .*; use --exit margin"),
         (["--batch-size", "1,0"], "--batch-size '0,1': give batch sizes >= 1"),
         (["--seq-len", "4"], "--seq-len 4: must exceed --prompt-tokens 4"),
         (["--prompt-tokens", "1"], "--prompt-tokens 1: give 2 or more"),

@@ -11,6 +11,7 @@ import torch
 from megaloop.evaluation import depth, diagnostics, halting, harness, report
 from megaloop.evaluation.exported import EvalError
 from megaloop.evaluation.settings import DepthSettings, DiagnoseSettings, HaltSettings
+from megaloop.model.modes import top1_margin
 
 SHORT_RUN = [
     "data.seq_len=32",
@@ -239,7 +240,7 @@ def test_halting_meets_rho_and_dynamic_batching_counts_its_steps(runs, tmp_path)
     slice_ = harness.windows(harness.read_tokens(runs / "held_out.txt", opened.encode), SEQ, 16)
     with torch.no_grad():
         first = [
-            halting.sequence_margin(opened.model.readout(h, 1, 1))
+            top1_margin(opened.model.readout(h, 1, 1)).mean(-1)
             for k, h in harness.trajectory(opened.model, slice_[:, :-1], 1)
         ][0]
     tau = float(first.median())
