@@ -41,8 +41,8 @@ def add_parser(sub) -> None:
     measurement(p, longest=128, batch=None)
     p.add_argument(
         "--exit",
-        help=f"exit rules, comma-separated ({scores()}; default: every rule the model can run, "
-        "one that reads the gate only on a model with an exit gate)",
+        help=f"exit rules, comma-separated, by their score: {scores()} (default: every rule the "
+        "model can run; one that reads the gate needs an exit gate)",
     )
     p.add_argument(
         "--threshold",
