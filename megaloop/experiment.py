@@ -63,19 +63,20 @@ class ExperimentConfig(Config):
             self.model.exit_gate,
             f"objective.kind={self.objective.kind} needs the exit gate: set model.exit_gate=true",
         )
+        part, kind = self.objective.spec.trains, self.objective.kind
         check(
-            self.objective.kind != "gate_gain" or self.parallel.pp == 1,
+            part is None or self.parallel.pp == 1,
             "parallel.pp",
             self.parallel.pp,
-            "objective.kind=gate_gain trains the exit gate alone, which one pipeline stage holds: "
-            "set parallel.pp=1 (stage 2 is a small run)",
+            f"objective.kind={kind} trains {part}* alone, which one pipeline stage holds: set "
+            "parallel.pp=1 (a second stage is a small run)",
         )
         check(
-            self.objective.kind != "gate_gain" or self.train.init_from is not None,
+            part is None or self.train.init_from is not None,
             "train.init_from",
             self.train.init_from,
-            "objective.kind=gate_gain trains the gate of a trained model (stage 2): set "
-            "train.init_from to stage 1's checkpoint",
+            f"objective.kind={kind} trains {part}* of a trained model (a second stage): set "
+            "train.init_from to the first stage's checkpoint",
         )
         check(
             self.data.seq_len <= self.model.max_seq_len,

@@ -1,15 +1,10 @@
 """Training objectives over the K exits, and the norm penalty that combines with any of them.
 
-    terminal       CE_K
-    per_loop       (1/K)·Σ_k CE_k
-    exit_weighted  Σ_k p_k·CE_k − β·H(p),  p_k = λ_k·Π_{j<k}(1 − λ_j), p_K the remaining mass
-    exit_mixture   CE(Σ_k p_k·logits_k)     Ouro's label path: CE of the exit-weighted mixture
-                                            of logits, no entropy term (the study's 1.4B runs)
-    gate_gain      (1/(K−1))·Σ_{k<K} BCE(1 − λ_k, w_k),   w_k = σ(s·(max(0, CE_k − CE_{k+1}) − γ))
-                                            Ouro's stage 2: the gate alone learns whether the
-                                            next loop still lowers the token's CE (by γ); every
-                                            other parameter is frozen (`trains`)
-    norm_penalty   λ·(1/K)·Σ_k E_tokens ‖H_k‖²_rms          (added when λ > 0)
+Each objective is one entry of OBJECTIVES: its loss as a function of the exits' terms
+(`losses.Exits`: per-loop CE, the exit distribution p_k = λ_k·Π_{j<k}(1 − λ_j) with p_K the
+remaining mass, its entropy, the mixture's CE, the gate's targets), its formula and what it
+needs (the exit gate, the logits, every exit, part of the model). The norm penalty
+λ·(1/K)·Σ_k E_tokens ‖H_k‖²_rms is added to any of them when λ > 0.
 
 The two-stage recipe for learned exits (Ouro's): stage 1 trains the model with kind=exit_weighted
 and an entropy bonus; stage 2 starts from its checkpoint (train.init_from) with kind=gate_gain.
@@ -22,16 +17,66 @@ in which per-token drift shows first).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from megaloop.config import Config, check
 
 
+@dataclass(frozen=True)
+class ObjectiveSpec:
+    """An objective: its loss and what it needs. Configs, checks and the trainer read it."""
+
+    loss: Callable[[Any, Any], Any]
+    """(ObjectiveConfig, losses.Exits) → the scalar loss (a tensor expression: no torch here)."""
+    formula: str
+    gated: bool = False
+    """It reads the exit gate (the model needs model.exit_gate=true)."""
+    needs_logits: bool = False
+    """It is a function of the exits' logits, not only of their CE."""
+    every_exit: bool = True
+    """It reads every loop's exit out (False: the last one only)."""
+    trains: str | None = None
+    """Only the parameters whose name holds this learn, the rest stay as a trained model left
+    them: a second stage, which needs train.init_from and one pipeline stage."""
+    keys: tuple[str, ...] = ()
+    """The ObjectiveConfig keys it reads besides kind and norm_penalty."""
+
+
+OBJECTIVES: dict[str, ObjectiveSpec] = {
+    "terminal": ObjectiveSpec(lambda cfg, x: x.ce[-1], "CE_K", every_exit=False),
+    "per_loop": ObjectiveSpec(lambda cfg, x: x.ce.mean(), "(1/K)·Σ_k CE_k"),
+    "exit_weighted": ObjectiveSpec(
+        lambda cfg, x: x.mean(x.expected_ce) - cfg.entropy_beta * x.mean(x.entropy),
+        "Σ_k p_k·CE_k − β·H(p)",
+        gated=True,
+        keys=("entropy_beta",),
+    ),
+    # Ouro's label path (the study's 1.4B runs): no entropy term
+    "exit_mixture": ObjectiveSpec(
+        lambda cfg, x: x.mean(x.mixture_ce()),
+        "CE(Σ_k p_k·logits_k)",
+        gated=True,
+        needs_logits=True,
+    ),
+    # Ouro's stage 2: the gate alone learns whether the next loop still lowers the token's CE
+    "gate_gain": ObjectiveSpec(
+        lambda cfg, x: x.gate_gain(cfg.gate_min_gain, cfg.gate_sharpness),
+        "(1/(K−1))·Σ_{k<K} BCE(1 − λ_k, w_k),  w_k = σ(s·(max(0, CE_k − CE_{k+1}) − γ))",
+        gated=True,
+        trains="exit_gate.",
+        keys=("gate_min_gain", "gate_sharpness"),
+    ),
+}
+
+ObjectiveKind = Literal[tuple(OBJECTIVES)]  # type: ignore[valid-type]
+
+
 @dataclass
 class ObjectiveConfig(Config):
-    kind: Literal["terminal", "per_loop", "exit_weighted", "exit_mixture", "gate_gain"] = "per_loop"
-    """The loss over the K exits (the table above)."""
+    kind: ObjectiveKind = "per_loop"
+    """The loss over the K exits: each kind and its formula is an entry of objectives.OBJECTIVES."""
     entropy_beta: float = 0.0
     """β: weight of the exit-distribution entropy bonus (exit_weighted only)."""
     gate_min_gain: float = 0.005
@@ -44,11 +89,12 @@ class ObjectiveConfig(Config):
 
     def validate(self, prefix: str = "") -> None:
         check(self.entropy_beta >= 0, prefix + "entropy_beta", self.entropy_beta, "must be >= 0")
+        users = [kind for kind, spec in OBJECTIVES.items() if "entropy_beta" in spec.keys]
         check(
-            self.entropy_beta == 0 or self.kind == "exit_weighted",
+            self.entropy_beta == 0 or self.kind in users,
             prefix + "entropy_beta",
             self.entropy_beta,
-            "is only used by kind=exit_weighted; set it to 0",
+            f"is only used by kind={'|'.join(users)}; set it to 0",
         )
         check(self.norm_penalty >= 0, prefix + "norm_penalty", self.norm_penalty, "must be >= 0")
         check(self.gate_min_gain >= 0, prefix + "gate_min_gain", self.gate_min_gain, "must be >= 0")
@@ -57,19 +103,21 @@ class ObjectiveConfig(Config):
         )
 
     @property
+    def spec(self) -> ObjectiveSpec:
+        return OBJECTIVES[self.kind]
+
+    @property
     def gated(self) -> bool:
         """The objective reads the exit gate."""
-        return self.kind in ("exit_weighted", "exit_mixture", "gate_gain")
+        return self.spec.gated
 
     def trains(self, name: str) -> bool:
-        """Whether the parameter `name` (any wrapper prefix) learns: under gate_gain only the
-        exit gate's, the rest of the model stays as stage 1 left it."""
-        return self.kind != "gate_gain" or "exit_gate." in name
+        """Whether the parameter `name` (any wrapper prefix) learns."""
+        return self.spec.trains is None or self.spec.trains in name
 
     @property
     def needs_logits(self) -> bool:
-        """The loss is a function of the exits' logits, not only of their CE."""
-        return self.kind == "exit_mixture"
+        return self.spec.needs_logits
 
 
 def __getattr__(name: str):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from megatron.core import tensor_parallel
@@ -74,15 +75,54 @@ def mixture_ce(
 
 
 def gate_gain(
-    cfg: ObjectiveConfig, gates: list[torch.Tensor], token_ce: torch.Tensor, mask
+    gates: list[torch.Tensor], token_ce: torch.Tensor, mask, min_gain: float, sharpness: float
 ) -> torch.Tensor:
     """Ouro's stage 2: at each loop k < K, the gate's probability of going on (1 − λ_k) against
     the target w_k = σ(s·(max(0, CE_k − CE_{k+1}) − γ)), in binary cross-entropy."""
     gain = (token_ce[:-1] - token_ce[1:]).detach().clamp_min(0)
-    target = torch.sigmoid(cfg.gate_sharpness * (gain - cfg.gate_min_gain))
+    target = torch.sigmoid(sharpness * (gain - min_gain))
     lam = torch.stack(gates[:-1]).float().clamp(1e-6, 1 - 1e-6)
     bce = -(target * torch.log1p(-lam) + (1 - target) * lam.log())
     return torch.stack([masked_mean(b, mask) for b in bce]).mean()
+
+
+class Exits:
+    """What an objective's loss reads (objectives.OBJECTIVES): the exits' terms under the loss
+    mask, each computed when first asked for."""
+
+    def __init__(self, terms: ExitTerms, mask: torch.Tensor | None):
+        self.terms, self.mask = terms, mask
+        self.ce = torch.stack([masked_mean(c, mask) for c in terms.ce])
+        """CE_k, the token mean of each loop's [K]."""
+
+    def mean(self, x: torch.Tensor) -> torch.Tensor:
+        """The token mean under the loss mask."""
+        return masked_mean(x, self.mask)
+
+    @cached_property
+    def token_ce(self) -> torch.Tensor:
+        return torch.stack(self.terms.ce)
+
+    @cached_property
+    def probs(self) -> torch.Tensor:
+        """p_1..p_K, the exit distribution [K, b, s]."""
+        return semantics.exit_probabilities(self.terms.gates)
+
+    @cached_property
+    def entropy(self) -> torch.Tensor:
+        """H(p) per token [b, s]."""
+        return -(self.probs * self.probs.clamp_min(ENTROPY_FLOOR).log()).sum(0)
+
+    @cached_property
+    def expected_ce(self) -> torch.Tensor:
+        """Σ_k p_k·CE_k per token [b, s]."""
+        return (self.probs * self.token_ce).sum(0)
+
+    def mixture_ce(self) -> torch.Tensor:
+        return mixture_ce(self.probs, self.terms.logits, self.terms.labels)
+
+    def gate_gain(self, min_gain: float, sharpness: float) -> torch.Tensor:
+        return gate_gain(self.terms.gates, self.token_ce, self.mask, min_gain, sharpness)
 
 
 def compute(
@@ -94,34 +134,19 @@ def compute(
     if isinstance(exits, LoopOutput):
         exits = ExitTerms.from_output(exits)
     num_loops = len(exits.ce)
-    ce = torch.stack([masked_mean(c, loss_mask) for c in exits.ce])
-    if cfg.kind == "terminal":
-        loss = ce[-1]
-    elif cfg.kind == "per_loop":
-        loss = ce.mean()
-    else:
-        if len(exits.gates) != num_loops:
-            raise ValueError(
-                f"the {cfg.kind} objective needs the model's exit gate (model.exit_gate=true)"
-            )
-        probs = semantics.exit_probabilities(exits.gates)  # [K, b, s]
-        token_ce = torch.stack(exits.ce)
-        entropy = -(probs * probs.clamp_min(ENTROPY_FLOOR).log()).sum(0)
-        if cfg.kind == "exit_mixture":
-            loss = masked_mean(mixture_ce(probs, exits.logits, exits.labels), loss_mask)
-        elif cfg.kind == "gate_gain":
-            loss = gate_gain(cfg, exits.gates, token_ce, loss_mask)
-        else:
-            loss = masked_mean((probs * token_ce).sum(0), loss_mask) - (
-                cfg.entropy_beta * masked_mean(entropy, loss_mask)
-            )
+    if cfg.gated and len(exits.gates) != num_loops:
+        raise ValueError(
+            f"the {cfg.kind} objective needs the model's exit gate (model.exit_gate=true)"
+        )
+    x = Exits(exits, loss_mask)
+    loss = cfg.spec.loss(cfg, x)
     ms = torch.stack([masked_mean(m, loss_mask) for m in exits.mean_square])
     if cfg.norm_penalty > 0:
         loss = loss + cfg.norm_penalty * ms.mean()
     terms: dict = {
         # a copy: the terminal loss is a view of ce, and megatron-core's schedule divides the
         # returned loss by the number of micro-batches in place
-        "ce": ce.detach().clone(),
+        "ce": x.ce.detach().clone(),
         "hidden_rms": torch.stack(
             [masked_mean(m.sqrt(), loss_mask) for m in exits.mean_square]
         ).detach(),
@@ -129,9 +154,9 @@ def compute(
         "norm_penalty": (cfg.norm_penalty / num_loops * ms).detach(),
     }
     if cfg.gated:
-        terms["exit_prob"] = torch.stack([masked_mean(p, loss_mask) for p in probs]).detach()
+        terms["exit_prob"] = torch.stack([x.mean(p) for p in x.probs]).detach()
         terms["weighted_ce"] = torch.stack(
-            [masked_mean(p * c, loss_mask) for p, c in zip(probs, token_ce)]
+            [x.mean(p * c) for p, c in zip(x.probs, x.token_ce)]
         ).detach()
-        terms["exit_entropy"] = masked_mean(entropy, loss_mask).detach()
+        terms["exit_entropy"] = x.mean(x.entropy).detach()
     return loss, terms

@@ -42,7 +42,7 @@ def flops_per_token(model, seq_len: int, loss_exits: int) -> float:
 
 
 def loss_exits(cfg) -> int:
-    return 1 if cfg.objective.kind == "terminal" else cfg.model.num_loops
+    return cfg.model.num_loops if cfg.objective.spec.every_exit else 1
 
 
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
