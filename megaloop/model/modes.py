@@ -3,8 +3,8 @@
 The Literal types are the modes a config may name (model/config.py and the exported config read
 them from here); the tables say what each mode is made of, which the planner needs without torch
 (model/structure.py) and semantics.py builds. semantics.py holds what each mode computes, keyed
-by the same names (tests/unit/test_readout.py holds the two to the same modes). The kinds a
-command offers (exit rules, KV policies) are one spec each here, which everything else reads.
+by the same names (tests/unit/model/test_readout.py holds the two to the same modes). The kinds
+a command offers (exit rules, KV policies) are one spec each here, which everything else reads.
 Standard library only at import (the exit scores are tensor expressions, evaluated where torch
 runs them): `megaloop export` copies this file beside semantics.py and the exported model's code.
 """

@@ -13,7 +13,7 @@ Torch only (no megatron-core, no transformers): `megaloop export` copies this fi
 modes.py (the torch-free half: which modes exist and which parameters each owns) beside the
 exported model's code, which imports them relatively. What each mode computes is one entry of a
 rule table (READOUTS, RECURRENCES, GATE_INPUTS) keyed by the modes modes.py's types name
-(tests/unit/test_readout.py checks that the two agree).
+(tests/unit/model/test_readout.py checks that the two agree).
 """
 
 from __future__ import annotations

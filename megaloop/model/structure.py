@@ -2,8 +2,8 @@
 LoopedLM holds, on any pipeline stage and tensor-parallel rank.
 
 Torch-free, so that `megaloop params` and `plan` count parameters and state bytes without
-building anything; tests/unit/test_structure.py holds it to the real model's named_parameters()
-in every mode.
+building anything; tests/unit/model/test_structure.py holds it to the real model's
+named_parameters() in every mode.
 """
 
 from __future__ import annotations

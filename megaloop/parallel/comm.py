@@ -3,9 +3,9 @@ decides the device of a tensor handed to torch.distributed.
 
 NCCL, the backend on GPUs, takes CUDA tensors of the rank's own device; gloo takes CPU tensors.
 A tensor built anywhere else and handed to a collective passes every CPU test and kills a GPU
-run at its first step, so every collective of megaloop goes through here (tests/unit/test_comm.py
-checks the package's source for any other). Without a process group (one process, no init)
-each is the identity.
+run at its first step, so every collective of megaloop goes through here
+(tests/unit/parallel/test_comm.py checks the package's source for any other). Without a process
+group (one process, no init) each is the identity.
 """
 
 from __future__ import annotations

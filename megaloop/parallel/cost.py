@@ -1,8 +1,8 @@
 """The cost model of a layout: parameters, FLOPs, activation and state bytes per rank, and a
 step's time. Parameters come from the model's own definition (megaloop/model/structure.py), state
-bytes from the engine's memory model (megaloop/parallel/engines.py); tests/unit/test_layout.py holds
-the activation figures to autograd's saved tensors, the multi-process tests the state bytes to
-what the engines measure."""
+bytes from the engine's memory model (megaloop/parallel/engines.py);
+tests/unit/parallel/test_planner.py holds the activation figures to autograd's saved tensors, the
+multi-process tests the state bytes to what the engines measure."""
 
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ def peak_tflops(device_name: str) -> float | None:
 
 # -- activations: what autograd keeps for backward -----------------------------------------------
 # Values per token, counted from the tensors megatron-core's layers save with SDPA in the
-# core-attention slot (tests/unit/test_layout.py holds the formula to the saved-tensor measurement).
+# core-attention slot (tests/unit/parallel/test_planner.py holds the formula to the saved-tensor
+# measurement).
 # `shared`: split over TP ranks (attention and MLP internals); `replicated`: the residual stream
 # and the norms, which every TP rank keeps whole (no sequence parallelism).
 

@@ -2,9 +2,9 @@
 
 An engine owns the model of its rank (built by megaloop.model.build_model), its parallelism
 and its optimizer; the trainer only calls what is written here. Both engines (megatron.py,
-deepspeed.py) implement it; tests/unit/test_engines.py checks that they do, and the multi-process
-tests hold their measured memory reports to megaloop.parallel.cost's figures. What an engine
-supports (pipelines, resharding, its memory model) is its `spec`, readable without torch
+deepspeed.py) implement it; tests/unit/parallel/test_engines.py checks that they do, and the
+multi-process tests hold their measured memory reports to megaloop.parallel.cost's figures. What an
+engine supports (pipelines, resharding, its memory model) is its `spec`, readable without torch
 (megaloop/parallel/engines.py).
 """
 

@@ -374,7 +374,8 @@ def test_residual_memory_smoke():
 def test_recompute_memory_smoke():
     """Memory counted, not timed: it grows with K for every option, recompute keeps less than
     none (loop least: one tensor a loop against full's one a layer), the ratio column is the
-    cell over none, and `megaloop plan` is within 15% (tests/unit/test_layout.py's bound)."""
+    cell over none, and `megaloop plan` is within 15% (the bound of
+    tests/unit/parallel/test_planner.py)."""
     out = run(
         "recompute_memory.py",
         *("--hidden", "64", "--heads", "4", "--layers", "2", "--seq", "128", "--batch", "4"),

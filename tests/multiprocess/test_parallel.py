@@ -41,10 +41,10 @@ RECOMPUTE = {  # objective: train.recompute of its TP x PP run (one option each)
     "exit_mixture": "selective",
     "study": "full",
 }
-"""Recompute changes memory, not arithmetic (tests/unit/test_recompute.py, on one process), so
-these runs must still equal one process without it: each option meets TP's RNG and all-reduces
-and PP's stages here, without launches of its own. per_loop+penalty and the untied W_out run
-TP x PP without recompute."""
+"""Recompute changes memory, not arithmetic (tests/unit/parallel/test_measure.py, on one
+process), so these runs must still equal one process without it: each option meets TP's RNG
+and all-reduces and PP's stages here, without launches of its own. per_loop+penalty and the
+untied W_out run TP x PP without recompute."""
 
 
 def recompute(objective: str, layout: str) -> str:

@@ -126,7 +126,7 @@ def test_megatron_cores_fusions_stay_eager_and_import_no_compiler():
 def test_checkpoint_results_stay_in_the_saving_process(tmp_path):
     """megatron-core gathers a save's results through a spawned manager, a fresh interpreter
     that imports torch in every saving process; here the queue is an in-process one, and a save
-    still completes with it (tests/unit/test_checkpoints.py resumes from such saves)."""
+    still completes with it (tests/unit/train/test_checkpoint.py resumes from such saves)."""
     import multiprocessing
     import queue
 

@@ -1,14 +1,17 @@
 """The study's nine lm-eval tasks from local files in their hub schema: the split each is
-scored on, the gold index of every sample format, and acc / acc_norm as lm-eval computes them."""
+scored on, the gold index of every sample format, and acc / acc_norm as lm-eval computes them;
+lm-eval's built-in tasks from local files, a run directory evaluated as its export, and the hub
+check."""
 
 import json
+import random
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from megaloop.evaluation import compare, downstream
+from megaloop.evaluation import compare, downstream, harness
 from megaloop.evaluation.exported import EvalError
 from megaloop.evaluation.settings import DownstreamSettings
 from support import eval_downstream
@@ -630,3 +633,154 @@ def test_adaptive_depth_input_errors_before_scoring(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("megaloop: error: ") and message in err[0]
     assert not (tmp_path / "r").exists()
+
+
+def write_tasks(root: Path) -> Path:
+    """Two built-in tasks in their hub schema: ARC-Easy (3-5 choices, evaluated on `test`) and
+    BoolQ (yes/no, evaluated on `validation`)."""
+    rng = random.Random(0)
+    (root / "arc_easy").mkdir(parents=True)
+    with open(root / "arc_easy/test.jsonl", "w") as f:
+        for i in range(7):
+            labels = ["A", "B", "C", "D", "E"][: 3 + i % 3]
+            texts = [str(rng.randint(0, 99)) for _ in labels]
+            f.write(
+                json.dumps(
+                    {
+                        "id": f"q{i}",
+                        "question": f"What is {i} + {i}?",
+                        "choices": {"text": texts, "label": labels},
+                        "answerKey": labels[i % len(labels)],
+                    }
+                )
+                + "\n"
+            )
+    (root / "boolq").mkdir()
+    with open(root / "boolq/validation.jsonl", "w") as f:
+        for i in range(5):
+            f.write(
+                json.dumps(
+                    {
+                        "question": f"is {i} even",
+                        "passage": f"{i} is a number.",
+                        "idx": i,
+                        "label": i % 2,
+                    }
+                )
+                + "\n"
+            )
+    return root
+
+
+def test_lm_eval_runs_builtin_tasks_from_local_files(export_dir, tmp_path, capsys):
+    data = write_tasks(tmp_path / "data")
+    out = tmp_path / "results"
+    options = ["--tasks", "arc_easy,boolq", "--data-dir", data, "--split", "default"]
+    assert eval_downstream(export_dir, out, 2, *options) == 0
+    assert "| **macro** | | 12 |" in capsys.readouterr().out  # 7 + 5 examples scored
+    results = json.loads((out / "results.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["n"] == 12
+    assert summary["loops"] == 2 and summary["split"] == "default"
+    assert summary["splits"] == {"arc_easy": "test", "boolq": "validation"}
+    for task, n in (("arc_easy", 7), ("boolq", 5)):
+        samples = [json.loads(line) for line in open(out / f"samples_{task}.jsonl")]
+        assert len(samples) == n == summary["tasks"][task]["n"]
+        assert [len(s["filtered_resps"]) for s in samples] == (
+            [3 + i % 3 for i in range(7)] if task == "arc_easy" else [2] * 5
+        )
+        # accuracy recomputed from the log-likelihoods equals lm-eval's, per sample and overall
+        mine = downstream.accuracies(samples)
+        assert mine["acc"] == pytest.approx(results["results"][task]["acc,none"], abs=1e-12)
+        assert [s["acc"] for s in samples] == [
+            float(np.argmax([float(r[0]) for r in s["filtered_resps"]]) == s["target"])
+            for s in samples
+        ]
+        if task == "arc_easy":
+            assert mine["acc_norm"] == pytest.approx(results["results"][task]["acc_norm,none"])
+    assert summary["macro_acc"] == pytest.approx(
+        np.mean([summary["tasks"][t]["acc"] for t in ("arc_easy", "boolq")])
+    )
+
+
+def test_local_task_data_must_hold_the_evaluated_split(export_dir, tmp_path, capsys):
+    data = write_tasks(tmp_path / "data")
+    arc_easy = ["--tasks", "arc_easy", "--data-dir", data]
+    assert eval_downstream(export_dir, tmp_path / "r", 1, *arc_easy) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("megaloop: error: --data-dir") and (
+        "arc_easy/validation.jsonl" in err[-1]
+    )  # --split validation by default
+    (data / "arc_easy/test.jsonl").rename(data / "arc_easy/validation.jsonl")
+    assert eval_downstream(export_dir, tmp_path / "r", 1, *arc_easy, "--split", "default") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("megaloop: error: --data-dir") and "arc_easy/test.jsonl" in err[-1]
+    assert eval_downstream(export_dir, tmp_path / "r", 1, "--tasks", "nope") == 2
+    assert "unknown lm-eval task(s): nope" in capsys.readouterr().err
+
+
+def test_a_run_directory_is_evaluated_as_its_export(export_dir, tmp_path, capsys):
+    """MODEL a run directory: exported for the command, then the same accuracies as its export,
+    on the plain path and under --exit; the results record MODEL as given and the step."""
+    run = export_dir.parent / "run"
+    options = ["--tasks", "arc_easy,boolq", "--data-dir", write_tasks(tmp_path / "data")]
+    options += ["--split", "default", "--batch-size", "4"]
+    for model in (export_dir, run):
+        assert eval_downstream(model, tmp_path / model.name, 2, *options) == 0
+    of_export, of_run = (
+        json.loads((tmp_path / name / "summary.json").read_text()) for name in ("hf", "run")
+    )
+    assert of_run["tasks"] == of_export["tasks"] and of_run["n"] == 12
+    assert (of_export["model"], of_export["step"]) == (str(export_dir), None)
+    assert (of_run["model"], of_run["step"]) == (str(run), 6)
+    results = json.loads((tmp_path / "run/results.json").read_text())
+    assert results["megaloop"]["model"] == results["config"]["model"] == str(run)
+    assert "megaloop: exporting" in capsys.readouterr().err
+    out = tmp_path / "adaptive"
+    assert eval_downstream(run, out, 1, *options, "--exit", "margin", "--threshold", "0") == 0
+    adaptive = json.loads((out / "adaptive.json").read_text())
+    assert (adaptive["model"], adaptive["step"]) == (str(run), 6)
+    assert json.loads((out / "margin-0.0/summary.json").read_text())["model"] == str(run)
+    (tmp_path / "empty").mkdir()
+    assert eval_downstream(tmp_path / "empty", tmp_path / "r", 1, *options) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"megaloop: error: MODEL {tmp_path / 'empty'}: not a run directory (no checkpoints/), "
+        "a checkpoint folder (no meta.json) or a `megaloop export` folder (no config.json)"
+    )
+    assert not (tmp_path / "r").exists()
+    for exit_rule in ([], ["--exit", "margin", "--threshold", "0"]):  # before lm-eval's task scan
+        assert eval_downstream(tmp_path / "empty", tmp_path / "r", 1, "--tasks", "nope", *exit_rule)
+        assert "MODEL" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("exit_rule", [[], ["--exit", "margin", "--threshold", "0"]])
+def test_an_unreachable_hub_is_one_line_naming_data_dir(
+    export_dir, tmp_path, capsys, monkeypatch, exit_rule
+):
+    """Without --data-dir and with the hub out of reach (HF_ENDPOINT at a closed local port),
+    one line naming --data-dir and its layout, before the model is exported or lm-eval
+    evaluates; offline mode (the Hugging Face cache) and --data-dir ask no hub."""
+
+    def never(*args, **kwargs):
+        raise AssertionError("got past the hub check")
+
+    monkeypatch.setattr(harness, "as_export", never)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    for variable in downstream.HUB_OFFLINE:
+        monkeypatch.delenv(variable, raising=False)
+    out = tmp_path / "r"
+    assert eval_downstream(export_dir, out, 1, "--tasks", "arc_easy", *exit_rule) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "megaloop: error: the Hugging Face hub (127.0.0.1:9) cannot be reached from here"
+    ), err
+    assert "give --data-dir DIR with DIR/<task>/<split>.jsonl" in err[0]
+    assert not out.exists()
+    assert downstream.hub_address() == ("127.0.0.1", 9)
+    with pytest.raises(EvalError, match="cannot be reached"):
+        downstream.check_hub(None)
+    downstream.check_hub(tmp_path)  # --data-dir: no hub asked
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    downstream.check_hub(None)  # the cache: no hub asked
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.example.org")
+    assert downstream.hub_address() == ("hub.example.org", 443)

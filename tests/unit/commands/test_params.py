@@ -1,4 +1,4 @@
-"""`megaloop params` reports the study's shapes exactly (the counts themselves: test_layout.py)."""
+"""`megaloop params` reports the study's shapes exactly (the counts: parallel/test_planner.py)."""
 
 from megaloop import experiment
 from megaloop.parallel.cost import parameter_counts as count_parameters

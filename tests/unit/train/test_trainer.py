@@ -6,7 +6,6 @@ import math
 import os
 import random
 import re
-import warnings
 from pathlib import Path
 
 import pytest
@@ -203,68 +202,6 @@ def test_terminal_logs_ce_k_unscaled_over_many_micro_batches(tmp_path):
         assert record["ce"][-1] > 4.0  # ~ln(256) this early
 
 
-def test_progress_line_shows_mfu_where_the_device_peak_is_known(tmp_path):
-    from megaloop.parallel.cost import flops_per_token, peak_tflops
-    from megaloop.train.metrics import MetricsLogger, WandbConfig
-
-    assert peak_tflops("NVIDIA H200") == peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
-    assert peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0 and peak_tflops("cpu") is None
-    cfg = experiment.load(TINY)
-    logger = MetricsLogger(tmp_path, {}, WandbConfig(mode="disabled"), 100)
-    record = {"step": 10, "loss": 2.0, "ce": [2.1, 2.0], "hidden_rms": [1.0, 2.0], "lr": 1e-3}
-    record.update(grad_norm=0.5, tokens_per_s=1e6)
-    assert "MFU" not in logger.progress_line(record)  # a CPU run: no peak, no figure
-    fpt = flops_per_token(cfg.model, cfg.data.seq_len, cfg.model.num_loops)
-    record["mfu"] = 1e6 * fpt / (8 * 989.4e12)  # as the trainer computes it on 8 H200s
-    assert f"MFU {100 * record['mfu']:.1f}%" in logger.progress_line(record)
-    logger.close()
-
-
-def test_metrics_are_appended_never_rewritten(tmp_path):
-    """metrics.jsonl grows by appends: across log calls of every kind the file keeps its inode
-    and only grows, what it held before staying its prefix (a rewrite of the whole file at each
-    call costs more every step, and a reader following the file loses its place)."""
-    from megaloop.train.metrics import METRICS, MetricsLogger, WandbConfig, read
-
-    logger = MetricsLogger(tmp_path, {"train": {"steps": 4}}, WandbConfig(mode="disabled"), 4)
-
-    def step(n: int) -> dict:
-        return {
-            "step": n,
-            "loss": 2.0 / n,
-            "ce": [2.1 / n, 2.0 / n],
-            "hidden_rms": [1.0, 2.0],
-            "hidden_rms_max": [1.5, 2.5],
-            "lr": 1e-3,
-            "grad_norm": 0.5,
-            "tokens_per_s": 1e6,
-        }
-
-    alarm = {"step": 3, "loop": 2, "rule": "max_rms", "value": 90.0, "limit": 50.0}
-    calls = [
-        lambda: logger.log(step(1)),
-        lambda: logger.layout({"tp": 1, "pp": 1, "dp": 1, "ranks": []}),
-        lambda: logger.log(step(2)),
-        lambda: logger.skipped(3, "loss"),
-        lambda: logger.alarm(alarm, "scale alarm at step 3"),
-        lambda: logger.log(step(4)),
-        lambda: logger.log({**step(4), "valid_windows": 16, "valid_tokens": 512}, kind="evals"),
-    ]
-    path = tmp_path / METRICS
-    inode, before = path.stat().st_ino, path.read_bytes()
-    for n, call in enumerate(calls):
-        call()
-        stat, now = path.stat(), path.read_bytes()
-        assert stat.st_ino == inode, f"call {n} replaced the file"
-        assert stat.st_size >= len(before) and now.startswith(before), f"call {n} rewrote it"
-        before = now
-    logger.close()
-    metrics = read(tmp_path)
-    assert [r["step"] for r in metrics["steps"]] == [1, 2, 4]
-    assert metrics["evals"][0]["valid_windows"] == 16 and metrics["alarms"] == [alarm]
-    assert metrics["skipped_steps"] == [{"step": 3, "what": "loss"}] and metrics["layout"]
-
-
 def test_stage_two_trains_the_exit_gate_alone(tmp_path):
     """objective.kind=gate_gain from a stage-1 checkpoint: the gate's weights move, every other
     weight is the checkpoint's, bit for bit; without train.init_from it is refused."""
@@ -407,82 +344,6 @@ def test_dry_run_with_a_missing_data_file_fails_before_any_compute(tmp_path, cap
 
 
 # -- what `megaloop train` says at its start and end --------------------------------------------
-
-AVX2_EPYC = (  # /proc/cpuinfo of the AMD EPYC the slow bf16 steps were measured on (issue 54)
-    "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC Processor\n"
-    "flags\t\t: fpu sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c avx2 bmi2 sha_ni vaes\n"
-)
-SAPPHIRE_RAPIDS = "flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n"
-COOPER_LAKE = "flags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_bf16\n"
-SKYLAKE_AVX512 = "flags\t\t: fpu sse2 avx2 avx512f avx512bw avx512vl\n"  # AVX-512, no bf16
-GRAVITON3 = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes sha2 crc32 atomics bf16 i8mm sve\n"
-GRAVITON2 = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics\n"
-
-
-@pytest.mark.parametrize(
-    "cpuinfo, native",
-    [
-        (AVX2_EPYC, False),
-        (SKYLAKE_AVX512, False),
-        (GRAVITON2, False),
-        (SAPPHIRE_RAPIDS, True),
-        (COOPER_LAKE, True),
-        (GRAVITON3, True),
-        (None, None),  # no /proc/cpuinfo (macOS): unknown, nothing said
-        ("processor\t: 0\n", None),
-    ],
-)
-def test_native_bf16_is_read_from_the_cpus_flags(cpuinfo, native):
-    from megaloop.train import cpu_bf16
-
-    assert cpu_bf16.native_bf16(cpuinfo) is native
-    warned = cpu_bf16.slow_bf16_warning(True, False, cpuinfo)
-    assert (warned is not None) == (native is False)
-    assert cpu_bf16.slow_bf16_warning(False, False, cpuinfo) is None  # fp32: nothing to say
-    assert cpu_bf16.slow_bf16_warning(True, True, cpuinfo) is None  # the GPU computes
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="bf16 runs on the GPU here")
-@pytest.mark.parametrize("cpuinfo, warned", [(AVX2_EPYC, True), (SAPPHIRE_RAPIDS, False)])
-def test_train_bf16_on_a_cpu_without_bf16_warns_once_naming_the_override(
-    tmp_path, capsys, monkeypatch, cpuinfo, warned
-):
-    from megaloop.train import cpu_bf16
-
-    monkeypatch.setattr(cpu_bf16, "read_cpuinfo", lambda: cpuinfo)
-    run = [f"train.dir={tmp_path / 'run'}", "data.seq_len=32", "--dry-run"]
-    assert main(["train", TINY, "train.bf16=true", *run]) == 0
-    err = capsys.readouterr().err
-    assert err.count("train.bf16=false") == int(warned), err
-    if warned:
-        (line,) = [x for x in err.splitlines() if "train.bf16=false" in x]
-        assert line.startswith("megaloop: warning: train.bf16 is on, and this CPU has no bf16")
-    assert main(["train", TINY, "train.bf16=false", *run]) == 0
-    assert "train.bf16" not in capsys.readouterr().err
-
-
-def test_the_warning_replaces_torchs_dispatch_warning():
-    """torch warns once a process when a bf16 input meets an fp32 RMSNorm weight (made to warn
-    every time here); after the slow-bf16 warning it says nothing."""
-    from megaloop.train import cpu_bf16
-
-    def dispatch_warnings() -> list[str]:
-        x, weight = torch.randn(2, 8, dtype=torch.bfloat16), torch.ones(8)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            cpu_bf16.warn_if_slow(True, False, cpuinfo)
-            torch.nn.functional.rms_norm(x, (8,), weight)
-        return [str(w.message) for w in caught if "Mismatch dtype" in str(w.message)]
-
-    was = torch.is_warn_always_enabled()
-    torch.set_warn_always(True)
-    try:
-        cpuinfo = SAPPHIRE_RAPIDS
-        assert len(dispatch_warnings()) == 1  # the warning this test can see
-        cpuinfo = AVX2_EPYC
-        assert dispatch_warnings() == []
-    finally:
-        torch.set_warn_always(was)
 
 
 def test_train_names_its_run_directory_first_and_last_and_labels_its_result(tmp_path, capsys):
