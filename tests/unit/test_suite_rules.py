@@ -154,7 +154,6 @@ MODULE_EXEMPTIONS = {
     "tests/unit/model/test_readout.py",
     "megaloop/model/init.py": "tests/unit/model/test_looped.py",
     "megaloop/model/modeling_megaloop.py": "tests/unit/test_export.py (the exported model)",
-    "megaloop/model/modes.py": "tests/unit/model/test_readout.py holds it to semantics.py",
     "megaloop/model/specs.py": "tests/unit/model/test_looped.py and test_structure.py",
     "megaloop/objectives/__init__.py": "ObjectiveConfig: tests/unit/objectives/test_losses.py",
     "megaloop/parallel/__init__.py": "empty",
