@@ -225,7 +225,6 @@ def test_halting_meets_rho_and_dynamic_batching_counts_its_steps(runs, tmp_path)
 
 
 def test_gate_rule_calibrates_q_like_the_exported_early_exit(runs, tmp_path):
-    from megaloop.export import export
     from multiproc import train_here
 
     run = tmp_path / "gate"
@@ -239,15 +238,30 @@ def test_gate_rule_calibrates_q_like_the_exported_early_exit(runs, tmp_path):
             "train.steps=20",
         ],
     )
-    result = halt(runs, run, tmp_path / "h", rho=1.05, calib=8, bench=8, batch_size=4, rule="gate")
-    q = result["calibration"]["threshold"]
+    per_token_rule_calibrates_like_the_exported_early_exit(runs, run, tmp_path, "gate")
+
+
+def test_confidence_rule_calibrates_like_the_exported_early_exit(runs, tmp_path):
+    """Any per-token rule of modes.EXIT_RULES halts as the exported model exits: confidence
+    needs no gate."""
+    result = per_token_rule_calibrates_like_the_exported_early_exit(
+        runs, runs / "runs/raw/seed1", tmp_path, "confidence"
+    )
+    assert result["calibration"]["mean_exit_loop"] < 4  # the calibrated rule exits early
+
+
+def per_token_rule_calibrates_like_the_exported_early_exit(runs, run, tmp_path, rule):
     from transformers import AutoModelForCausalLM
 
+    from megaloop.export import export
+
+    result = halt(runs, run, tmp_path / "h", rho=1.05, calib=8, bench=8, batch_size=4, rule=rule)
+    q = result["calibration"]["threshold"]
     folder = export(run, tmp_path / "hf")
     model = AutoModelForCausalLM.from_pretrained(
         folder,
         trust_remote_code=True,
-        early_exit="gate",
+        early_exit=rule,
         exit_threshold=q if q is not None else 1.5,
     ).eval()
     windows = harness.windows(
@@ -263,6 +277,7 @@ def test_gate_rule_calibrates_q_like_the_exported_early_exit(runs, tmp_path):
     assert result["calibration"]["ce_dynamic"] == pytest.approx(ce.item(), rel=1e-5)
     assert result["calibration"]["ppl_ratio"] <= 1.05 + 1e-9
     assert 1 <= result["benchmark"]["dynamic"]["mean_token_exit_loop"] <= 4
+    return result
 
 
 def test_report_renders_every_table_and_figure(runs, tmp_path):
