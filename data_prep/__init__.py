@@ -2,7 +2,7 @@
 
 The command-line options live here so that `megaloop --help` (and every training rank) does
 not import datatrove; a corpus module is imported only when it runs. Each recipe's options are
-a typed config (data_prep/config.py); the flags' defaults are read from it.
+a typed config (data_prep/config.py), whose fields are its flags (megaloop.flags).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import importlib.util
 from data_prep.config import (
     DEFAULT_VOCAB,
     EOS,
-    WORDS_EOS,
     ExecutorConfig,
     FineWebConfig,
     Prepared,
@@ -22,6 +21,7 @@ from data_prep.config import (
     RecipeConfig,
     WikiTextConfig,
 )
+from megaloop.flags import add_flags
 
 __all__ = [
     "DEFAULT_VOCAB",
@@ -36,39 +36,6 @@ __all__ = [
     "prepared",
     "run",
 ]
-
-
-def _executor_options(parser) -> None:
-    d = ExecutorConfig()
-    group = parser.add_argument_group("execution (datatrove)")
-    group.add_argument(
-        "--executor",
-        choices=["local", "slurm"],
-        default=d.executor,
-        help="local: processes here; slurm: a Slurm job array",
-    )
-    group.add_argument(
-        "--workers",
-        type=int,
-        default=d.workers,
-        help="local: processes; slurm: concurrent array tasks (-1: no limit)",
-    )
-    group.add_argument(
-        "--partition",
-        default=d.partition,
-        help="slurm partition (required with --executor slurm)",
-    )
-    group.add_argument("--time", default=d.time, help="slurm time limit per task")
-    group.add_argument(
-        "--cpus-per-task", type=int, default=d.cpus_per_task, help="slurm: CPUs of each task"
-    )
-    group.add_argument(
-        "--max-array-size",
-        type=int,
-        default=d.max_array_size,
-        help="slurm: the most tasks one job array holds (the cluster's MaxArraySize)",
-    )
-    group.add_argument("--job-name", default=d.job_name, help="slurm: job name")
 
 
 def _corpus(sub, config: type[RecipeConfig], help: str):
@@ -92,84 +59,16 @@ def _module_doc(path: str) -> str:
 
 
 def add_parsers(sub) -> list[argparse.ArgumentParser]:
-    wt = _corpus(sub, WikiTextConfig, "WikiText-103 → megatron-core indexed datasets")
-    wt.add_argument(
-        "--source",
-        default=WikiTextConfig.source,
-        help="folder with wiki.{train,valid,test}.raw, or Salesforce/wikitext (hub)",
-    )
-    wt.add_argument(
-        "--tokenizer",
-        default=WikiTextConfig.tokenizer,
-        help="tokenizer.json path, hub name, train:N (byte-level BPE) or words:N (the study's "
-        "word-level vocabulary of the train and valid rows, e.g. words:20000)",
-    )
-    wt.add_argument(
-        "--out",
-        required=True,
-        help="output folder: each split's indexed dataset (.bin, .idx) and manifest",
-    )
-    wt.add_argument(
-        "--layout",
-        choices=["articles", "stream"],
-        default=WikiTextConfig.layout,
-        help="articles: one document per article, each ending with EOS; stream: the study's, "
-        "non-empty lines joined by blank lines, no end token",
-    )
-    wt.add_argument(
-        "--eos-token",
-        default=WikiTextConfig.eos_token,
-        help=f"the token that ends each article (default: {WORDS_EOS} for words:N, else {EOS}); "
-        "not with --layout stream, which appends none",
-    )
-    wt.add_argument(
-        "--max-doc-bytes",
-        type=int,
-        default=WikiTextConfig.max_doc_bytes,
-        help="larger single articles are dropped (and counted)",
-    )
-    _executor_options(wt)
-
-    fw = _corpus(sub, FineWebConfig, "web text → filtered, packed webdataset shards")
-    fw.add_argument(
-        "--source",
-        required=True,
-        help="hub dataset path (HuggingFaceFW/fineweb/sample/10BT) or a local folder",
-    )
-    fw.add_argument("--tokenizer", required=True, help="tokenizer.json path or hub name")
-    fw.add_argument(
-        "--out", required=True, help="output folder: the webdataset shards and their manifest"
-    )
-    fw.add_argument(
-        "--seq-len", type=int, required=True, help="tokens per packed sequence (a training window)"
-    )
-    fw.add_argument(
-        "--shard-size",
-        type=int,
-        default=FineWebConfig.shard_size,
-        help="sequences per tar shard",
-    )
-    fw.add_argument("--eos-token", default=EOS, help="the token that ends each document")
-    fw.add_argument(
-        "--max-doc-bytes",
-        type=int,
-        default=FineWebConfig.max_doc_bytes,
-        help="larger single documents are dropped (and counted)",
-    )
-    fw.add_argument(
-        "--lang-model",
-        default=FineWebConfig.lang_model,
-        help="local fastText language-ID model; needs the fasttext package (default: none, no "
-        "language filter)",
-    )
-    fw.add_argument(
-        "--lang-threshold",
-        type=float,
-        default=FineWebConfig.lang_threshold,
-        help="least English score a document keeps (with --lang-model)",
-    )
-    _executor_options(fw)
-    return [wt, fw]
+    """A parser per recipe: its config's flags, then the executor's."""
+    parsers = []
+    for config, help in (
+        (WikiTextConfig, "WikiText-103 → megatron-core indexed datasets"),
+        (FineWebConfig, "web text → filtered, packed webdataset shards"),
+    ):
+        p = add_flags(_corpus(sub, config, help), config)
+        add_flags(p.add_argument_group("execution (datatrove)"), ExecutorConfig)
+        parsers.append(p)
+    return parsers
 
 
 def config_from_args(args: argparse.Namespace) -> RecipeConfig:

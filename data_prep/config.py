@@ -1,18 +1,19 @@
 """What a `megaloop prep` recipe is asked to do: one typed config per recipe, checked when built.
 
-The command line builds them (`from_args`); the bench and the tests build them directly. Field
-names are the flags' names (`--max-doc-bytes` is `max_doc_bytes`), so an error names the flag.
-Kept free of datatrove so that `megaloop --help` stays fast.
+Each field is its flag (megaloop.flags: `--max-doc-bytes` is `max_doc_bytes`, its docstring the
+help, its default the flag's), so an error names the flag; the command line builds them
+(`from_args`), the bench and the tests directly. Kept free of datatrove so that `megaloop --help`
+stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from megaloop.config import ConfigError
+from megaloop.flags import from_flags, setting
 
 DEFAULT_VOCAB = 20480
 EOS = "<|endoftext|>"
@@ -51,15 +52,20 @@ def trained_tokenizer(spec: str) -> tuple[str, int] | None:
 class ExecutorConfig:
     """Where datatrove runs the pipeline's tasks: here (processes) or as a Slurm job array."""
 
-    executor: Literal["local", "slurm"] = "local"
+    executor: Literal["local", "slurm"] = setting("local", choices=("local", "slurm"))
+    """local: processes here; slurm: a Slurm job array"""
     workers: int = 1
-    """local: processes; slurm: concurrent array tasks (-1: no limit)."""
+    """local: processes; slurm: concurrent array tasks (-1: no limit)"""
     partition: str | None = None
+    """slurm partition (required with --executor slurm)"""
     time: str = "04:00:00"
-    """slurm: the time limit of each task."""
+    """slurm time limit per task"""
     cpus_per_task: int = 1
+    """slurm: CPUs of each task"""
     max_array_size: int = 1001
+    """slurm: the most tasks one job array holds (the cluster's MaxArraySize)"""
     job_name: str = "megaloop-prep"
+    """slurm: job name"""
 
     def __post_init__(self) -> None:
         if self.executor not in ("local", "slurm"):
@@ -79,13 +85,19 @@ class RecipeConfig:
 
     recipe: ClassVar[str]
     out: str
+    """output folder: what the recipe writes and its manifest"""
     tokenizer: str
-    eos_token: str | None = None
-    """The token that ends each document; None: the tokenizer's own (<eos> for words:N,
-    <|endoftext|> otherwise). WikiText's stream layout ends with none: None stays."""
+    """tokenizer.json path or hub name"""
+    eos_token: str | None = setting(
+        None,
+        help=lambda cls: (
+            f"the token that ends each document (default: {WORDS_EOS} for words:N, "
+            f"else {EOS}); WikiText's stream layout appends none"
+        ),
+    )
     max_doc_bytes: int = MAX_DOC_BYTES
-    """Larger single documents are dropped (and counted)."""
-    execution: ExecutorConfig = field(default_factory=ExecutorConfig)
+    """larger single documents are dropped (and counted)"""
+    execution: ExecutorConfig = setting(internal=True, default_factory=ExecutorConfig)
 
     def __post_init__(self) -> None:
         trained = trained_tokenizer(self.tokenizer)
@@ -98,15 +110,8 @@ class RecipeConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RecipeConfig:
-        """The config of parsed `megaloop prep NAME` options (flags and fields share names)."""
-        given = vars(args)
-        executor = {f.name: given[f.name] for f in dataclasses.fields(ExecutorConfig)}
-        own = {
-            f.name: given[f.name]
-            for f in dataclasses.fields(cls)
-            if f.init and f.name != "execution" and f.name in given
-        }
-        return cls(**own, execution=ExecutorConfig(**executor))
+        """The config of parsed `megaloop prep NAME` options (its flags and ExecutorConfig's)."""
+        return from_flags(cls, args, execution=from_flags(ExecutorConfig, args))
 
 
 @dataclass(kw_only=True)
@@ -115,15 +120,14 @@ class WikiTextConfig(RecipeConfig):
 
     recipe: ClassVar[str] = "wikitext103"
     tokenizer: str = f"train:{DEFAULT_VOCAB}"
-    """A tokenizer.json path, a hub name, train:N (a byte-level BPE trained on the train split),
-    or words:N (the study's word-level vocabulary, at most N tokens, counted row by row over the
-    train and valid splits' rows)."""
+    """tokenizer.json path, hub name, train:N (a byte-level BPE trained on the train split) or
+    words:N (the study's word-level vocabulary, at most N tokens, counted row by row over the
+    train and valid rows, e.g. words:20000)"""
     source: str = "Salesforce/wikitext"
-    """A folder with wiki.{train,valid,test}.raw, or Salesforce/wikitext (the hub)."""
-    layout: Literal["articles", "stream"] = "articles"
-    r"""articles: one document per article, each ending with EOS. stream: the study's, the split's
-    non-empty lines joined by "\n\n" and nothing appended (no EOS, so eos_token is None and
-    --eos-token is refused; --max-doc-bytes unused)."""
+    """folder with wiki.{train,valid,test}.raw, or Salesforce/wikitext (hub)"""
+    layout: Literal["articles", "stream"] = setting("articles", choices=("articles", "stream"))
+    """articles: one document per article, each ending with EOS; stream: the study's, non-empty
+    lines joined by blank lines, no end token (--eos-token refused, --max-doc-bytes unused)"""
 
     def __post_init__(self) -> None:
         if self.layout not in ("articles", "stream"):
@@ -145,13 +149,16 @@ class FineWebConfig(RecipeConfig):
 
     recipe: ClassVar[str] = "fineweb"
     source: str
-    """A hub dataset path (HuggingFaceFW/fineweb/sample/10BT) or a local folder."""
+    """hub dataset path (HuggingFaceFW/fineweb/sample/10BT) or a local folder"""
     seq_len: int
+    """tokens per packed sequence (a training window)"""
     shard_size: int = 1024
-    """Sequences per tar shard."""
+    """sequences per tar shard"""
     lang_model: str | None = None
-    """A local fastText language-ID model (optional; needs the fasttext package)."""
+    """local fastText language-ID model; needs the fasttext package (default: none, no language
+    filter)"""
     lang_threshold: float = 0.65
+    """least English score a document keeps (with --lang-model)"""
 
     def __post_init__(self) -> None:
         super().__post_init__()

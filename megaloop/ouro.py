@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from megaloop.config import ConfigError
 from megaloop.model import ModelConfig
 
 OURO_CODE = "ByteDance/Ouro-1.4B"
@@ -51,8 +52,9 @@ TOKENIZER_FILES = (
 )
 
 
-class FormatError(ValueError):
-    """A folder or a run that the Ouro format cannot carry; the message names the key."""
+class FormatError(ConfigError):
+    """A folder or a run that the Ouro format cannot carry; the message names the key (a
+    ConfigError: one line from every command)."""
 
 
 def model_config(cfg: dict, lm_head_present: bool) -> ModelConfig:

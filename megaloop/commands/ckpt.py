@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from megaloop.commands.options import checked_out, out_folder, staged
@@ -29,11 +28,7 @@ def consolidate(args) -> int:
     from megaloop.parallel import distributed
 
     distributed.init(seed=0)
-    try:
-        with staged(out) as folder:
-            name = experiment.consolidate(Path(args.checkpoint), folder).name
-    except ValueError as e:
-        print(f"megaloop: error: {e}", file=sys.stderr)
-        return 2
+    with staged(out) as folder:
+        name = experiment.consolidate(Path(args.checkpoint), folder).name
     print(f"wrote {out / name}")
     return 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from megaloop.commands.options import checked_out, out_folder, staged
@@ -39,12 +38,8 @@ def run(args) -> int:
     from megaloop.parallel import distributed
 
     distributed.init(seed=0)
-    try:
-        with staged(out) as folder:
-            (export_ouro if args.format == "ouro" else export)(Path(args.source), folder)
-    except ValueError as e:
-        print(f"megaloop: error: {e}", file=sys.stderr)
-        return 2
+    with staged(out) as folder:
+        (export_ouro if args.format == "ouro" else export)(Path(args.source), folder)
     code = " (Ouro's code from the hub)" if args.format == "ouro" else ""
     print(
         f"wrote {out}: AutoModelForCausalLM.from_pretrained({str(out)!r}, "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from megaloop.commands.options import need_out, out_folder
@@ -30,11 +29,7 @@ def ouro(args) -> int:
     from megaloop.parallel import distributed
 
     distributed.init(seed=0)
-    try:
-        out = import_ouro(Path(args.source), Path(folder))
-    except ValueError as e:
-        print(f"megaloop: error: {e}", file=sys.stderr)
-        return 2
+    out = import_ouro(Path(args.source), Path(folder))
     print(
         f"wrote {out}: a megaloop checkpoint (megaloop export {out} --out DIR, megaloop depth "
         f"{out} ..., or train.init_from={out})"

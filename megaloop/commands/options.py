@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from megaloop.config import ConfigError
-from megaloop.evaluation.settings import DTYPES, MODEL_KINDS
+from megaloop.flags import add_flags
 
 
 class Renamed(argparse.Action):
@@ -200,46 +200,13 @@ def load_config(args):
     return experiment.load(args.config, args.overrides)
 
 
-def batch_size(p: argparse.ArgumentParser, default: int, help: str = "windows per batch") -> None:
-    p.add_argument("--batch-size", type=int, default=default, help=help)
-    p.add_argument("--batch", action=Renamed, new="--batch-size")
-
-
-def measurement(
-    p: argparse.ArgumentParser, longest: int = 256, batch: int | None = 8, study: str = ""
-) -> argparse.ArgumentParser:
-    """MODEL, --data, --seq-len, --batch-size and --dtype: what every measurement of a model
-    over held-out tokens takes (megaloop.evaluation.settings.Measurement). `batch` None: no
-    --batch-size (the command takes its batch sizes another way)."""
-    p.add_argument("model", help=MODEL_KINDS)
-    p.add_argument(
-        "--data",
-        required=True,
-        help="held-out tokens: a text file, a .npy of ids, an indexed split "
-        "PREFIX (PREFIX.bin/.idx) or webdataset shards",
-    )
-    p.add_argument(
-        "--seq-len",
-        type=int,
-        help=f"tokens per window (default: the model's positions, at most {longest}{study})",
-    )
-    if batch is not None:
-        batch_size(p, batch)
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=list(DTYPES),
-        help="auto: bfloat16 on a GPU (the study's precision), float32 on a CPU",
-    )
+def settings_flags(p: argparse.ArgumentParser, cls: type) -> argparse.ArgumentParser:
+    """A flag for every field of the settings dataclass `cls` (megaloop.flags), and the old
+    `--batch` spelling refused, naming --batch-size, where it has one."""
+    add_flags(p, cls)
+    if "--batch-size" in p._option_string_actions:
+        p.add_argument("--batch", action=Renamed, new="--batch-size")
     return p
-
-
-def measurement_settings(cls, args, **settings):
-    """`cls` (a Measurement) from the shared options and this command's own `settings`."""
-    shared = dict(model=args.model, data=args.data, seq_len=args.seq_len, dtype=args.dtype)
-    if "batch_size" in args:
-        shared["batch_size"] = args.batch_size
-    return cls(**{**shared, "out": args.out, **settings})
 
 
 def slurm_job(

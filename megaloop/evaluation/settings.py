@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import ClassVar, Self
 
 from megaloop.config import ConfigError
+from megaloop.flags import internal, option, setting
 from megaloop.model.modes import EXIT_RULES, KV_POLICIES, asynchronous_policies, gate_missing
 
 
@@ -38,11 +39,6 @@ MODEL_KINDS = "a run directory, a checkpoint folder or a `megaloop export` folde
 """What MODEL may name, for every command that reads a model (its help, its errors)."""
 
 SPLITS = ("validation", "default")
-
-
-def option(name: str) -> str:
-    """A setting's command-line spelling: batch_size → --batch-size."""
-    return "--" + name.replace("_", "-")
 
 
 def positive(why: str, **values: int | None) -> None:
@@ -87,21 +83,27 @@ def parse_thresholds(text: str) -> tuple[float, ...]:
 class Measurement:
     """What every measurement of a model over a slice of held-out tokens shares."""
 
-    model: Path
-    """A run directory, a checkpoint folder or a `megaloop export` folder."""
+    model: Path = setting(name="model")
+    """a run directory, a checkpoint folder or a `megaloop export` folder"""
     data: Path
-    """Held-out tokens: text, a .npy of ids, an indexed split PREFIX or webdataset shards."""
-    seq_len: int | None = None
-    """Tokens per window. None: the model's positions, at most `longest_default`."""
+    """held-out tokens: a text file, a .npy of ids, an indexed split PREFIX (PREFIX.bin/.idx) or
+    webdataset shards"""
+    seq_len: int | None = setting(
+        None,
+        help=lambda cls: (
+            "tokens per window (default: the model's positions, at most "
+            f"{cls.longest_default}{cls.study_note})"
+        ),
+    )
     batch_size: int = 8
-    dtype: str = "auto"
-    """A key of DTYPES; stored as the full name (auto, float32, bfloat16)."""
+    """windows per batch"""
+    dtype: str = setting("auto", choices=DTYPES)
+    """auto: bfloat16 on a GPU (the study's precision), float32 on a CPU"""
     device: str | None = None
-    """None: a GPU when there is one, else the CPU."""
-    out: Path | None = None
-    """Where the results are written (None: nowhere)."""
+    """e.g. cpu, cuda:0 (default: a GPU when there is one)"""
 
     longest_default: ClassVar[int] = 256
+    study_note: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalised once, here
@@ -156,10 +158,14 @@ class Measurement:
 class DepthSettings(Measurement):
     """`megaloop depth`: fixed-depth CE at each K from one pass."""
 
-    loops: tuple[int, ...] = (1, 2, 3, 4)
-    sequences: int = 160
+    loops: tuple[int, ...] = setting((1, 2, 3, 4), parse=parse_loops)
+    """loop counts K to read, comma-separated, e.g. 1,2,3,4,8"""
     clamp: bool = False
-    """Hold every loop at its loop-1 RMS (the recurrent-scale clamp)."""
+    """hold every loop at its loop-1 RMS (the recurrent-scale clamp)"""
+    sequences: int = 160
+    """windows in the slice"""
+    out: Path | None = setting(None, required=True)
+    """folder: writes OUT/depth.json and OUT/depth.md"""
 
     def validate(self) -> None:
         super().validate()
@@ -171,15 +177,29 @@ class DepthSettings(Measurement):
 class HaltSettings(Measurement):
     """`megaloop halt`: calibrate a halting threshold on one slice, time it on the next."""
 
-    k_max: int = 4
+    k_max: int = setting(4, name="--loops")
+    """K_max: the most loops a token runs, and the fixed depth the PPL budget and the speedup are
+    measured against"""
     rho: float = 1.01
-    """PPL budget: dynamic PPL <= rho x fixed-K_max PPL on the calibration slice."""
+    """PPL budget: dynamic PPL <= rho x fixed-K_max PPL on the calibration slice"""
     calib: int = 160
+    """calibration sequences"""
     bench: int = 160
-    rule: str = "margin"
-    """A key of modes.EXIT_RULES."""
+    """benchmark sequences (the windows after the calibration slice)"""
+    rule: str = setting(
+        "margin",
+        name="--exit",
+        choices=EXIT_RULES,
+        help=lambda cls: (
+            f"exit rule: the first loop whose score >= T ({scores()}), per token; "
+            "margin per sequence, its tokens' mean (the study's)"
+        ),
+    )
     threshold: float | None = None
-    """Given: the rule's threshold, and calibration only reports it. None: calibrated."""
+    """the --exit rule's T, given instead of calibrated, which calibration only reports (default:
+    calibrated to the PPL budget)"""
+    out: Path | None = setting(None, required=True)
+    """folder: writes OUT/halt.json and OUT/halt.md"""
 
     def validate(self) -> None:
         if self.rho < 1:
@@ -199,8 +219,11 @@ class DiagnoseSettings(Measurement):
     """`megaloop diagnose`: scale, radial gradients, rollout, scale sweep, clamp."""
 
     tokens: int = 4096
-    """Held-out tokens in the slice (rounded up to whole windows)."""
+    """held-out tokens in the slice (rounded up to whole windows)"""
     rollout: int = 30
+    """loops of the rollout"""
+    out: Path | None = setting(None, required=True)
+    """folder: writes OUT/diagnose.json and OUT/diagnose.md"""
 
     def validate(self) -> None:
         if self.rollout < 2:
@@ -213,14 +236,20 @@ class DiagnoseSettings(Measurement):
 class FixedKSettings(Measurement):
     """`megaloop bench fixed-k`: tokens/s and CE at each fixed K. `out` is a JSON file."""
 
-    loops: tuple[int, ...] = (1, 2, 3, 4)
     batch_size: int = 1
+    """windows per batch"""
+    loops: tuple[int, ...] = setting((1, 2, 3, 4), parse=parse_loops)
+    """loop counts K to time, comma-separated"""
     batches: int = 8
-    """Timed batches (the study: 128)."""
+    """timed batches (study: 128)"""
     warmup: int = 2
-    """Untimed batches first."""
+    """untimed batches first"""
+    out: Path | None = None
+    """JSON file of the results, and a PNG of the PPL-throughput frontier beside it (default: the
+    table is printed only)"""
 
     longest_default: ClassVar[int] = 128
+    study_note: ClassVar[str] = "; study: 2048, --batch-size 2"
 
     def validate(self) -> None:
         super().validate()
@@ -295,27 +324,57 @@ class GenerateBenchSettings(Measurement):
     """`megaloop bench generate`: teacher-forced cached decoding under each exit rule, threshold
     and KV policy, and at each fixed K, at each batch size. `out` is a folder."""
 
-    rules: tuple[str, ...] | None = None
-    """Exit rules (modes.EXIT_RULES). None: every rule the model can run (one that reads the
-    gate needs an exit gate)."""
-    thresholds: tuple[float, ...] | None = None
-    """Every rule's thresholds. None: each rule's own (modes.ExitRuleSpec.thresholds; `megaloop
-    halt`'s calibrated value is the point to add)."""
-    policies: tuple[str, ...] = tuple(KV_POLICIES)
-    batching: tuple[str, ...] = BATCHING
-    """BATCHING to run each exiting run with; `async` runs only where it applies."""
-    batch_sizes: tuple[int, ...] = (1, 8)
-    prompt: int = 4
-    """Tokens run at full depth before the decoded ones (prefill, untimed); at least 2, since
-    a forward of one token is a decoded one (it exits by the rule)."""
+    batch_size: int = internal(8)
+    """The largest of batch_sizes (set from them)."""
+    rules: tuple[str, ...] | None = setting(
+        None,
+        name="--exit",
+        parse=lambda text: tuple(text.split(",")),
+        help=lambda cls: (
+            f"exit rules, comma-separated, by their score: {scores()} (default: "
+            "every rule the model can run; one that reads the gate needs an exit gate)"
+        ),
+    )
+    thresholds: tuple[float, ...] | None = setting(
+        None,
+        name="--threshold",
+        parse=lambda text: numbers("--threshold", text, float, "0.5,0.9"),
+        help=lambda cls: (
+            "every rule's thresholds, comma-separated (default per rule: "
+            f"{default_thresholds()}; `megaloop halt`'s calibrated value is the point to add)"
+        ),
+    )
+    policies: tuple[str, ...] = setting(
+        tuple(KV_POLICIES),
+        name="--kv",
+        parse=lambda text: tuple(text.split(",")),
+        help=lambda cls: f"KV policies, comma-separated ({kv_policies()})",
+    )
+    batching: tuple[str, ...] = setting(
+        BATCHING,
+        parse=lambda text: tuple(text.split(",")),
+        help=lambda cls: (
+            "sync (every row at the same token) and/or async (every row at its own "
+            f"loop: {', '.join(asynchronous_policies())}, batch > 1), comma-separated"
+        ),
+    )
+    batch_sizes: tuple[int, ...] = setting(
+        (1, 8), name="--batch-size", parse=lambda text: numbers("--batch-size", text, int, "1,8")
+    )
+    """rows decoded together, comma-separated: one run each"""
+    prompt: int = setting(4, name="--prompt-tokens")
+    """tokens prefilled at full depth before the decoded ones (untimed); at least 2, since a
+    forward of one token is a decoded one (it exits by the rule)"""
     repeats: int = 3
-    """Timed decodes of each run; tokens/s is the fastest one's (load only slows a decode)."""
+    """timed decodes per run (the fastest counts: load only slows a decode)"""
     batches: int = 1
-    """Batches of different windows a decode of a run goes through: its tokens/s, CE and
-    accuracy are over all of them (one batch of one row scores one window)."""
-    task: str | None = None
-    """The built-in corpus (data.synthetic.TASKS) the data was written from: its answers are
-    scored too (CE, accuracy, accuracy per kind). None: the data is any text."""
+    """batches of different windows each run decodes (its tokens/s, CE and accuracy are over all
+    of them)"""
+    task: str | None = setting(None, choices=SYNTHETIC_TASKS)
+    """the built-in corpus --data was written from: also score its answers (CE, accuracy) and
+    draw the frontier in accuracy (default: none, any text, CE only)"""
+    out: Path | None = setting(None, required=True)
+    """folder for generate.json, .md and .png"""
 
     longest_default: ClassVar[int] = 128
 
@@ -379,22 +438,39 @@ class GenerateBenchSettings(Measurement):
 class DownstreamSettings:
     """`megaloop eval downstream`: lm-eval multiple-choice tasks on a model at K loops."""
 
-    model: Path
-    """A run directory, a checkpoint folder or a `megaloop export` folder."""
+    model: Path = setting(name="model")
+    """a run directory, a checkpoint folder or a `megaloop export` folder"""
     loops: int
-    tasks: tuple[str, ...] | None = None
-    """lm-eval task names; None: the study's nine."""
-    out: Path = Path("eval_results")
+    """K, the loops every token runs (K_max under --exit)"""
+    tasks: tuple[str, ...] | None = setting(
+        None, parse=lambda text: tuple(t for t in text.split(",") if t) or None
+    )
+    """comma-separated lm-eval tasks (default: the study's nine)"""
     limit: int | None = None
-    """At most this many examples per task."""
+    """at most this many examples per task (default: all of them)"""
     data_dir: Path | None = None
-    """The built-in tasks from DIR/<task>/<split>.jsonl instead of the hub."""
+    """run the built-in tasks from DIR/<task>/<split>.jsonl (hub schema) instead of the hub
+    (default: the hub)"""
     batch_size: int = 8
-    device: str | None = None
-    split: str = "validation"
-    exit: str | None = None
-    """Also score with adaptive depth under this exit rule, K_max = `loops`, once per threshold."""
-    thresholds: tuple[float, ...] = ()
+    """examples per forward pass"""
+    device: str | None = internal(None)
+    split: str = setting("validation", choices=SPLITS)
+    """validation (the study: every task's validation split) or default (the split lm-eval
+    evaluates each task on)"""
+    exit: str | None = setting(None, choices=EXIT_RULES)
+    """also score with adaptive depth under this exit rule (K_max = --loops), once per
+    --threshold, beside fixed K (default: fixed K only)"""
+    thresholds: tuple[float, ...] = setting(
+        (),
+        name="--threshold",
+        parse=parse_thresholds,
+        help=lambda cls: (
+            "the --exit rule's thresholds, comma-separated, on its score: "
+            f"{scores()} (required with --exit)"
+        ),
+    )
+    out: Path = setting(Path("eval_results"), required=True)
+    """folder of the results (results, samples, summary)"""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -431,35 +507,62 @@ between the command line and the model."""
 class GenerateSettings:
     """`megaloop generate`: text from a model, each new token stopping at its exit loop."""
 
-    model: Path
-    """A run directory, a checkpoint folder or a `megaloop export` folder (Ouro's weights:
-    `megaloop import ouro` then `export`)."""
-    prompt: str | None = None
-    prompts: Path | None = None
-    """A text file, one prompt per line (blank lines skipped); give it or `prompt`."""
-    exit: str = "fixed"
-    """A key of EXITS."""
+    model: Path = setting(name="model")
+    """a run directory, a checkpoint folder or a `megaloop export` folder (Ouro's weights:
+    `megaloop import ouro` then `export`)"""
+    prompt: str | None = setting(None, group="prompt")
+    """the text to continue (printed as it is generated)"""
+    prompts: Path | None = setting(None, group="prompt")
+    """a text file, one prompt per line (blank lines skipped), in batches"""
+    exit: str = setting(
+        "fixed",
+        choices=EXITS,
+        help=lambda cls: (
+            f"a token exits at the first loop whose score >= T ({scores()}); fixed "
+            "(or none): every token runs K loops"
+        ),
+    )
     threshold: float | None = None
-    """The rule's threshold on its score (modes.ExitRuleSpec.summary)."""
+    """the --exit rule's T, e.g. the one `megaloop halt` calibrated (required with an exit
+    rule)"""
     loops: int | None = None
-    """K, the most loops a token runs. None: the model's num_loops."""
-    kv: str = "copy"
-    batching: str = "auto"
-    """`auto` or one of BATCHING: `async` decodes every row at its own loop (copy and share;
-    printed whole, not streamed); `auto` takes it where it saves (below, batching_of)."""
+    """K, the most loops a token runs (default: the model's)"""
+    kv: str = setting(
+        "copy",
+        choices=KV_POLICIES,
+        help=lambda cls: f"what a token's skipped (loop, layer) cache slots hold: {kv_policies()}",
+    )
+    batching: str = setting(
+        "auto",
+        choices=("auto", *BATCHING),
+        help=lambda cls: (
+            "sync: a batch's rows decode a token together (one prompt streams); "
+            "async: every row at its own loop, no row waiting for the deepest "
+            f"({', '.join(asynchronous_policies())}; printed when done); auto: async for a "
+            "batch of prompts under an exit rule with a policy it runs, else sync"
+        ),
+    )
     max_new_tokens: int = 64
+    """new tokens per prompt"""
     temperature: float = 0.0
-    """0: greedy; above 0: sampling at this temperature."""
+    """0: greedy; > 0: sampling"""
     top_k: int | None = None
+    """sample from the k most likely tokens (default: all of them)"""
     top_p: float | None = None
+    """sample from the smallest set of mass >= p (default: all tokens)"""
     seed: int | None = None
+    """torch.manual_seed before sampling, for reproducible draws (default: unseeded)"""
     batch_size: int = 8
-    """Prompts of --prompts generated together (left-padded)."""
+    """prompts of --prompts at a time (left-padded)"""
     show_depth: bool = False
-    dtype: str = "auto"
+    """follow each new token's text with ⟨its exit loop⟩"""
+    dtype: str = setting("auto", choices=DTYPES)
+    """auto: bfloat16 on a GPU, float32 on a CPU"""
     device: str | None = None
+    """e.g. cpu, cuda:0 (default: a GPU when there is one)"""
     out: Path | None = None
-    """A JSON file: prompts, completions, each token's exit loop and the summary."""
+    """JSON file: the settings, prompts, completions, each token's exit loop and the summary
+    (default: none written)"""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__

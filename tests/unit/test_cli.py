@@ -25,7 +25,7 @@ from megaloop.evaluation.settings import (
 )
 from support import ROOT, TINY
 
-MEASURE = ["model", "--data", "--seq-len", "--batch-size", "--batch", "--dtype"]
+MEASURE = ["model", "--data", "--seq-len", "--batch-size", "--dtype", "--device"]
 SLURM_JOB = [
     "--nodes",
     "--gpus-per-node",
@@ -46,7 +46,7 @@ PREP = ["--executor", "--workers", "--partition", "--time", "--cpus-per-task"]
 PREP += ["--max-array-size", "--job-name"]
 # Frozen on purpose: changing the CLI means changing this table (and the README, docs/cli.md).
 # Each command (with its action) lists its options as typed, positionals by name, hidden old
-# spellings after their new one: `--batch` is refused, the others deprecated (docs/cli.md).
+# spellings last: `--batch` is refused, the others deprecated (docs/cli.md).
 OPTIONS = {
     "train": ["config", "overrides", "--print-config", "--dry-run"],
     "params": ["config", "overrides", "--world"],
@@ -54,31 +54,20 @@ OPTIONS = {
     "plan": ["config", "overrides", "--gpus", "--gpu-mem", "--tflops", "--mfu"]
     + ["--gpus-per-node", "--search"],
     "demo": ["--text", "--tokenizer", "--steps", "--out", "--seeds", "--seed"],
-    "prep wikitext103": ["--source", "--tokenizer", "--out", "--layout", "--eos-token"]
-    + ["--max-doc-bytes"]
-    + PREP,
-    "prep fineweb": ["--source", "--tokenizer", "--out", "--seq-len", "--shard-size"]
-    + ["--eos-token", "--max-doc-bytes", "--lang-model", "--lang-threshold", *PREP],
+    "prep wikitext103": ["--out", "--tokenizer", "--eos-token", "--max-doc-bytes", "--source"]
+    + ["--layout", *PREP],
+    "prep fineweb": ["--out", "--tokenizer", "--eos-token", "--max-doc-bytes", "--source"]
+    + ["--seq-len", "--shard-size", "--lang-model", "--lang-threshold", *PREP],
     "ckpt consolidate": ["checkpoint", "--out", "old_out", "--overwrite"],
     "export": ["source", "--out", "old_out", "--overwrite", "--format"],
     "import ouro": ["source", "--out", "old_out"],
     "eval downstream": ["model", "--loops", "--tasks", "--limit", "--data-dir", "--batch-size"]
-    + ["--batch", "--split", "--exit", "--threshold", "--out"],
+    + ["--split", "--exit", "--threshold", "--out", "--batch"],
     "eval compare": ["a", "b", "--resamples", "--seed", "--out"],
-    "bench fixed-k": [*MEASURE, "--loops", "--batches", "--warmup", "--out"],
-    "bench generate": ["model", "--data", "--seq-len", "--dtype", "--exit", "--threshold"]
-    + [
-        "--thresholds",
-        "--kv",
-        "--batching",
-        "--batch-size",
-        "--batch-sizes",
-        "--prompt-tokens",
-        "--repeats",
-        "--batches",
-        "--task",
-        "--out",
-    ],
+    "bench fixed-k": [*MEASURE, "--loops", "--batches", "--warmup", "--out", "--batch"],
+    "bench generate": ["model", "--data", "--seq-len", "--dtype", "--device", "--exit"]
+    + ["--threshold", "--kv", "--batching", "--batch-size", "--prompt-tokens", "--repeats"]
+    + ["--batches", "--task", "--out", "--batch", "--thresholds", "--batch-sizes"],
     "generate": ["model", "--prompt", "--prompts", "--exit", "--threshold", "--loops", "--kv"]
     + [
         "--batching",
@@ -89,11 +78,11 @@ OPTIONS = {
         "--seed",
         "--batch-size",
     ]
-    + ["--show-depth", "--dtype", "--device", "--out", "--json"],
-    "depth": [*MEASURE, "--loops", "--clamp", "--sequences", "--out"],
-    "halt": [*MEASURE, "--loops", "--k-max", "--rho", "--calib", "--bench", "--exit", "--rule"]
-    + ["--threshold", "--tau", "--q", "--out"],
-    "diagnose": [*MEASURE, "--tokens", "--rollout", "--out"],
+    + ["--show-depth", "--dtype", "--device", "--out", "--batch", "--json"],
+    "depth": [*MEASURE, "--loops", "--clamp", "--sequences", "--out", "--batch"],
+    "halt": [*MEASURE, "--loops", "--rho", "--calib", "--bench", "--exit", "--threshold", "--out"]
+    + ["--batch", "--k-max", "--rule", "--tau", "--q"],
+    "diagnose": [*MEASURE, "--tokens", "--rollout", "--out", "--batch"],
     "sweep": ["configs", "--seeds", "--executor", "--out", "--root", *SLURM_JOB],
     "report": ["inputs", "--out"],
     "slurm submit": ["config", "overrides", *SLURM_JOB],
@@ -331,8 +320,8 @@ BASE = {
 }
 """The least each command with an old spelling takes."""
 ALIASES = {
-    ("halt", "--k-max"): (["--k-max", "6"], ["--loops", "6"], "loops"),
-    ("halt", "--rule"): (["--rule", "gate"], ["--exit", "gate"], "exit"),
+    ("halt", "--k-max"): (["--k-max", "6"], ["--loops", "6"], "k_max"),
+    ("halt", "--rule"): (["--rule", "gate"], ["--exit", "gate"], "rule"),
     ("halt", "--tau"): (["--tau", "1.5"], ["--exit", "margin", "--threshold", "1.5"], None),
     ("halt", "--q"): (
         ["--exit", "gate", "--q", "0.5"],
@@ -342,12 +331,12 @@ ALIASES = {
     ("bench generate", "--thresholds"): (
         ["--thresholds", "1,2"],
         ["--threshold", "1,2"],
-        "threshold",
+        "thresholds",
     ),
     ("bench generate", "--batch-sizes"): (
         ["--batch-sizes", "1,4"],
         ["--batch-size", "1,4"],
-        "batch_size",
+        "batch_sizes",
     ),
     ("demo", "--seed"): (["--seed", "2", "--seeds", "3"], ["--seeds", "2,3,4"], None),
     ("sweep", "--root"): (["--root", "r"], ["--out", "r"], "out"),
