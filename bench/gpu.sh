@@ -122,14 +122,14 @@ step_preempt_resume() {
   local args=()
   [ -n "$SMOKE" ] && args=(--steps 6 --at 3 model.hidden_size=32 model.num_layers=1
                            data.seq_len=16 train.micro_batch_size=2 train.global_batch_size=2)
-  "$PY" bench/preempt_resume.py "$SCRATCH/preempt" "${args[@]}"
+  "$PY" -m bench preempt_resume --out "$SCRATCH/preempt" "${args[@]}"
 }
 
 step_recompute_memory() {
   local mem=(--hidden 1024 --heads 16 --layers 4 --seq 2048 --batch 2 --vocab 49152 --loops "1,4"
              --cuda --bf16)
   [ -n "$SMOKE" ] && mem=(--hidden 64 --layers 2 --seq 32 --batch 1 --vocab 256 --loops "1,2")
-  "$PY" bench/recompute_memory.py "${mem[@]}"
+  "$PY" -m bench recompute_memory "${mem[@]}"
 }
 
 # tiny shapes of the same configs for SMOKE
@@ -143,7 +143,7 @@ step_mfu_129m() {
   local steps=(--steps 10)
   [ -n "$SMOKE" ] && steps=(--steps 2 --warmup 1)
   # shellcheck disable=SC2046
-  "$PY" bench/mfu.py configs/experiments/wikitext103/129m/per_loop_norm.yaml "${steps[@]}" \
+  "$PY" -m bench mfu configs/experiments/wikitext103/129m/per_loop_norm.yaml "${steps[@]}" \
     $(smoke_shape)
 }
 
@@ -151,7 +151,7 @@ step_mfu_1p4b() {
   local steps=(--steps 5)
   [ -n "$SMOKE" ] && steps=(--steps 2 --warmup 1)
   # shellcheck disable=SC2046
-  "$PY" bench/mfu.py configs/experiments/fineweb/1p4b_baseline.yaml "${steps[@]}" $(smoke_shape)
+  "$PY" -m bench mfu configs/experiments/fineweb/1p4b_baseline.yaml "${steps[@]}" $(smoke_shape)
 }
 
 # fixed K: the 1.4B shape after one step (throughput does not depend on the weights), exported,
