@@ -415,7 +415,7 @@ def rewrite(info: dict, out: Path) -> None:
 
 
 def main(argv: list[str], out: Path | None) -> None:
-    out = report.command("drift_regime", argv, out, rewrite)
+    out = report.command("drift_regime", argv, out, (rewrite,))
     if out is None:
         return
     work = Path(os.environ.get("DRIFT_WORK", ROOT / "runs/drift_regime")).resolve()

@@ -314,25 +314,17 @@ def plot(info: dict, out: Path) -> None:
     )
 
 
-def rewrite(info: dict, out: Path) -> None:
-    write_report(info, out)
-    plot(info, out)
-
-
 def main(argv: list[str], out: Path | None) -> None:
-    given = study.command_line("study_at_size", argv, out, rewrite)
+    given = study.start("study_at_size", argv, out, (write_report, plot))
     if given is None:
         return
-    out, work, source, python = given
-    data, vocab = study.prepare(work, source, python)
+    out, work, python, data, vocab = given
     if vocab > 20000:
         sys.exit(f"study_at_size: the tokenizer's {vocab} tokens exceed the preset's 20,000")
     todo = jobs(data, vocab)
     study.train(work, todo, "study_at_size")
     measure(work, todo)
-    report = [python, "-m", "megaloop", "report", "runs", "measure"]
-    miniature.run([*report, "--out", str(out.resolve() / "measurements")], cwd=work)
-    miniature.relative_paths(out / "measurements" / "report.md", work)
+    study.measurements_report(python, work, out, "runs", "measure")
     info = summary(work, todo, vocab)
     write_json(out / "study_at_size.json", info)
     write_report(info, out)

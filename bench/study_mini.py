@@ -62,7 +62,6 @@ from bench.common.study import (
     at_step,
     data_overrides,
     measure,
-    prepare,
     spent,
     train,
     trajectory,
@@ -383,7 +382,9 @@ def verdict_lines(info: dict) -> list[str]:
     ]
 
 
-def plot(trajectories: dict, out: Path) -> None:
+def plot(info: dict, out: Path) -> None:
+    trajectories = info["trajectories"]
+
     def growth(row):
         def draw(ax):
             for seed, t in sorted(trajectories[row].items()):
@@ -401,18 +402,12 @@ def plot(trajectories: dict, out: Path) -> None:
     )
 
 
-def rewrite(info: dict, out: Path) -> None:
-    write_report(info, out)
-    plot(info["trajectories"], out)
-
-
 def main(argv: list[str], out: Path | None) -> None:
-    given = study.command_line("study_mini", argv, out, rewrite)
+    clock = {"start": time.time()}
+    given = study.start("study_mini", argv, out, (write_report, plot))
     if given is None:
         return
-    out, work, source, python = given
-    clock = {"start": time.time()}
-    data, vocab = prepare(work, source, python)
+    out, work, python, data, vocab = given
     clock["prepared"] = time.time()
     given = data_overrides(data, vocab)
     jobs = [
@@ -426,11 +421,7 @@ def main(argv: list[str], out: Path | None) -> None:
     clock["measured"] = time.time()
     if clock["measured"] - clock["trained"] > 60:  # it measured, not only skipped
         spent(work, "measure", clock["measured"] - clock["trained"])
-    # paths relative to the scratch folder: the committed report names no machine's paths (the
-    # inputs are given so; the models behind the measurements are recorded absolute, cut after)
-    report = [python, "-m", "megaloop", "report", "runs/study", "measure/study"]
-    miniature.run([*report, "--out", str(out.resolve() / "measurements")], cwd=work)
-    miniature.relative_paths(out / "measurements" / "report.md", work)
+    study.measurements_report(python, work, out, "runs/study", "measure/study")
     trajectories = {
         row: {seed: trajectory(work / "runs" / "study" / row / f"seed{seed}") for seed in SEEDS}
         for row in ROWS
@@ -468,5 +459,5 @@ def main(argv: list[str], out: Path | None) -> None:
     }
     write_json(out / "study_mini.json", info)
     write_report(info, out)
-    plot(trajectories, out)
+    plot({"trajectories": trajectories}, out)  # seeds as numbers, as it always drew them
     print(f"study_mini: {info['minutes']}; report in {out}")

@@ -296,24 +296,16 @@ def plot(info: dict, out: Path) -> None:
     )
 
 
-def rewrite(info: dict, out: Path) -> None:
-    write_report(info, out)
-    plot(info, out)
-
-
 def main(argv: list[str], out: Path | None) -> None:
-    given = study.command_line("study_mini_long", argv, out, rewrite)
+    given = study.start("study_mini_long", argv, out, (write_report, plot))
     if given is None:
         return
-    out, work, source, python = given
-    data, vocab = study.prepare(work, source, python)
+    out, work, python, data, vocab = given
     todo = jobs(data, vocab)
     study.train(work, todo, "study_mini_long")
     measure(work, todo)
     finals = [str(checkpoint(work, job, STEPS)[1].relative_to(work)) for job in todo]
-    report = [python, "-m", "megaloop", "report", "runs", *finals]
-    miniature.run([*report, "--out", str(out.resolve() / "measurements")], cwd=work)
-    miniature.relative_paths(out / "measurements" / "report.md", work)
+    study.measurements_report(python, work, out, "runs", *finals)
     write_json(out / "study_mini_long.json", summary(work, todo, vocab))
     info = json.loads((out / "study_mini_long.json").read_text())  # as --report reads it
     write_report(info, out)

@@ -18,23 +18,26 @@ def command(
     bench: str,
     argv: list[str],
     out: Path | None,
-    rewrite: Callable[[dict, Path], None] | None = None,
+    rewrite: tuple[Callable[[dict, Path], None], ...] = (),
     docs: str | None = None,
     make: bool = True,
 ) -> Path | None:
     """A bench that writes docs/`docs` (default docs/BENCH): OUT, made, for a run. With
-    `rewrite`, `--report` instead rewrites OUT's report and figures from OUT/BENCH.json alone
+    `rewrite`, `--report` instead calls each on OUT/BENCH.json and OUT: the report and figures
+    rewritten from the JSON alone
     (trains and measures nothing) and gives None. A smoke run must be given OUT: it never
     writes docs/. OUT is made unless `make` is false (the bench's own tool makes it)."""
     p = argparse.ArgumentParser(description=f"python -m bench {bench} [--smoke] [--out DIR]")
-    if rewrite is not None:
+    if rewrite:
         p.add_argument("--report", action="store_true", help="rewrite the report from its JSON")
     report = p.parse_args(argv).__dict__.get("report", False)
     if common.SMOKE and out is None and not report:
         sys.exit(f"{bench}: --smoke needs an OUT folder (--out; it never writes docs/)")
     out = out or common.ROOT / "docs" / (docs or bench)
     if report:
-        rewrite(json.loads((out / f"{bench}.json").read_text()), out)
+        info = json.loads((out / f"{bench}.json").read_text())
+        for write in rewrite:
+            write(info, out)
         print(f"{bench}: report and figures rewritten from {out / f'{bench}.json'}")
         return None
     if make:

@@ -232,13 +232,23 @@ def growth(t: dict, marks: tuple[int, ...]) -> dict:
     return out
 
 
-def command_line(bench: str, argv: list[str], out: Path | None, rewrite):
+def measurements_report(python: str, work: Path, out: Path, *inputs: str) -> None:
+    """`megaloop report INPUTS` (folders of WORK) into OUT/measurements, run from WORK and its
+    paths written relative to it: the committed report names no machine's folders (the inputs
+    are given so; the models behind the measurements are recorded absolute, cut after)."""
+    report = [python, "-m", "megaloop", "report", *inputs]
+    miniature.run([*report, "--out", str(out.resolve() / "measurements")], cwd=work)
+    miniature.relative_paths(out / "measurements" / "report.md", work)
+
+
+def start(bench: str, argv: list[str], out: Path | None, rewrite):
     """`BENCH --report` rewrites OUT's report from its JSON (`report.command`) and gives None;
-    otherwise (OUT, the scratch folder STUDY_WORK, the text folder REPRO_SOURCE, the PYTHON to
-    run)."""
+    otherwise the study's data prepared (`prepare`) in the scratch folder STUDY_WORK from the
+    texts in REPRO_SOURCE, and (OUT, STUDY_WORK, the PYTHON to run, the data, its vocabulary)."""
     out = report.command(bench, argv, out, rewrite)
     if out is None:
         return None
     work = Path(os.environ.get("STUDY_WORK", ROOT / "runs" / bench)).resolve()
     source = Path(os.environ.get("REPRO_SOURCE", ROOT.parent / "shared/data/wikitext-103"))
-    return out, work, source, os.environ.get("PYTHON", sys.executable)
+    python = os.environ.get("PYTHON", sys.executable)
+    return out, work, python, *prepare(work, source, python)
