@@ -35,9 +35,9 @@ from bench.common.alternation import (
     megaloop_trainer,
     report,
     set_threads,
-    spread,
     summary,
 )
+from bench.common.report import span
 from megaloop import experiment
 
 SMOKE_OVERRIDES = [
@@ -153,8 +153,8 @@ def print_step_times(results: dict) -> None:
     t16 = [r["step_ms"] for r in results["bf16"]]
     ratio, low, high, _ = summary([b / a for a, b in zip(t32, t16)])
     print(
-        f"step time: fp32 {statistics.median(t32):.1f} ms ({spread(t32)}), bf16 "
-        f"{statistics.median(t16):.1f} ms ({spread(t16)}); bf16 / fp32: {ratio:.3f}x "
+        f"step time: fp32 {statistics.median(t32):.1f} ms ({span(t32)}), bf16 "
+        f"{statistics.median(t16):.1f} ms ({span(t16)}); bf16 / fp32: {ratio:.3f}x "
         f"(median of per-pair ratios, min..max {low:.3f}..{high:.3f}; "
         f"{'CPU' if not torch.cuda.is_available() else torch.cuda.get_device_name()})"
     )

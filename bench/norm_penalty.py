@@ -29,10 +29,10 @@ from bench.common.alternation import (
     report,
     set_threads,
     sign_test,
-    spread,
     summary,
     time_steps,
 )
+from bench.common.report import span
 
 
 def main(argv: list[str]) -> None:
@@ -99,8 +99,8 @@ def main(argv: list[str]) -> None:
     for side, label in (("off", "0 (off)"), ("on", f"{args.penalty:g} (on)")):
         wall, cpu = ([r[k] for r in results[side]] for k in ("step_ms", "cpu_ms"))
         print(
-            f"| {label} | {statistics.median(wall):.1f} | {spread(wall)} | "
-            f"{statistics.median(cpu):.1f} | {spread(cpu)} |"
+            f"| {label} | {statistics.median(wall):.1f} | {span(wall)} | "
+            f"{statistics.median(cpu):.1f} | {span(cpu)} |"
         )
     print()
     for key, label in (("step_ms", "on / off"), ("cpu_ms", "CPU time on / off")):

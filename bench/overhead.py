@@ -29,8 +29,8 @@ reported: on shared cores a process can lose wall time to others without using m
 `--profile` instead compares the two training steps op by op (torch.profiler, steps
 alternated) and shows megaloop's step under cProfile.
 
-The timing in alternated processes is alternation.py's (norm_penalty.py and bf16.py use it too;
-they reuse `megaloop_trainer` from here).
+The trainer it times, `megaloop_trainer`, and its shape are bench/common/alternation.py's, which
+norm_penalty and bf16 time too.
 """
 
 import argparse

@@ -11,7 +11,7 @@
 2. Training: every configs/experiments/repro_mini/*.yaml variant x seeds 0 and 1 (the
    no-weight-decay pair, trained twice as long, seed 0 only) as `megaloop sweep` runs them
    (finished runs are skipped, so a rerun resumes), two at a time in the two worker processes
-   of bench/workers.py, one thread each.
+   of bench/common/workers.py, one thread each.
 3. Measurements on the validation text: `megaloop depth`, `halt` and `diagnose` of every run
    (in the workers, two runs at a time), then `megaloop report` of everything into OUT, its
    paths written relative to the repository (to REPRO_WORK when that lies outside it).

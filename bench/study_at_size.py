@@ -15,7 +15,7 @@ own models, and how fast does it grow per step there? Every setting is the prese
 vocabulary of 20,000), but for AT_SIZE's overrides: batch, steps and evaluation cadence, and
 precision where STUDY_PRECISION=fp32 asks for it. The data are
 study_mini's: the WikiText-103 test text trains, the validation text evaluates, tokenised as the
-study does (bench/miniature.py). Runs, measurements and the report go as in study_mini (two
+study does (bench/common/miniature.py). Runs, measurements and the report go as in study_mini (two
 worker lanes of one thread; finished runs are skipped and interrupted ones resume from their
 last checkpoint, so a rerun continues).
 
@@ -380,7 +380,7 @@ def summary(work: Path, todo: list[Job], vocab: int) -> dict:
 
 
 def figures(work: Path, todo: list[Job], trajectories: dict) -> dict:
-    """Per scale, row and seed, what the verdict rules read (bench/verdicts.py)."""
+    """Per scale, row and seed, what the verdict rules read (bench/common/verdicts.py)."""
     out: dict = {}
     for job in todo:
         scale, row = job.name.split("/")

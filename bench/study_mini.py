@@ -16,16 +16,16 @@
 2. Training: each row of configs/experiments/study/44m/ (the study's setup: PyTorch's default
    initialisation, learned positions, dropout 0.1, AdamW at a constant 3e-4 with weight decay
    0.01 on every parameter, bf16 autocast with an fp32 residual stream, windows with a stride;
-   STUDY_PRECISION=fp32 trains in fp32 instead) at the miniature shape of
-   MINIATURE, through `megaloop train` in two worker processes (bench/workers.py). Finished runs
-   are skipped, so a rerun resumes.
+   STUDY_PRECISION=fp32 trains in fp32 instead) at the miniature shape of MINIATURE
+   (bench/common/study.py), through `megaloop train` in two worker processes
+   (bench/common/workers.py). Finished runs are skipped, so a rerun resumes.
 3. Measurements of every final checkpoint on the validation split's token stream: `depth`,
    `halt` and `diagnose --dtype bf16` (the study's precision).
 4. The report: the final-loop hidden norm in the study's unit (the mean over tokens of the
    per-token L2 norm, sqrt(d) times the mean per-token RMS that megaloop logs) and in RMS, per
    row over seeds (mean ± std, min, max), its growth over training, the final-loop perplexity;
    the norm and raw readouts side by side under per-loop CE with their ratio per seed; a verdict
-   per row of Table 2 by the rules in VERDICTS, fixed before the run; then `megaloop report`'s
+   per row of Table 2 by the rules in CLAIMS, fixed before the run; then `megaloop report`'s
    tables of the measurements.
 
 Environment: STUDY_PRECISION, `bf16` (the study's: autocast, default) or `fp32` (on a CPU without

@@ -16,7 +16,7 @@ and Appendix H report; does final-only norm's K = 4 failure at 200 steps persist
 data, tokens, precision and measurement sizes are bench/study_mini's (STUDY_PRECISION as there);
 the steps, the rows and seeds, the batch and validation cadence (LONG) and a checkpoint every
 SAVE_EVERY steps differ. The verdict
-rules are bench/verdicts.py's, fixed before this bench first ran.
+rules are bench/common/verdicts.py's, fixed before this bench first ran.
 
 Environment: as bench/study_mini (STUDY_PRECISION, REPRO_SOURCE, PYTHON); STUDY_WORK defaults to
 runs/study_mini_long.

@@ -116,10 +116,6 @@ def sign_test(ratios):
     return min(1.0, 2 * tail)
 
 
-def spread(values):
-    return f"{min(values):.1f}..{max(values):.1f}"
-
-
 # -- the real trainer, which the step-time benches time ----------------------------------------
 
 

@@ -65,6 +65,11 @@ def spread(s: dict) -> str:
     return f"{fmt(s['mean'])} ± {fmt(s['std'])} [{fmt(s['min'])}, {fmt(s['max'])}]"
 
 
+def span(values: list[float]) -> str:
+    """min..max, to a tenth: the per-process medians of a timing."""
+    return f"{min(values):.1f}..{max(values):.1f}"
+
+
 def stats(values: list[float]) -> dict:
     """Mean, std (over seeds: ddof 1), min and max."""
     v = np.asarray(values, dtype=float)
