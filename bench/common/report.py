@@ -1,5 +1,6 @@
-"""The benches' reports: the numbers' format (`fmt`, `spread`, `stats`), markdown tables, the
-JSON they keep (`write_json`) and the command line of a bench that writes docs/ (`command`)."""
+"""The benches' reports: the numbers' formats (`fmt`, `spread`, `stats`, `span`), markdown
+tables, the JSON they keep (`write_json`) and the command line of a bench that writes docs/
+(`command`)."""
 
 from __future__ import annotations
 
@@ -22,11 +23,10 @@ def command(
     docs: str | None = None,
     make: bool = True,
 ) -> Path | None:
-    """A bench that writes docs/`docs` (default docs/BENCH): OUT, made, for a run. With
-    `rewrite`, `--report` instead calls each on OUT/BENCH.json and OUT: the report and figures
-    rewritten from the JSON alone
-    (trains and measures nothing) and gives None. A smoke run must be given OUT: it never
-    writes docs/. OUT is made unless `make` is false (the bench's own tool makes it)."""
+    """The command line of a bench that writes docs/`docs` (default docs/BENCH): OUT, made
+    unless `make` is false, for a run. With `rewrite`, `--report` instead calls each of them on
+    OUT/BENCH.json and OUT, rewriting the report and figures from the JSON alone (nothing is
+    trained or measured), and gives None. A smoke run must be given OUT: it never writes docs/."""
     p = argparse.ArgumentParser(description=f"python -m bench {bench} [--smoke] [--out DIR]")
     if rewrite:
         p.add_argument("--report", action="store_true", help="rewrite the report from its JSON")

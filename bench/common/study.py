@@ -20,7 +20,7 @@ SEEDS = (42, 101) if SMOKE else (42, 101, 202)
 """The released code's seeds (scripts/reproduce_table1.sh)."""
 STEPS = 6 if SMOKE else 200
 """Optimizer steps of every run (our choice: 3,200 windows, 0.4 epochs of the training text;
-sized so that this bench and bench/drift_drivers fit 3 hours on 2 CPU cores; at this shape the
+sized so that bench/study_mini and bench/drift_drivers fit 3 hours on 2 CPU cores; at this shape the
 norm readout's state grows ten-fold within the first 50)."""
 PRECISION = os.environ.get("STUDY_PRECISION", "bf16")
 if PRECISION not in ("bf16", "fp32"):
