@@ -1,5 +1,6 @@
 """bench/ stays a package that reads: no module past 600 lines, no function past 80 (as in
-megaloop/), and no bench that edits sys.path to reach another (they share bench/common/)."""
+megaloop/), no sys.path edits, and no bench that imports another: what two share is in
+bench/common/, which imports no bench (a bench's report module, NAME_report.py, is its own)."""
 
 import ast
 
@@ -33,6 +34,32 @@ def test_no_bench_module_runs_past_600_lines():
 def test_no_bench_function_runs_past_80_lines():
     long = {p.relative_to(ROOT).as_posix(): long_functions(p.read_text()) for p in MODULES}
     assert not {path: found for path, found in long.items() if found}
+
+
+def bench_imports(path) -> set[str]:
+    """X of each `bench.X` that PATH imports (`import bench.X`, `from bench import X`,
+    `from bench.X import ...`)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "bench":
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("bench."):
+            found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("bench.")}
+    return found
+
+
+def test_a_bench_imports_only_bench_common_and_its_own_report():
+    benches = {p.stem for p in (ROOT / "bench").glob("*.py") if not p.stem.startswith("__")}
+    wrong = {}
+    for path in MODULES:
+        name = path.stem.removesuffix("_report")
+        own = set() if path.parent.name == "common" else {name, f"{name}_report"}
+        others = (bench_imports(path) & benches) - own
+        if others and path.name != "__main__.py":
+            wrong[path.relative_to(ROOT).as_posix()] = sorted(others)
+    assert not wrong
 
 
 def test_no_bench_edits_sys_path():
