@@ -15,28 +15,12 @@ from pathlib import Path
 
 from bench import common
 
-NAMES = (
-    "adaptive_depth",
-    "attention",
-    "bf16",
-    "drift_drivers",
-    "drift_regime",
-    "engines",
-    "final_norm_scale",
-    "generate_mini",
-    "metrics_log",
-    "mfu",
-    "norm_penalty",
-    "overhead",
-    "preempt_resume",
-    "prep_throughput",
-    "recompute_memory",
-    "repro_mini",
-    "residual_memory",
-    "study_at_size",
-    "study_mini",
-    "study_mini_long",
+NAMES = sorted(
+    p.stem
+    for p in Path(__file__).parent.glob("*.py")
+    if not p.stem.startswith("_") and not p.stem.endswith("_report")
 )
+"""Every bench: a module here (NAME_report.py is a bench's report, not a bench)."""
 
 RUNNER = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
 RUNNER.add_argument("--smoke", action="store_true")
