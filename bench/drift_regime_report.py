@@ -1,7 +1,6 @@
-"""docs/drift_regime's report: the grid it describes, what the runs' validation curves say
-(growth, a power law through the rising part) and report.md with its figures, all from
-drift_regime.json, so that `python -m bench drift_regime --report` rewrites them after the runs
-are gone."""
+"""docs/drift_regime's report: what the runs' validation curves say (growth, a power law
+through the rising part) and report.md with its growth figure, all from drift_regime.json, so
+that `python -m bench drift_regime --report` rewrites them after the runs are gone."""
 
 from __future__ import annotations
 
@@ -10,12 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import SMOKE
-
 READOUTS = ("norm", "raw")
-WEIGHT_DECAYS, TIES, LRS = (0.0, 0.1), (True, False), (1e-3, 3e-3, 1e-2)
-if SMOKE:  # two cells, and every extra step of the flow
-    WEIGHT_DECAYS, TIES, LRS = (0.0,), (True, False), (1e-2,)
 DRIFT = 5.0
 """A cell drifts when the norm readout's final-loop RMS is >= 5x the raw readout's in every seed."""
 GROWING = 1.05
@@ -121,36 +115,6 @@ def cell_table(rows: list[dict]) -> list[str]:
             f"| {spread(r['norm']['final_ce'])} | {spread(r['raw']['final_ce'])} |"
         )
     return lines
-
-
-def plot_ratio(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    by_name = {r["cell"]: r for r in rows}
-    labels = [(wd, tie) for wd in WEIGHT_DECAYS for tie in TIES]
-    grid_ratio = np.full((len(labels), len(LRS)), np.nan)
-    for i, (wd, tie) in enumerate(labels):
-        for j, lr in enumerate(LRS):
-            r = by_name.get(f"wd{wd:g}-{'tied' if tie else 'untied'}-lr{lr:g}")
-            if r and r["ratios"]:
-                grid_ratio[i, j] = float(np.mean(r["ratios"]))
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    image = ax.imshow(np.log10(grid_ratio), cmap="coolwarm", vmin=-2, vmax=2)
-    for (i, j), value in np.ndenumerate(grid_ratio):
-        if np.isfinite(value):
-            ax.text(j, i, f"{value:.2g}×", ha="center", va="center", fontsize=9)
-    ax.set_xticks(range(len(LRS)), [f"lr {lr:g}" for lr in LRS])
-    ax.set_yticks(
-        range(len(labels)), [f"wd {wd:g}, {'tied' if t else 'untied'}" for wd, t in labels]
-    )
-    fig.colorbar(image, label="log10 (norm / raw final-loop RMS)")
-    ax.set_title("norm / raw final-loop ‖H_K‖_rms (mean of seeds)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def plot_growth(info: dict, path: Path) -> None:

@@ -173,7 +173,7 @@ def growth_table(info: dict, row: str) -> list[str]:
 
 def runs_table(info: dict) -> list[str]:
     """Per run: the final loop's L2 at each mark, the last validation's L2 and PPL at K=4."""
-    marks = [str(m) for m in MARKS]
+    marks = study.marks_of(info["growth"])
     lines = [
         "| run | seed | " + " | ".join(f"L2 @ {m}" for m in marks) + " | valid L2 | PPL K=4 |",
         "|---|---|" + "---|" * (len(marks) + 2),

@@ -167,7 +167,7 @@ def summary(work: Path, todo: list[Job], vocab: int) -> dict:
 
 def growth_lines(info: dict) -> list[str]:
     """Per run: the final loop's L2 at each mark, and its growth per step between marks."""
-    marks = [str(m) for m in MARKS]
+    marks = study.marks_of(info["growth"])
     windows = [f"{a}-{b}" for a, b in zip(marks, marks[1:])]
     norms = ["| row | seed | " + " | ".join(f"L2 @ {m}" for m in marks) + " |"]
     norms.append("|---|---|" + "---|" * len(marks))

@@ -232,6 +232,13 @@ def growth(t: dict, marks: tuple[int, ...]) -> dict:
     return out
 
 
+def marks_of(growth_by_run: dict) -> list[str]:
+    """The steps `growth` marked in any run of {run: {seed: growth}}, in order: a report's
+    columns, read from its JSON (not from the sizes the bench runs at)."""
+    marks = {m for by_seed in growth_by_run.values() for g in by_seed.values() for m in g["marks"]}
+    return [str(m) for m in sorted(marks)]
+
+
 def measurements_report(python: str, work: Path, out: Path, *inputs: str) -> None:
     """`megaloop report INPUTS` (folders of WORK) into OUT/measurements, run from WORK and its
     paths written relative to it: the committed report names no machine's folders (the inputs
