@@ -3,8 +3,10 @@
     bench/adaptive_depth               3 seeds: train (two stages), export, per-token CE by loop,
                                        `bench generate` at batch 1 and 8; rewrites
                                        docs/adaptive_depth/ (README.md, adaptive_depth.json, PNGs)
-    SMOKE=1 bench/adaptive_depth OUT   the same flow at a toy size, into OUT
-    bench/adaptive_depth --report [OUT]  rewrites OUT's README.md and PNGs from its JSON
+    bench/adaptive_depth --smoke --out OUT
+                                       the same flow at a toy size, into OUT
+    bench/adaptive_depth --report [--out OUT]
+                                       rewrites OUT's README.md and PNGs from its JSON
 
 1. The task: the built-in `addition` corpus at 4 digits (megaloop/data/synthetic.py), one sum a
    window: `0473+0968=01441` and a newline. An answer digit needs its column's carry, which the
@@ -22,7 +24,7 @@
 5. The verdict (VERDICT below, fixed before the run).
 
 Environment: ADAPTIVE_WORK, the scratch folder (default runs/adaptive_depth, or
-runs/adaptive_depth_smoke under SMOKE; finished runs are kept, so a rerun resumes); PYTHON, the
+runs/adaptive_depth_smoke under --smoke; finished runs are kept, so a rerun resumes); PYTHON, the
 interpreter with megaloop installed (default: this one).
 """
 
@@ -39,15 +41,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.adaptive_depth_report import KINDS, result_lines, setting, write_report
+from bench.common import ROOT, SMOKE, report, workers
 
-import workers  # noqa: E402
-
-SMOKE = bool(os.environ.get("SMOKE"))
 CONFIGS = ROOT / "configs/experiments/adaptive_depth"
 SEEDS = (0, 1) if SMOKE else (0, 1, 2)
-"""Under SMOKE two, one round of the two worker lanes (a spread over seeds needs two)."""
+"""Under --smoke two, one round of the two worker lanes (a spread over seeds needs two)."""
 TASK, DIGITS, SEQ_LEN, PROMPT = "addition", 4, 16, 6
 """One sum a window (16 tokens and the next sum's first digit as the last target); the first 6
 tokens, the first operand and '+', are the prompt, prefilled at full depth."""
@@ -71,8 +70,6 @@ THRESHOLDS = {
     "confidence": (0.5, 0.7, 0.9, 0.97),
 }
 """bench generate's defaults (settings.DEFAULT_THRESHOLDS), named here for the evidence."""
-MATCH = 0.005
-"""Answer accuracy within which a run counts as matching a fixed K's in the report's why."""
 CACHED = {"gate": 0.5, "margin": 2.0, "confidence": 0.9}
 """The threshold per rule at which the evidence also decodes through the cache, per KV policy."""
 BENCH = [
@@ -84,18 +81,8 @@ BENCH = [
     "1" if SMOKE else "3",
     *(["--threshold", "0.5,0.9"] if SMOKE else []),
 ]
-"""Under SMOKE two thresholds, valid for every rule, rather than each rule's four: the flow, at
+"""Under --smoke two thresholds, valid for every rule, rather than each rule's four: the flow, at
 half the decoding."""
-KINDS = (
-    "operand digit",
-    "format (+ = newline)",
-    "answer, units digit",
-    "answer, carry from the next column",
-    "answer, carry through a 9-sum column",
-)
-"""What a target token is: the operand digits (and the next sum's first digit) are random; an
-answer digit's carry comes from no column (the units), from the next column alone (its digits do
-not sum to 9), or through a column whose digits sum to 9, so from the columns below it too."""
 VERDICT = (
     "An exit setting (rule, threshold, KV policy, batching) beats fixed depth at a batch size "
     "if, in every seed, no fixed K is both as fast and as accurate on the answers, and either "
@@ -319,10 +306,6 @@ def bench(work: Path, seeds, valid: Path, python: str) -> dict[int, list[dict]]:
     return runs
 
 
-def setting(r: dict) -> tuple:
-    return (r["batch_size"], r["exit"], r["threshold"], r["kv"], r["batching"])
-
-
 def spread(r: dict) -> float:
     return max(r["seconds"]) / min(r["seconds"]) - 1
 
@@ -388,326 +371,14 @@ def verdicts(runs: dict[int, list[dict]]) -> list[dict]:
     return rows
 
 
-def mean(values: list[float]) -> float:
-    return sum(values) / len(values)
-
-
-def fixed_rows(info: dict, b: int) -> dict[int, dict]:
-    """Fixed K at batch b: per K, its figures over the seeds."""
-    rows: dict[int, dict] = {}
-    for seed_runs in info["runs"].values():
-        for r in seed_runs:
-            if r["batch_size"] == b and r["exit"] == "fixed":
-                row = rows.setdefault(
-                    r["loops"],
-                    {"tokens_per_s": [], "answer_accuracy": [], "answer_ce": [], "ce": []},
-                )
-                for key in row:
-                    row[key].append(r[key])
-    return dict(sorted(rows.items()))
-
-
-def spread_of(values: list[float], fmt: str = ".3f") -> str:
-    return f"{mean(values):{fmt}} [{min(values):{fmt}}, {max(values):{fmt}}]"
-
-
-def label(v: dict) -> str:
-    return f"{v['exit']} {v['threshold']:g} {v['kv']} {v['batching']}"
-
-
-def result_lines(info: dict) -> list[str]:
-    """Per batch size, whether an exit setting beat fixed depth and by how much, or how close
-    the best one came."""
-    lines = []
-    for b in sorted({v["batch_size"] for v in info["verdicts"]}):
-        rows = [v for v in info["verdicts"] if v["batch_size"] == b]
-        winners = [v for v in rows if v["beats_fixed_depth"]]
-        best_k = max(fixed_rows(info, b).items(), key=lambda kv: mean(kv[1]["answer_accuracy"]))
-        if winners:
-            best = max(
-                winners,
-                key=lambda v: (
-                    mean(v["speedup_at_accuracy"])
-                    if v["by_speed"]
-                    else 1 + mean(v["accuracy_gain_at_speed"])
-                ),
-            )
-            how = (
-                f"{mean(best['speedup_at_accuracy']):.2f}x the tokens/s of the fastest fixed "
-                f"K at least as accurate (K={best['fixed_k_at_accuracy']})"
-                if best["by_speed"]
-                else f"{mean(best['accuracy_gain_at_speed']):+.3f} answer accuracy over the best "
-                f"fixed K at least as fast (K={best['fixed_k_at_speed']})"
-            )
-            lines.append(
-                f"- **Batch {b}: yes, {len(winners)} of {len(rows)} exit settings beat fixed "
-                f"depth.** The largest margin: {label(best)} ({mean(best['mean_loops']):.2f} "
-                f"loops a token, answer accuracy {mean(best['answer_accuracy']):.3f}) runs "
-                f"{how}."
-            )
-            continue
-        undominated = [v for v in rows if v["undominated"]]
-        lines.append(
-            f"- **Batch {b}: no exit setting beats fixed depth.** "
-            + (
-                f"{len(undominated)} of {len(rows)} lie off the fixed-K frontier in every "
-                "seed, none by more than the seeds' or the repeats' spread."
-                if undominated
-                else f"Each of the {len(rows)} is matched, in some seed, by a fixed K at least "
-                "as fast and as accurate on the answers."
-            )
-            + f" The most accurate fixed K is K={best_k[0]} (answer accuracy "
-            f"{mean(best_k[1]['answer_accuracy']):.3f}, {mean(best_k[1]['tokens_per_s']):,.0f} "
-            "tokens/s)."
-        )
-    return lines
-
-
-def why_lines(info: dict) -> list[str]:
-    """Per batch size, where the loops a rule saves go: the exact policy's (recompute) run that
-    matches the most accurate fixed K in the fewest loops, its loop applications and its wall
-    time against the fixed-K cost fit; and what copy and share cost in accuracy."""
-    import numpy as np
-
-    lines = []
-    for b in sorted({v["batch_size"] for v in info["verdicts"]}):
-        fixed = fixed_rows(info, b)
-        k, top = max(fixed.items(), key=lambda kv: mean(kv[1]["answer_accuracy"]))
-        slope, intercept = np.polyfit(
-            list(fixed), [1 / mean(r["tokens_per_s"]) for r in fixed.values()], 1
-        )
-        rows = [v for v in info["verdicts"] if v["batch_size"] == b]
-        exact = [
-            v
-            for v in rows
-            if v["kv"] == "recompute"
-            and mean(v["answer_accuracy"]) >= mean(top["answer_accuracy"]) - MATCH
-        ]
-        if exact:
-            v = min(exact, key=lambda v: mean(v["mean_loops"]))
-            key = (b, v["exit"], v["threshold"], v["kv"], v["batching"])
-            runs = [r for seed in info["runs"].values() for r in seed if setting(r) == key]
-            decoded = info["seq_len"] - info["prompt_tokens"]
-            prefill = info["prompt_tokens"] * max(fixed) * b
-            applied = mean([(r["loop_applications"] - prefill) / (b * decoded) for r in runs])
-            lines.append(
-                f"- Batch {b}: {label(v)} matches fixed K={k}'s answer accuracy (within "
-                f"{MATCH}) at {mean(v['mean_loops']):.2f} exit loops a token; with the earlier "
-                f"tokens' resumed loops it applies the stack {applied:.2f} times a decoded "
-                f"token, against {k}. A fit of the fixed-K runs' cost, t(K) = f + c·K, "
-                f"predicts {(intercept + slope * k) / (intercept + slope * applied):.2f}x fixed "
-                f"K={k}'s tokens/s for that "
-                f"work; it decodes at {mean(v['tokens_per_s']) / mean(top['tokens_per_s']):.2f}x. "
-                "The exiting path's own cost per loop (the exit rule, the cache's per-row "
-                "bookkeeping) outweighs a loop of this one-layer d=128 stack."
-            )
-        saving = [v for v in rows if v["kv"] != "recompute" and mean(v["mean_loops"]) <= k - 1]
-        if saving:
-            v = max(saving, key=lambda v: mean(v["answer_accuracy"]))
-            lines.append(
-                f"- Batch {b}: under `copy` and `share`, no setting that saves a loop a token "
-                f"keeps the answers: the most accurate, {label(v)} at "
-                f"{mean(v['mean_loops']):.2f} loops, reaches {mean(v['answer_accuracy']):.3f}, "
-                f"against fixed K={k - 1}'s {mean(fixed[k - 1]['answer_accuracy']):.3f} at "
-                f"{mean(v['tokens_per_s']) / mean(fixed[k - 1]['tokens_per_s']):.2f}x its "
-                "tokens/s. The per-kind table below shows where: the answers, whose deeper "
-                "loops read the exited tokens' keys and values."
-            )
-    return lines
-
-
-def exit_table(per_kind: dict, kinds: list[str], section: str, first: str, intro: str) -> list:
-    """A table of each run of `section` (a row) by token kind: mean exit loop (accuracy), the
-    mean over seeds."""
-    lines = ["", intro, "", f"| {first} | " + " | ".join(kinds) + " |"]
-    lines.append("|---|" + "---|" * len(kinds))
-    for run in per_kind[kinds[0]][0][section]:
-        cells = [
-            f"{mean([e[section][run]['mean_exit_loop'] for e in per_kind[k]]):.2f} "
-            f"({mean([e[section][run]['accuracy'] for e in per_kind[k]]):.3f})"
-            for k in kinds
-        ]
-        lines.append(f"| {run} | " + " | ".join(cells) + " |")
-    return lines
-
-
-def write_report(info: dict, out: Path) -> None:
-    """OUT/README.md: the verdict first, then the per-token evidence and the frontier tables."""
-    seeds = len(info["seeds"])
-    sizes = sorted({v["batch_size"] for v in info["verdicts"]})
-    lines = ["# Adaptive depth against fixed depth: 4-digit addition, one layer a loop", ""]
-    if info["smoke"]:
-        lines += ["**SMOKE run: a toy size, its numbers mean nothing.**", ""]
-    lines += [
-        "## Result",
-        "",
-        *result_lines(info),
-        "",
-        f"The rule, fixed before the run: {info['verdict_rule']}",
-        "",
-        "Why, in the runs below:",
-        "",
-        *why_lines(info),
-        "",
-    ]
-    lines += [
-        "## Per-token evidence: which tokens need their loops",
-        "",
-        f"Each loop's readout on {info['evidence_windows']:,} validation sums, mean over "
-        f"{seeds} seeds, by what the next token is. The gate's column is the mean loop of "
-        "its exit distribution after stage 2.",
-        "",
-        "| next token | tokens | "
-        + " | ".join(f"CE loop {k}" for k in range(1, 5))
-        + " | "
-        + " | ".join(f"acc. loop {k}" for k in range(1, 5))
-        + " | gate's mean exit loop |",
-        "|---|---|" + "---|" * 9,
-    ]
-    per_kind = {kind: [e[kind] for e in info["evidence"].values() if kind in e] for kind in KINDS}
-    for kind, per_seed in per_kind.items():
-        if not per_seed:
-            continue
-        loops = range(len(per_seed[0]["ce"]))
-        lines.append(
-            f"| {kind} | {per_seed[0]['tokens']:,} | "
-            + " | ".join(f"{mean([e['ce'][k] for e in per_seed]):.3f}" for k in loops)
-            + " | "
-            + " | ".join(f"{mean([e['accuracy'][k] for e in per_seed]):.3f}" for k in loops)
-            + f" | {mean([e['gate_mean_exit_loop'] for e in per_seed]):.2f} |"
-        )
-    kinds = [k for k, v in per_kind.items() if v]
-    lines += exit_table(
-        per_kind,
-        kinds,
-        "rules",
-        "rule",
-        "Where each rule stops each kind of token: its mean exit loop (and accuracy) over the "
-        "same sums, read by the no-cache reference of early exit (every earlier token at full "
-        "depth).",
-    )
-    lines += exit_table(
-        per_kind,
-        [k for k in kinds if "cached" in per_kind[k][0]],
-        "cached",
-        "rule, policy",
-        "The same through the cache (teacher-forced, sync, the tokens after the prompt): each "
-        "policy at one threshold per rule, mean exit loop (and accuracy). Under `copy` a later "
-        "token's deeper loops read an exited token's keys and values of its exit loop, and "
-        "under `share` every loop reads each earlier token's last computed loop: states this "
-        "model never attended to in training. `recompute` runs the exited tokens' missing "
-        "loops instead, so it decodes as the no-cache reference above.",
-    )
-    for b in sizes:
-        lines += [
-            "",
-            f"## Batch {b}",
-            "",
-            f"![frontier at batch {b}](frontier_b{b}.png)",
-            "",
-            "| run | mean loops | tokens/s | answer accuracy | answer CE | CE "
-            "| off the frontier | beats fixed depth |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for k, row in fixed_rows(info, b).items():
-            lines.append(
-                f"| fixed K={k} | {k} | {spread_of(row['tokens_per_s'], ',.0f')} "
-                f"| {spread_of(row['answer_accuracy'])} | {spread_of(row['answer_ce'])} "
-                f"| {spread_of(row['ce'])} | | |"
-            )
-        for v in (v for v in info["verdicts"] if v["batch_size"] == b):
-            lines.append(
-                f"| {label(v)} | {mean(v['mean_loops']):.2f} "
-                f"| {spread_of(v['tokens_per_s'], ',.0f')} | {spread_of(v['answer_accuracy'])} "
-                f"| {spread_of(v['answer_ce'])} | {spread_of(v['ce'])} "
-                f"| {'yes' if v['undominated'] else 'no'} "
-                f"| {'**yes**' if v['beats_fixed_depth'] else 'no'} |"
-            )
-    episodes = ", ".join(f"{n} at batch {b}" for b, n in info["episodes"].items())
-    lines += [
-        "",
-        "Each cell: the mean over the seeds [lowest, highest]. `megaloop bench "
-        f"generate` decodes the same sums in every run ({episodes}), each "
-        f"row's tokens after its {info['prompt_tokens']}-token prompt (prefilled at full "
-        "depth), teacher-forced, one thread pinned to one core; tokens/s is the fastest "
-        "of its repeats. Off the frontier: in every seed, no fixed K is both as fast and "
-        f"as accurate. Training, minutes per seed (stage 1, stage 2; one thread each, two seeds "
-        f"at a time): {info['train_minutes']}; then the evidence and the benchmark: "
-        f"{info['minutes']}.",
-        "",
-    ]
-    (out / "README.md").write_text("\n".join(lines))
-    for b in sizes:
-        plot(info, b, out / f"frontier_b{b}.png")
-
-
-MARKERS = {"gate": "^", "margin": "s", "confidence": "o"}
-COLOURS = {"copy": "tab:blue", "share": "tab:orange", "recompute": "tab:green"}
-
-
-def plot(info: dict, b: int, path: Path) -> None:
-    """Answer accuracy against tokens/s at batch b, means over seeds: fixed K as a line, each
-    rule x policy x batching over its thresholds; filled where the setting beats fixed depth."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    fixed = fixed_rows(info, b)
-    ax.plot(
-        [mean(r["tokens_per_s"]) for r in fixed.values()],
-        [mean(r["answer_accuracy"]) for r in fixed.values()],
-        "k.-",
-        label="fixed K",
-    )
-    for k, r in fixed.items():
-        ax.annotate(f"K={k}", (mean(r["tokens_per_s"]), mean(r["answer_accuracy"])), fontsize=8)
-    groups: dict[tuple, list[dict]] = {}
-    for v in info["verdicts"]:
-        if v["batch_size"] == b:
-            groups.setdefault((v["exit"], v["kv"], v["batching"]), []).append(v)
-    for (rule, kv, batching), vs in sorted(groups.items()):
-        vs.sort(key=lambda v: v["threshold"])
-        x = [mean(v["tokens_per_s"]) for v in vs]
-        y = [mean(v["answer_accuracy"]) for v in vs]
-        ax.plot(
-            x,
-            y,
-            color=COLOURS.get(kv),
-            linestyle="--" if batching == "async" else "-",
-            linewidth=0.6,
-            label=f"{rule} {kv} {batching}",
-            marker=MARKERS.get(rule, "o"),
-            markerfacecolor="none",
-        )
-        for v, xi, yi in zip(vs, x, y):
-            if v["beats_fixed_depth"]:
-                ax.plot(xi, yi, marker=MARKERS.get(rule, "o"), color=COLOURS.get(kv))
-    ax.set_xlabel("tokens/s")
-    ax.set_ylabel("answer accuracy")
-    ax.set_title(
-        f"batch {b}: means of {len(info['seeds'])} seeds (filled: beats fixed depth)", fontsize=9
-    )
-    ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def main() -> None:
-    if sys.argv[1:2] == ["--report"]:
-        out = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "docs/adaptive_depth"
-        write_report(json.loads((out / "adaptive_depth.json").read_text()), out)
+def main(argv: list[str], out: Path | None) -> None:
+    out = report.command("adaptive_depth", argv, out, (write_report,))
+    if out is None:
         return
-    if SMOKE and len(sys.argv) < 2:
-        sys.exit("adaptive_depth: SMOKE=1 needs an OUT folder (it never writes docs/)")
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "docs/adaptive_depth"
     default = "runs/adaptive_depth_smoke" if SMOKE else "runs/adaptive_depth"
     work = Path(os.environ.get("ADAPTIVE_WORK", ROOT / default)).resolve()
     python = os.environ.get("PYTHON", sys.executable)
     work.mkdir(parents=True, exist_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
     clock = {"start": time.time()}
     train(work)
     clock["trained"] = time.time()
@@ -744,7 +415,3 @@ def main() -> None:
     write_report(info, out)
     print("\n".join(result_lines(info)))
     print(f"adaptive_depth: {info['minutes']} minutes; report in {out}")
-
-
-if __name__ == "__main__":
-    main()

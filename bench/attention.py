@@ -3,7 +3,7 @@
 Times forward+backward training steps of the same looped model with each backend, interleaved in
 one process (so both see the same machine state), and prints the step-time ratio.
 
-    .venv/bin/python bench/attention.py [--hidden 128 --layers 8 --seq 128 --batch 8 --loops 1]
+    python -m bench attention [--hidden 128 --layers 8 --seq 128 --batch 8 --loops 1]
 """
 
 import argparse
@@ -24,7 +24,7 @@ def step_time(model, tokens) -> float:
     return time.perf_counter() - start
 
 
-def main():
+def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--heads", type=int, default=8)
@@ -33,7 +33,7 @@ def main():
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--repeats", type=int, default=20)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     _cpu_compat.apply()
     distributed.init(seed=0)
     models = {}
@@ -64,7 +64,3 @@ def main():
     for name, t in med.items():
         print(f"  {name:>9}: median step {t * 1e3:8.2f} ms")
     print(f"  megatron DotProductAttention / SDPA step time: {med['megatron'] / med['sdpa']:.2f}x")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """bf16 autocast against fp32 on the same run: the loss curves side by side, checked against a
 stated tolerance, and the step-time ratio, each precision in processes of its own, alternated.
 
-    .venv/bin/python bench/bf16.py [--config configs/experiments/tiny.yaml] [--steps 30]
+    python -m bench bf16 [--smoke] [--config configs/experiments/tiny.yaml] [--steps 30]
         [--pairs 3] [--tolerance 0.02] [--json PATH] [key=value ...]
 
 Both sides train `config` from the same seed on the same synthetic data (a function of seed and
@@ -28,12 +28,19 @@ import tempfile
 import time
 
 import torch
-from alternation import alternate, report, set_threads, spread, summary
-from overhead import megaloop_trainer
 
+from bench import common
+from bench.common.alternation import (
+    alternate,
+    megaloop_trainer,
+    report,
+    set_threads,
+    summary,
+)
+from bench.common.report import span
 from megaloop import experiment
 
-SMOKE = [
+SMOKE_OVERRIDES = [
     "model.hidden_size=32",
     "model.num_heads=4",
     "model.num_layers=1",
@@ -54,7 +61,7 @@ def median_step_ms(step, warmup, steps):
     return 1e3 * statistics.median(times[warmup:] or times)
 
 
-def main():
+def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/experiments/tiny.yaml")
     p.add_argument("--steps", type=int, default=30)
@@ -69,40 +76,41 @@ def main():
     p.add_argument(
         "--json", metavar="PATH", help="also write both curves, the per-step Δ and the verdict here"
     )
-    p.add_argument("--smoke", action="store_true", help="tiny shapes, one pair, three steps")
     p.add_argument("--side", choices=["fp32", "bf16"], help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*")
-    args = p.parse_intermixed_args()
-    if args.smoke:
+    args = p.parse_intermixed_args(argv)
+    if common.SMOKE and not args.side:  # tiny shapes, one pair, three steps (passed to the sides)
         args.pairs, args.steps, args.warmup = 1, 3, 1
-        args.overrides = [*SMOKE, *args.overrides]
+        args.overrides = [*SMOKE_OVERRIDES, *args.overrides]
+    return args
+
+
+def side(args) -> None:
+    """One process of a side: its losses and median step time, as the RESULT line."""
+    set_threads()
+    losses = []
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = megaloop_trainer(
+            [*args.overrides, f"train.bf16={args.side == 'bf16'}"],
+            args.steps,
+            run_dir,
+            config=args.config,
+        )
+
+        def step():
+            losses.append(trainer.train_step()["loss"])
+
+        ms = median_step_ms(step, args.warmup, args.steps)
+    report(step_ms=ms, losses=losses)
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
     if args.side:
-        set_threads()
-        losses = []
-        with tempfile.TemporaryDirectory() as run_dir:
-            trainer = megaloop_trainer(
-                [*args.overrides, f"train.bf16={args.side == 'bf16'}"],
-                args.steps,
-                run_dir,
-                config=args.config,
-            )
-
-            def step():
-                losses.append(trainer.train_step()["loss"])
-
-            ms = median_step_ms(step, args.warmup, args.steps)
-        report(step_ms=ms, losses=losses)
+        side(args)
         return
-    child = [
-        "--config",
-        args.config,
-        "--steps",
-        str(args.steps),
-        "--warmup",
-        str(args.warmup),
-        *args.overrides,
-    ]
-    results = alternate(__file__, ("fp32", "bf16"), args.pairs, child)
+    child = ["--config", args.config, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    results = alternate("bf16", ("fp32", "bf16"), args.pairs, [*child, *args.overrides])
     fp32, bf16 = results["fp32"][0]["losses"], results["bf16"][0]["losses"]
     repeatable = all(r["losses"] == fp32 for r in results["fp32"]) and all(
         r["losses"] == bf16 for r in results["bf16"]
@@ -110,9 +118,6 @@ def main():
     diffs = [b - a for a, b in zip(fp32, bf16)]
     rel = [abs(d) / a for d, a in zip(diffs, fp32)]
     worst = max(range(len(rel)), key=rel.__getitem__)
-    t32 = [r["step_ms"] for r in results["fp32"]]
-    t16 = [r["step_ms"] for r in results["bf16"]]
-    ratio, low, high, _ = summary([b / a for a, b in zip(t32, t16)])
     m = experiment.load(args.config, args.overrides).model
     print(
         f"{' '.join([args.config, *args.overrides])}: d={m.hidden_size}, L={m.num_layers}, "
@@ -134,29 +139,22 @@ def main():
         f"curves identical across each side's {args.pairs} processes: "
         f"{'yes' if repeatable else 'no'}"
     )
-    print(
-        f"step time: fp32 {statistics.median(t32):.1f} ms ({spread(t32)}), bf16 "
-        f"{statistics.median(t16):.1f} ms ({spread(t16)}); bf16 / fp32: {ratio:.3f}x "
-        f"(median of per-pair ratios, min..max {low:.3f}..{high:.3f}; "
-        f"{'CPU' if not torch.cuda.is_available() else torch.cuda.get_device_name()})"
-    )
+    print_step_times(results)
     if args.json:
+        figures = {"loss_fp32": fp32, "loss_bf16": bf16, "delta": diffs, "relative": rel}
         with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "loss_fp32": fp32,
-                    "loss_bf16": bf16,
-                    "delta": diffs,
-                    "relative": rel,
-                    "tolerance": args.tolerance,
-                    "verdict": verdict,
-                },
-                f,
-                indent=1,
-            )
+            json.dump({**figures, "tolerance": args.tolerance, "verdict": verdict}, f, indent=1)
     if verdict == "FAIL":
         sys.exit(1)
 
 
-if __name__ == "__main__":
-    main()
+def print_step_times(results: dict) -> None:
+    t32 = [r["step_ms"] for r in results["fp32"]]
+    t16 = [r["step_ms"] for r in results["bf16"]]
+    ratio, low, high, _ = summary([b / a for a, b in zip(t32, t16)])
+    print(
+        f"step time: fp32 {statistics.median(t32):.1f} ms ({span(t32)}), bf16 "
+        f"{statistics.median(t16):.1f} ms ({span(t16)}); bf16 / fp32: {ratio:.3f}x "
+        f"(median of per-pair ratios, min..max {low:.3f}..{high:.3f}; "
+        f"{'CPU' if not torch.cuda.is_available() else torch.cuda.get_device_name()})"
+    )

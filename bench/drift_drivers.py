@@ -2,8 +2,9 @@
 bench/study_mini, whose data, shape and runs it shares).
 
     bench/drift_drivers              ~70 minutes on 2 CPU cores; rewrites docs/drift_drivers/
-    SMOKE=1 bench/drift_drivers OUT  the same flow at a toy size, into OUT (after SMOKE=1
-                                     bench/study_mini with the same STUDY_WORK)
+    bench/drift_drivers --smoke --out OUT
+                                     the same flow at a toy size, into OUT (after
+                                     bench/study_mini --smoke with the same STUDY_WORK)
 
 Per-loop CE with a norm and a raw readout, study_mini's first two seeds, STEPS steps at its
 miniature, from the study's setup (configs/experiments/study/44m/per_loop_{norm,raw}.yaml):
@@ -35,14 +36,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import miniature  # noqa: E402
-import repro_mini  # noqa: E402  (the drift_regime runs' BPE data)
-import study_mini  # noqa: E402  (the study's data, shape and run machinery)
-from study_mini import FACTOR, SMOKE, Job, fmt  # noqa: E402
+from bench.common import ROOT, SMOKE, miniature, report, study
+from bench.common.report import fmt, write_json
+from bench.common.study import FACTOR, Job
 
-ROOT = study_mini.ROOT
-SEEDS = study_mini.SEEDS[:2]
+SEEDS = study.SEEDS[:2]
 """bench/study_mini's first two seeds: its runs are this bench's study cell."""
 STEPS = 6 if SMOKE else 100
 """Our choice: 1,600 windows; the study's setup drifts within the first 50 steps here (and 100
@@ -79,7 +77,7 @@ def jobs(work: Path, data_given: list[str]) -> list[Job]:
                 out.append(
                     Job(
                         f"drivers/{cell}/{readout}",
-                        study_mini.ROWS_DIR / f"per_loop_{readout}.yaml",
+                        study.ROWS_DIR / f"per_loop_{readout}.yaml",
                         seed,
                         overrides,
                         data_given,
@@ -92,7 +90,7 @@ def jobs(work: Path, data_given: list[str]) -> list[Job]:
 def onset_jobs(bpe: Path) -> list[Job]:
     base = ROOT / "configs/experiments/drift_regime/base.yaml"
     given = [f"data.path={bpe / 'train'}", f"data.valid_path={bpe / 'valid'}"]
-    smoke = repro_mini.SMOKE_SHAPE if SMOKE else []
+    smoke = miniature.REPRO_SMOKE_SHAPE if SMOKE else []
     return [
         Job(
             f"onset/lr{lr:g}/{readout}",
@@ -118,7 +116,7 @@ def onset_jobs(bpe: Path) -> list[Job]:
 def read_run(run_dir: Path, steps: int) -> dict:
     """A run's final-loop norms up to `steps` (training batches, validation), where it stopped
     if its loss went non-finite first."""
-    t = study_mini.trajectory(run_dir, until=steps)
+    t = study.trajectory(run_dir, until=steps)
     done = t["train_steps"][-1] if t["train_steps"] else 0
     t["diverged_at"] = None if done >= steps else done + 1
     return t
@@ -136,7 +134,7 @@ def summarize(runs: dict) -> list[dict]:
                     "final_l2": t["final_l2"],
                     "final_rms": t["final_rms"],
                     "final_ppl": t["final_ppl"],
-                    "l2_step1": study_mini.at_step(t, 1),
+                    "l2_step1": study.at_step(t, 1),
                     "diverged_at": t["diverged_at"],
                 }
                 for seed, t in by_seed.items()
@@ -314,17 +312,16 @@ def plot(runs: dict, rows: list[dict], out: Path) -> None:
     )
 
 
-def main() -> None:
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "docs/drift_drivers"
+def main(argv: list[str], out: Path | None) -> None:
+    out = report.command("drift_drivers", argv, out)
     work = Path(os.environ.get("STUDY_WORK", ROOT / "runs/study_mini")).resolve()
     source = Path(os.environ.get("REPRO_SOURCE", ROOT.parent / "shared/data/wikitext-103"))
     python = os.environ.get("PYTHON", sys.executable)
-    out.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    data, vocab = study_mini.prepare(work, source, python)
-    bpe = repro_mini.prepare(work / "bpe", source, python)
-    todo = jobs(work, study_mini.data_overrides(data, vocab)) + onset_jobs(bpe)
-    study_mini.train(work, todo)
+    data, vocab = study.prepare(work, source, python)
+    bpe = miniature.prepare_bpe(work / "bpe", source, python)
+    todo = jobs(work, study.data_overrides(data, vocab)) + onset_jobs(bpe)
+    study.train(work, todo)
     runs = {cell: {} for cell in CELLS}
     for readout in READOUTS:  # the study's own cell: bench/study_mini's runs
         runs["study"][readout] = {
@@ -344,7 +341,7 @@ def main() -> None:
         "smoke": SMOKE,
         "steps": STEPS,
         "seeds": list(SEEDS),
-        "miniature": study_mini.MINIATURE,
+        "miniature": study.MINIATURE,
         "onset_steps": ONSET_STEPS,
         "cells": rows,
         "changes": changes(rows),
@@ -356,11 +353,7 @@ def main() -> None:
             for cell, c in {**runs, **{f"onset/{k}": v for k, v in onset_runs.items()}}.items()
         },
     }
-    study_mini.write_json(out / "drift_drivers.json", info)
+    write_json(out / "drift_drivers.json", info)
     write_report(info, out)
     plot(runs, rows, out)
     print(f"drift_drivers: {info['minutes']} minutes; report in {out}")
-
-
-if __name__ == "__main__":
-    main()

@@ -75,11 +75,11 @@ def time_engine(engine, batches, steps: int) -> float:
     return statistics.median(times)
 
 
-def main():
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     _cpu_compat.apply()
     variants = {"torch DDP": ["engine=megatron"], "megatron engine": ["engine=megatron"]}
     for stage in range(4):
@@ -102,7 +102,3 @@ def main():
         for name, t in results.items():
             print(f"{name:<20} {t * 1e3:10.1f} {t / ref:12.2f}x")
     distributed.shutdown()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,8 @@
 """Why the final-only-norm hybrid is worse at K=4 than at K=3 in the miniature (docs/repro_mini/).
 
-    python bench/final_norm_scale.py [OUT]          ~10 minutes on 2 CPU cores; rewrites
-                                                    docs/repro_mini/final_norm_scale.{md,json}
-    SMOKE=1 python bench/final_norm_scale.py OUT    a toy size, a minute
+    python -m bench final_norm_scale [--out OUT]          ~10 minutes on 2 CPU cores; rewrites
+                                                          docs/repro_mini/final_norm_scale.{md,json}
+    python -m bench final_norm_scale --smoke --out OUT    a toy size, a minute
 
 `final_norm` reads exits 1..K-1 raw (W_out·H_k) and exit K normalised (W_out·γ⊙H_K/‖H_K‖_rms),
 one W_out for all. Per-loop CE gives the raw exits three of the four losses, so W_out is fitted
@@ -28,15 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common import ROOT, SMOKE, miniature, report, workers
 from megaloop.train import metrics
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import repro_mini  # noqa: E402  (the miniature's data and settings)
-import workers  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs/experiments/repro_mini/final_norm.yaml"
-SMOKE = bool(os.environ.get("SMOKE"))
 VARIANTS = {"tied": [], "untied": ["model.tie_embeddings=false"]}
 SEEDS = (0, 1)
 WINDOWS = 8 if SMOKE else 160
@@ -56,7 +51,7 @@ def train(work: Path, data: Path) -> dict[str, Path]:
             return
         argv = ["train", CONFIG, f"train.dir={run_dir}", f"train.seed={seed}"]
         argv += [f"data.path={data / 'train'}", f"data.valid_path={data / 'valid'}"]
-        argv += ["wandb.mode=disabled", *overrides, *(repro_mini.SMOKE_SHAPE if SMOKE else [])]
+        argv += ["wandb.mode=disabled", *overrides, *(miniature.REPRO_SMOKE_SHAPE if SMOKE else [])]
         log = work / "logs" / f"{name.replace('/', '-')}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         if code := workers.megaloop(argv, log):
@@ -77,7 +72,9 @@ def measure(run_dir: Path, text: Path) -> dict:
 
     opened = harness.open_model(run_dir)
     model, K = opened.model, opened.trained_loops
-    windows = harness.windows(harness.read_tokens(text, opened.encode), repro_mini.SEQ_LEN, WINDOWS)
+    windows = harness.windows(
+        harness.read_tokens(text, opened.encode), miniature.REPRO_SEQ_LEN, WINDOWS
+    )
     ce, rms, tempered, raw_k = np.zeros(K), np.zeros(K), np.zeros(len(TEMPERATURES)), 0.0
     tokens = 0
     with torch.no_grad():
@@ -113,7 +110,7 @@ def markdown(results: dict) -> str:
         "# final_norm at K = 4: the normalised exit's scale",
         "",
         "Written by `bench/final_norm_scale.py` (see its docstring). CE in nats on the first "
-        f"{WINDOWS} validation windows of {repro_mini.SEQ_LEN} tokens; K = 4 (trained).",
+        f"{WINDOWS} validation windows of {miniature.REPRO_SEQ_LEN} tokens; K = 4 (trained).",
         "",
         "| run | PPL K=1 | K=2 | K=3 | K=4 | ‖H_3‖_rms | ‖H_4‖_rms | mean γ | ‖H_4‖/γ | t* "
         "| CE K=4 | CE at t* | CE exit 4 read raw |",
@@ -130,21 +127,16 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "docs/repro_mini"
+def main(argv: list[str], out: Path | None) -> None:
+    out = report.command("final_norm_scale", argv, out, docs="repro_mini")
     work = Path(os.environ.get("FINAL_NORM_WORK", ROOT / "runs/final_norm_scale")).resolve()
     source = Path(os.environ.get("REPRO_SOURCE", ROOT.parent / "shared/data/wikitext-103"))
     python = os.environ.get("PYTHON", sys.executable)
-    data = repro_mini.prepare(work, source, python)
+    data = miniature.prepare_bpe(work, source, python)
     runs = train(work, data)
     text = work / "source/wiki.valid.raw"
     measured = workers.each(lambda run_dir: workers.call(measure, run_dir, text), runs.values())
     results = dict(zip(runs, measured))
-    out.mkdir(parents=True, exist_ok=True)
     (out / "final_norm_scale.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "final_norm_scale.md").write_text(markdown(results))
     print(markdown(results))
-
-
-if __name__ == "__main__":
-    main()

@@ -7,8 +7,9 @@
 # short still returns what it measured. A failed or timed-out step is recorded and the next
 # one runs; the exit status is 1 if any step did not pass.
 #
-#   bash bench/gpu.sh [OUT]      (OUT: figures and steps.tsv; default runs/gpu)
-#   SMOKE=1 bash bench/gpu.sh    (the same flow, tiny shapes, on a CPU with gloo: ~2 min, 2 cores)
+#   bash bench/gpu.sh [OUT]          (OUT: figures and steps.tsv; default runs/gpu)
+#   bash bench/gpu.sh --smoke [OUT]  (the same flow, tiny shapes, on a CPU with gloo: ~2 min, 2
+#                                    cores)
 #
 # Steps on the H200, each under its own limit (s). The first call (2026-12-04, docs/gpu/README.md
 # "First calls") measured the seconds below; fixed_k ran past its first limit (120 s) after its
@@ -36,6 +37,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
+SMOKE=
+if [ "${1:-}" = --smoke ]; then SMOKE=1; shift; fi
 OUT=${1:-runs/gpu}
 PY=${PY:-python3}
 WHEELS=${WHEELS:-.whl}
@@ -49,7 +52,6 @@ for s in $STEPS; do
     exit 2
   fi
 done
-SMOKE=${SMOKE:-}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 # checkpoints, exports and logs stay out of OUT: OUT is what comes back from the device
@@ -98,7 +100,7 @@ print(f"megatron.core from {megatron.core.__file__}")
 EOF
   if [ -z "$SMOKE" ]; then
     "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else \
-'no CUDA device: SMOKE=1 runs the CPU flow')"
+'no CUDA device: --smoke runs the CPU flow')"
   fi
   cat >"$SCRATCH/collective.py" <<'EOF'
 import os, time, torch, torch.distributed as dist
@@ -122,17 +124,17 @@ step_preempt_resume() {
   local args=()
   [ -n "$SMOKE" ] && args=(--steps 6 --at 3 model.hidden_size=32 model.num_layers=1
                            data.seq_len=16 train.micro_batch_size=2 train.global_batch_size=2)
-  "$PY" bench/preempt_resume.py "$SCRATCH/preempt" "${args[@]}"
+  "$PY" -m bench preempt_resume --out "$SCRATCH/preempt" "${args[@]}"
 }
 
 step_recompute_memory() {
   local mem=(--hidden 1024 --heads 16 --layers 4 --seq 2048 --batch 2 --vocab 49152 --loops "1,4"
              --cuda --bf16)
   [ -n "$SMOKE" ] && mem=(--hidden 64 --layers 2 --seq 32 --batch 1 --vocab 256 --loops "1,2")
-  "$PY" bench/recompute_memory.py "${mem[@]}"
+  "$PY" -m bench recompute_memory "${mem[@]}"
 }
 
-# tiny shapes of the same configs for SMOKE
+# tiny shapes of the same configs for --smoke
 smoke_shape() {
   [ -n "$SMOKE" ] && echo model.hidden_size=64 model.num_heads=4 model.num_layers=2 \
     model.ffn_hidden_size=128 data.seq_len=64 train.micro_batch_size=1 train.bf16=false
@@ -143,7 +145,7 @@ step_mfu_129m() {
   local steps=(--steps 10)
   [ -n "$SMOKE" ] && steps=(--steps 2 --warmup 1)
   # shellcheck disable=SC2046
-  "$PY" bench/mfu.py configs/experiments/wikitext103/129m/per_loop_norm.yaml "${steps[@]}" \
+  "$PY" -m bench mfu configs/experiments/wikitext103/129m/per_loop_norm.yaml "${steps[@]}" \
     $(smoke_shape)
 }
 
@@ -151,7 +153,7 @@ step_mfu_1p4b() {
   local steps=(--steps 5)
   [ -n "$SMOKE" ] && steps=(--steps 2 --warmup 1)
   # shellcheck disable=SC2046
-  "$PY" bench/mfu.py configs/experiments/fineweb/1p4b_baseline.yaml "${steps[@]}" $(smoke_shape)
+  "$PY" -m bench mfu configs/experiments/fineweb/1p4b_baseline.yaml "${steps[@]}" $(smoke_shape)
 }
 
 # fixed K: the 1.4B shape after one step (throughput does not depend on the weights), exported,

@@ -2,7 +2,7 @@
 whole-file rewrite of metrics.json that megaloop used before (the reference), at 100, 10,000 and
 50,000 records (a 1.4B config logging every step for 50,000 steps).
 
-    python bench/metrics_log.py [--records 100,10000,50000] [--calls 20]
+    python -m bench metrics_log [--records 100,10000,50000] [--calls 20]
 
 Prints the median seconds of one call at each size, each side's ratio of its largest size to
 100 records (append: ~1, the goal <= 2; rewrite: grows with the run), and append / rewrite.
@@ -74,11 +74,11 @@ def rewrite_side(sizes: list[int], calls: int, folder: Path) -> dict[int, float]
     return timings
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--records", default="100,10000,50000")
     p.add_argument("--calls", type=int, default=20, help="timed calls at each size")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     sizes = sorted(int(s) for s in args.records.split(","))
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "a").mkdir()
@@ -100,7 +100,3 @@ def main() -> None:
         f"\none call at {last:,} records / at {first:,}: append {grew['append']:.2f}x "
         f"(goal <= 2), rewrite {grew['rewrite']:.1f}x"
     )
-
-
-if __name__ == "__main__":
-    main()

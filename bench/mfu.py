@@ -1,7 +1,7 @@
 """Training-step throughput and model FLOPs utilization of a config, next to the same model at
 K=1 (one pass of the stack: what a looped step costs over an ordinary one).
 
-    .venv/bin/python bench/mfu.py configs/experiments/fineweb/1p4b_42b_tokens.yaml [--steps 10]
+    python -m bench mfu configs/experiments/fineweb/1p4b_42b_tokens.yaml [--steps 10]
         [--warmup 3] [--peak-tflops 989] [key=value ...]
 
 One process, the real trainer (megatron engine, bf16 autocast where the config asks for it) on
@@ -67,7 +67,7 @@ def measure(config: str, overrides: list, steps: int, warmup: int) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -81,7 +81,7 @@ def main() -> None:
         help="the device's dense bf16 peak (default: known GPUs by name)",
     )
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_intermixed_args()
+    args = parser.parse_intermixed_args(argv)
     _cpu_compat.apply()
     peak = args.peak_tflops
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
@@ -102,7 +102,3 @@ def main() -> None:
             f"{mfu} | {r['peak_mem_gib']:.1f} | {r['step_s'] / single['step_s']:.2f}x |"
         )
     distributed.shutdown()
-
-
-if __name__ == "__main__":
-    main()

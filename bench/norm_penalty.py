@@ -1,7 +1,7 @@
 """Norm-penalty overhead: the real megaloop training step with the default objective against the
 same step with `objective.norm_penalty` on, each in processes of its own, alternated.
 
-    .venv/bin/python bench/norm_penalty.py [--pairs 6] [--steps 3] [--warmup 1] [--penalty 1e-3]
+    python -m bench norm_penalty [--pairs 6] [--steps 3] [--warmup 1] [--penalty 1e-3]
         [--hidden 256 --heads 4 --layers 4 --loops 4 --seq 256 --batch 4 --vocab 8192]
 
 The penalty adds λ·(1/K)·Σ_k E‖H_k‖²_rms to the loss; the ‖H_k‖² it reads are computed for the
@@ -18,11 +18,24 @@ import statistics
 import tempfile
 
 import torch
-from alternation import alternate, report, set_threads, sign_test, spread, summary, time_steps
-from overhead import SHAPE, SMOKE_SHAPE, megaloop_overrides, megaloop_trainer
+
+from bench import common
+from bench.common.alternation import (
+    SHAPE,
+    SMOKE_SHAPE,
+    alternate,
+    megaloop_overrides,
+    megaloop_trainer,
+    report,
+    set_threads,
+    sign_test,
+    summary,
+    time_steps,
+)
+from bench.common.report import span
 
 
-def main():
+def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", type=int, default=6)
     p.add_argument("--steps", type=int, default=3, help="timed steps per process")
@@ -35,11 +48,10 @@ def main():
     )
     for key, value in SHAPE.items():
         p.add_argument(f"--{key}", type=int, default=value)
-    p.add_argument("--smoke", action="store_true", help="tiny shapes, one pair, one step")
     p.add_argument("--side", choices=["off", "on"], help=argparse.SUPPRESS)
-    args = p.parse_args()
-    shape = SMOKE_SHAPE if args.smoke else {k: getattr(args, k) for k in SHAPE}
-    if args.smoke:
+    args = p.parse_args(argv)
+    shape = SMOKE_SHAPE if common.SMOKE else {k: getattr(args, k) for k in SHAPE}
+    if common.SMOKE:  # tiny shapes, one pair, one step
         args.pairs, args.steps, args.warmup = 1, 1, 1
     if args.side:
         set_threads()
@@ -70,7 +82,7 @@ def main():
         str(args.penalty),
         *[a for k in SHAPE for a in (f"--{k}", str(shape[k]))],
     ]
-    results = alternate(__file__, ("off", "on"), args.pairs, child)
+    results = alternate("norm_penalty", ("off", "on"), args.pairs, child)
     assert all(r["penalty_term"] == 0 for r in results["off"])
     assert all(r["penalty_term"] > 0 for r in results["on"])
     print(
@@ -87,8 +99,8 @@ def main():
     for side, label in (("off", "0 (off)"), ("on", f"{args.penalty:g} (on)")):
         wall, cpu = ([r[k] for r in results[side]] for k in ("step_ms", "cpu_ms"))
         print(
-            f"| {label} | {statistics.median(wall):.1f} | {spread(wall)} | "
-            f"{statistics.median(cpu):.1f} | {spread(cpu)} |"
+            f"| {label} | {statistics.median(wall):.1f} | {span(wall)} | "
+            f"{statistics.median(cpu):.1f} | {span(cpu)} |"
         )
     print()
     for key, label in (("step_ms", "on / off"), ("cpu_ms", "CPU time on / off")):
@@ -107,7 +119,3 @@ def verdict(ratios):
         f"{slower} of {len(ratios)} pairs slower with the penalty, sign test p = "
         f"{p_value:.2f}: overhead {'resolvable' if p_value < 0.05 else 'not resolvable'} at 5%"
     )
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """Framework overhead: megaloop against the same looped model and training step written in plain
 PyTorch inside this script, both in one process, timed in alternation, at 1 and 2 threads.
 
-    .venv/bin/python bench/overhead.py [--threads 1,2] [--rounds 8] [--warmup 2] [--steps 100]
+    python -m bench overhead [--threads 1,2] [--rounds 8] [--warmup 2] [--steps 100]
         [--hidden 256 --heads 4 --layers 4 --loops 4 --seq 256 --batch 4 --vocab 8192] [--profile]
 
 Three things are timed, each against its plain-PyTorch counterpart:
@@ -29,8 +29,8 @@ reported: on shared cores a process can lose wall time to others without using m
 `--profile` instead compares the two training steps op by op (torch.profiler, steps
 alternated) and shows megaloop's step under cProfile.
 
-The timing in alternated processes is alternation.py's (norm_penalty.py and bf16.py use it too;
-they reuse `megaloop_trainer` from here).
+The trainer it times, `megaloop_trainer`, and its shape are bench/common/alternation.py's, which
+norm_penalty and bf16 time too.
 """
 
 import argparse
@@ -45,12 +45,20 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from alternation import set_threads
 
-LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 3e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
-SHAPE = dict(hidden=256, heads=4, layers=4, loops=4, seq=256, batch=4, vocab=8192)
-SMOKE_SHAPE = dict(hidden=32, heads=4, layers=2, loops=2, seq=16, batch=2, vocab=256)
-
+from bench import common
+from bench.common.alternation import (
+    BETAS,
+    CLIP,
+    EPS,
+    LR,
+    SHAPE,
+    SMOKE_SHAPE,
+    WEIGHT_DECAY,
+    megaloop_overrides,
+    megaloop_trainer,
+    set_threads,
+)
 
 # -- the reference: plain PyTorch --------------------------------------------------------------
 
@@ -283,46 +291,6 @@ def shared_tables(model, shape, threads, rounds):
 # -- megaloop ----------------------------------------------------------------------------------
 
 
-def megaloop_overrides(shape):
-    return [
-        f"model.hidden_size={shape['hidden']}",
-        f"model.num_heads={shape['heads']}",
-        f"model.num_layers={shape['layers']}",
-        f"model.num_loops={shape['loops']}",
-        f"model.vocab_size={shape['vocab']}",
-        f"model.max_seq_len={shape['seq']}",
-        f"data.seq_len={shape['seq']}",
-        f"train.micro_batch_size={shape['batch']}",
-        f"train.global_batch_size={shape['batch']}",
-        f"optim.lr={LR}",
-        f"optim.beta1={BETAS[0]}",
-        f"optim.beta2={BETAS[1]}",
-        f"optim.eps={EPS}",
-        f"optim.weight_decay={WEIGHT_DECAY}",
-        f"optim.clip_grad={CLIP}",
-        "optim.warmup_steps=0",
-    ]
-
-
-def megaloop_trainer(overrides, steps, run_dir, config=None, eval_batches=1):
-    """The real trainer of `config` + `overrides` on synthetic data, for `steps` steps."""
-    from megaloop import _cpu_compat, experiment
-
-    _cpu_compat.apply()
-    cfg = experiment.load(
-        config,
-        [
-            *overrides,
-            "data.kind=synthetic",
-            f"train.steps={steps}",
-            f"train.dir={run_dir}",
-            "wandb.mode=disabled",
-            f"train.eval_batches={eval_batches}",
-        ],
-    )
-    return experiment.build_trainer(cfg, log=False)
-
-
 def import_megaloop():
     """Seconds to import what `megaloop train` imports before it builds anything."""
     start = time.perf_counter()
@@ -489,7 +457,7 @@ def profile_steps(steps, shape, threads, warmup, rounds, rows=30):
     pstats.Stats(profiler).sort_stats("cumulative").print_stats(rows)
 
 
-def parse_args():
+def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", default="1,2", help="torch thread counts, comma-separated")
     p.add_argument("--rounds", type=int, default=8, help="timed rounds per thread count")
@@ -497,18 +465,17 @@ def parse_args():
     p.add_argument("--steps", type=int, default=100, help="the run length of the outside view")
     for key, value in SHAPE.items():
         p.add_argument(f"--{key}", type=int, default=value)
-    p.add_argument("--smoke", action="store_true", help="tiny shapes, one round")
     p.add_argument("--profile", action="store_true")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     try:
         args.threads = [int(t) for t in args.threads.split(",")]
     except ValueError:
         p.error(f"--threads {args.threads!r}: give thread counts like 1,2")
     if min(args.threads) < 1:
         p.error(f"--threads {args.threads}: every thread count must be >= 1")
-    if args.smoke:
+    if common.SMOKE:  # tiny shapes, one round
         args.rounds, args.warmup = 1, 1
-    args.shape = SMOKE_SHAPE if args.smoke else {k: getattr(args, k) for k in SHAPE}
+    args.shape = SMOKE_SHAPE if common.SMOKE else {k: getattr(args, k) for k in SHAPE}
     return args
 
 
@@ -531,8 +498,8 @@ def print_shared_tables(shape, tables, runs):
         )
 
 
-def main():
-    args = parse_args()
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
     shape = args.shape
     imports_s = import_megaloop()
     with tempfile.TemporaryDirectory() as run_dir:
@@ -601,7 +568,3 @@ def main():
     }
     seen = ", ".join(f"{t} thread(s) {r:.3f}x" for t, r in outside(args.steps, fixed, warm).items())
     print(f"\nmeasured from outside over {args.steps} steps (megaloop / plain PyTorch): {seen}")
-
-
-if __name__ == "__main__":
-    main()

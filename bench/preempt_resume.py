@@ -3,7 +3,7 @@ gloo on a CPU. One rank still runs every per-step collective of a many-rank run 
 have no world-of-one shortcut), so one GPU catches what a tensor on the wrong device would do
 to a cluster.
 
-    python bench/preempt_resume.py OUT [--steps 20 --at 10] [key=value ...]
+    python -m bench preempt_resume --out OUT [--steps 20 --at 10] [key=value ...]
 
 1. an uninterrupted run of `--steps` steps (the reference);
 2. the same run held at step `--at` (tests/faults.py --hold-at-step as torchrun's worker: no
@@ -22,10 +22,11 @@ import sys
 import time
 from pathlib import Path
 
+from bench.common import ROOT
 from megaloop.train.metrics import read as read_metrics
 
 CONFIG = "configs/experiments/tiny.yaml"
-FAULTS = str(Path(__file__).resolve().parent.parent / "tests/faults.py")
+FAULTS = str(ROOT / "tests/faults.py")
 
 
 def launch(run_dir: Path, overrides: list, env: dict, log, hold_at: int | None = None):
@@ -67,9 +68,8 @@ def worker_of(agent: int) -> int:
     raise RuntimeError(f"no worker process under torchrun (pid {agent})")
 
 
-def main() -> int:
+def main(argv: list[str], out: Path | None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("out", type=Path)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--at", type=int, default=10)
     p.add_argument(
@@ -81,7 +81,9 @@ def main() -> int:
     )
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("overrides", nargs="*")
-    args = p.parse_intermixed_args()  # OUT [--steps N --at N] key=value ...: options between
+    if out is None:
+        sys.exit("preempt_resume: give --out DIR, the folder of its runs and logs")
+    args = p.parse_intermixed_args(argv)  # [--steps N --at N] key=value ...: options between
     overrides = [
         f"train.steps={args.steps}",
         "train.log_every=1",
@@ -91,36 +93,33 @@ def main() -> int:
         *args.overrides,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    args.out.mkdir(parents=True, exist_ok=True)
-    reference, held = args.out / "reference", args.out / "preempted"
+    out.mkdir(parents=True, exist_ok=True)
+    reference, held = out / "reference", out / "preempted"
     for run_dir in (reference, held):  # this bench's own runs: a rerun starts them afresh
         shutil.rmtree(run_dir, ignore_errors=True)
-    with open(args.out / "reference.log", "w") as log:
+    with open(out / "reference.log", "w") as log:
         if launch(reference, overrides, env, log).wait(args.timeout) != 0:
-            sys.exit(f"the reference run failed: {args.out / 'reference.log'}")
-    with open(args.out / "preempted.log", "w") as log:
+            sys.exit(f"the reference run failed: {out / 'reference.log'}")
+    with open(out / "preempted.log", "w") as log:
         run = launch(held, overrides, env, log, hold_at=args.at)
         deadline = time.monotonic() + args.timeout
         while len(steps_logged(held)) < args.at:
             if run.poll() is not None or time.monotonic() > deadline:
-                sys.exit(
-                    f"the run ended or stalled before step {args.at}: {args.out / 'preempted.log'}"
-                )
+                sys.exit(f"the run ended or stalled before step {args.at}: {out / 'preempted.log'}")
             time.sleep(0.2)
         os.kill(worker_of(run.pid), signal.SIGUSR1)
         first = run.wait(args.timeout)
-    text = (args.out / "preempted.log").read_text()
+    text = (out / "preempted.log").read_text()
     if f"preempted at step {args.at}" not in text:
         sys.exit(
-            f"no preemption checkpoint at step {args.at} (exit {first}): "
-            f"{args.out / 'preempted.log'}"
+            f"no preemption checkpoint at step {args.at} (exit {first}): {out / 'preempted.log'}"
         )
-    with open(args.out / "preempted.log", "a") as log:
+    with open(out / "preempted.log", "a") as log:
         if launch(held, overrides, env, log).wait(args.timeout) != 0:
-            sys.exit(f"the resumed run failed: {args.out / 'preempted.log'}")
+            sys.exit(f"the resumed run failed: {out / 'preempted.log'}")
     if (
         f"resumed from {held}/checkpoints/step_{args.at:07d}"
-        not in (args.out / "preempted.log").read_text()
+        not in (out / "preempted.log").read_text()
     ):
         sys.exit("the relaunch did not resume from the preemption checkpoint")
     want, got = steps_logged(reference), steps_logged(held)
@@ -141,7 +140,3 @@ def main() -> int:
         f"{'PASS' if ok else 'FAIL'}"
     )
     return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Data preparation throughput against the tokenizer's own batch-encode rate, on real text.
 
-    .venv/bin/python bench/prep_throughput.py [--data ../shared/data] [--out runs/bench-prep]
+    python -m bench prep_throughput [--data ../shared/data] [--out runs/bench-prep]
 
 Runs `megaloop prep wikitext103` on WikiText-103's valid and test text and `megaloop prep
 fineweb` on the Common Crawl sample (one worker, the GPT-2 tokenizer), then times
@@ -36,12 +36,11 @@ def encode_rate(tokenizer: Tokenizer, texts: list[str]) -> tuple[int, float]:
     return tokens, time.perf_counter() - start
 
 
-def main():
+def main(argv: list[str], out: Path | None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared/data"))
-    p.add_argument("--out", default="runs/bench-prep")
-    args = p.parse_args()
-    data, out = Path(args.data), Path(args.out)
+    args = p.parse_args(argv)
+    data, out = Path(args.data), out or Path("runs/bench-prep")
     shutil.rmtree(out, ignore_errors=True)
     tok_path = data / "tokenizers/gpt2/tokenizer.json"
     tokenizer = Tokenizer.from_file(str(tok_path))
@@ -125,7 +124,3 @@ def _kept_documents(folder: Path, manifest: dict) -> list[str]:
             kept.append(doc.text)
     assert len(kept) == manifest["documents_kept"]
     return kept
-
-
-if __name__ == "__main__":
-    main()

@@ -4,7 +4,7 @@ none / selective / full / loop, with the ratio to none and `megaloop plan`'s fig
 On a GPU (`--cuda`) also the peak of torch.cuda.max_memory_allocated over forward + backward,
 above the weights and gradients.
 
-    .venv/bin/python bench/recompute_memory.py [--hidden 256 --layers 4 --seq 256 --batch 4
+    python -m bench recompute_memory [--hidden 256 --layers 4 --seq 256 --batch 4
                                                 --vocab 8192 --loops 1,2,4,8] [--cuda] [--bf16]
 
 Memory is counted, not timed, so the figures do not depend on the machine. What the count
@@ -47,7 +47,7 @@ def cuda_peak(model, tokens, bf16: bool) -> int:
     return torch.cuda.max_memory_allocated() - before
 
 
-def main():
+def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
@@ -58,7 +58,7 @@ def main():
     p.add_argument("--loops", default="1,2,4,8")
     p.add_argument("--cuda", action="store_true", help="also the CUDA peak (needs a GPU)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     _cpu_compat.apply()
     distributed.init(seed=0)
     device = "cuda" if args.cuda else "cpu"
@@ -105,7 +105,3 @@ def main():
             del model
         print(f"| {k} | " + " | ".join(cells) + " |")
     distributed.shutdown()
-
-
-if __name__ == "__main__":
-    main()

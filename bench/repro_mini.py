@@ -2,7 +2,8 @@
 
     bench/repro_mini                 the full run: ~30 minutes on 2 CPU cores, rewrites
                                      docs/repro_mini/report.md, its PNGs and repro_mini.json
-    SMOKE=1 bench/repro_mini OUT     two variants, a few steps: the same flow in about a minute
+    bench/repro_mini --smoke --out OUT
+                                     two variants, a few steps: the same flow in about a minute
 
 1. Data: the WikiText-103 test text is linked into a scratch folder as wiki.train.raw and the
    validation text as wiki.valid.raw (never copied into the repo), and `megaloop prep
@@ -10,7 +11,7 @@
 2. Training: every configs/experiments/repro_mini/*.yaml variant x seeds 0 and 1 (the
    no-weight-decay pair, trained twice as long, seed 0 only) as `megaloop sweep` runs them
    (finished runs are skipped, so a rerun resumes), two at a time in the two worker processes
-   of bench/workers.py, one thread each.
+   of bench/common/workers.py, one thread each.
 3. Measurements on the validation text: `megaloop depth`, `halt` and `diagnose` of every run
    (in the workers, two runs at a time), then `megaloop report` of everything into OUT, its
    paths written relative to the repository (to REPRO_WORK when that lies outside it).
@@ -28,33 +29,12 @@ import sys
 import time
 from pathlib import Path
 
-import miniature
-import workers
+from bench.common import ROOT, SMOKE, miniature, report, workers
+from bench.common.miniature import REPRO_MEASURE, REPRO_SEQ_LEN, REPRO_SMOKE_SHAPE, REPRO_VOCAB
 
-ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs/experiments/repro_mini"
-SMOKE = bool(os.environ.get("SMOKE"))
 SEEDS = (0, 1)
-VOCAB = 300 if SMOKE else 1024
-"""BPE vocabulary trained on the training text (our choice); model.vocab_size in base.yaml."""
 SMOKE_VARIANTS = ("per_loop_norm", "per_loop_raw")
-SMOKE_SHAPE = [
-    *miniature.SMOKE_MODEL,
-    "train.steps=4",
-    "train.log_every=2",
-]
-MEASURE = {
-    "depth": {"loops": [1, 2, 3, 4, 8], "sequences": 8 if SMOKE else 160},
-    "halt": {"calib": 8 if SMOKE else 160, "bench": 8 if SMOKE else 160},
-    "diagnose": {"tokens": 256 if SMOKE else 4096, "rollout": 6 if SMOKE else 30},
-}
-SEQ_LEN = 32 if SMOKE else 128
-"""Measurement windows: the models' training context (the study's slice harness used 256)."""
-
-
-def prepare(work: Path, source: Path, python: str) -> Path:
-    """The linked texts in indexed datasets, with a BPE trained on the training text."""
-    return miniature.prepare("repro_mini", work, source, python, "--tokenizer", f"train:{VOCAB}")
 
 
 def variants() -> list[Path]:
@@ -71,7 +51,7 @@ def train(work: Path, data: Path) -> None:
     overrides = [
         f"data.path={data / 'train'}",
         f"data.valid_path={data / 'valid'}",
-        *(SMOKE_SHAPE if SMOKE else []),
+        *(REPRO_SMOKE_SHAPE if SMOKE else []),
     ]
     jobs = [
         (config, seed)
@@ -110,24 +90,20 @@ def measure(work: Path) -> list[Path]:
 
     def one(run_dir: Path) -> Path:
         out = work / "measure" / run_dir.relative_to(work / "runs")
-        workers.call(measure_one, run_dir, out, valid)
+        workers.call(miniature.measure_bpe, run_dir, out, valid)
         print(f"measured {run_dir.relative_to(work)}", flush=True)
         return out
 
     return workers.each(one, runs)
 
 
-def measure_one(run_dir: Path, out: Path, data: Path) -> None:
-    miniature.measure(run_dir, out, data, MEASURE, SEQ_LEN, "float32")
-
-
-def main() -> None:
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "docs/repro_mini"
+def main(argv: list[str], out: Path | None) -> None:
+    out = report.command("repro_mini", argv, out)
     work = Path(os.environ.get("REPRO_WORK", ROOT / "runs/repro_mini")).resolve()
     source = Path(os.environ.get("REPRO_SOURCE", ROOT.parent / "shared/data/wikitext-103"))
     python = os.environ.get("PYTHON", sys.executable)
     clock = {"start": time.time()}
-    data = prepare(work, source, python)
+    data = miniature.prepare_bpe(work, source, python)
     clock["prepared"] = time.time()
     train(work, data)
     clock["trained"] = time.time()
@@ -156,9 +132,9 @@ def main() -> None:
             {
                 "smoke": SMOKE,
                 "seeds": SEEDS,
-                "bpe_vocab": VOCAB,
-                "measurement_seq_len": SEQ_LEN,
-                "measure": MEASURE,
+                "bpe_vocab": REPRO_VOCAB,
+                "measurement_seq_len": REPRO_SEQ_LEN,
+                "measure": REPRO_MEASURE,
                 "variants": [v.stem for v in variants()],
                 "minutes": minutes,
                 "total_minutes": round((clock["reported"] - clock["start"]) / 60, 1),
@@ -169,7 +145,3 @@ def main() -> None:
         + "\n"
     )
     print(f"repro_mini: {minutes}; report in {out}")
-
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,7 @@
 bf16-autocast training forward (saved-tensor hooks, parameters excluded), the residual stream
 fp32 against bf16, side by side with their ratio and `megaloop plan`'s figure.
 
-    .venv/bin/python bench/residual_memory.py [--config CONFIG] [--seq 256] [--batch 1]
+    python -m bench residual_memory [--config CONFIG] [--seq 256] [--batch 1]
         [--cuda] [key=value ...]
 
 CONFIG defaults to the study's 44M per-loop RMSNorm row.
@@ -33,14 +33,14 @@ def kept(cfg, tokens, device: str) -> int:
         return saved_activation_bytes(model, tokens)
 
 
-def main():
+def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=STUDY_44M)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--cuda", action="store_true", help="build and count on the GPU")
     p.add_argument("overrides", nargs="*")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     _cpu_compat.apply()
     distributed.init(seed=0)
     device = "cuda" if args.cuda else "cpu"
@@ -76,7 +76,3 @@ def main():
             f"| {mib[True] - mib[False]:.3f} | {planned:.3f} |"
         )
     distributed.shutdown()
-
-
-if __name__ == "__main__":
-    main()

@@ -4,8 +4,10 @@ it as bench/study_at_size).
     bench/study_at_size              44M x seeds 42, 101 (300 steps) and 129M x seed 42 (100
                                      steps), both rows, then depth, halt and diagnose --dtype
                                      bf16 of every final checkpoint; rewrites docs/study_at_size/
-    SMOKE=1 bench/study_at_size OUT  the same flow at a toy size, into OUT
-    bench/study_at_size --report [OUT]  rewrites OUT's report and figures from its JSON alone
+    bench/study_at_size --smoke --out OUT
+                                     the same flow at a toy size, into OUT
+    bench/study_at_size --report [--out OUT]
+                                     rewrites OUT's report and figures from its JSON alone
 
 The question: does the drift bench/study_mini shows at d = 96 start the same way in the study's
 own models, and how fast does it grow per step there? Every setting is the preset's
@@ -13,7 +15,7 @@ own models, and how fast does it grow per step there? Every setting is the prese
 vocabulary of 20,000), but for AT_SIZE's overrides: batch, steps and evaluation cadence, and
 precision where STUDY_PRECISION=fp32 asks for it. The data are
 study_mini's: the WikiText-103 test text trains, the validation text evaluates, tokenised as the
-study does (bench/miniature.py). Runs, measurements and the report go as in study_mini (two
+study does (bench/common/miniature.py). Runs, measurements and the report go as in study_mini (two
 worker lanes of one thread; finished runs are skipped and interrupted ones resume from their
 last checkpoint, so a rerun continues).
 
@@ -27,26 +29,20 @@ beside the repository), STUDY_WORK (the scratch folder; default runs/study_at_si
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
 from pathlib import Path
 
-import miniature
-import study_mini
-import verdicts
-import workers
-from study_mini import Job, fmt, spent, trajectory, write_json
+from bench.common import ROOT, SMOKE, miniature, study, verdicts, workers
+from bench.common.report import fmt, write_json
+from bench.common.study import PRECISION, Job, growth, spent, trajectory
 
-ROOT = Path(__file__).resolve().parent.parent
-SMOKE = study_mini.SMOKE
 ROWS = ("per_loop_norm", "per_loop_raw")
 SCALES = {"44m": ((42, 101), 6 if SMOKE else 300), "129m": ((42,), 4 if SMOKE else 100)}
 """Per scale: the released seeds trained, and the optimizer steps of each run (at least 300 at
 44M and 100 at 129M: what 6 hours of 2 cores allow beside the longer miniature)."""
 EVAL_EVERY = 2 if SMOKE else 50
-PRECISION = study_mini.PRECISION
 AT_SIZE = [
     *(["train.bf16=false"] if PRECISION == "fp32" else []),
     "train.micro_batch_size=2",
@@ -84,7 +80,7 @@ MARKS = (1, 2, 4, 6) if SMOKE else (1, 10, 50, 100, 150, 200, 250, 300)
 
 
 def overrides(vocab: int) -> list[str]:
-    """AT_SIZE; under SMOKE also the toy model, its vocabulary the tokenizer's own."""
+    """AT_SIZE; under --smoke also the toy model, its vocabulary the tokenizer's own."""
     return AT_SIZE + ([*SMOKE_MODEL, f"model.vocab_size={vocab}"] if SMOKE else [])
 
 
@@ -123,31 +119,6 @@ def measure(work: Path, runs: list[Job]) -> None:
     workers.each(one, runs)
 
 
-def growth(t: dict, marks: tuple[int, ...] | None = None) -> dict:
-    """Per loop, the per-token L2 at each of `marks` (default MARKS; the training batch's,
-    dropout on) and the local growth per step between consecutive marks: (ln L2(b) - ln L2(a))
-    / (b - a), each L2 the mean over the 5 logged steps ending at its mark (a batch's own noise,
-    not a fit)."""
-    steps, loops = t["train_steps"], t["train_l2_loops"]
-
-    def around(step: int, k: int) -> float | None:
-        near = [loops[i][k] for i, s in enumerate(steps) if step - 5 < s <= step]
-        return sum(near) / len(near) if near else None
-
-    marks = [m for m in marks or MARKS if m <= steps[-1]]
-    out = {"marks": marks, "l2": [], "per_step": []}
-    for k in range(len(loops[0])):
-        l2 = [around(m, k) for m in marks]
-        out["l2"].append(l2)
-        out["per_step"].append(
-            [
-                (math.log(b) - math.log(a)) / (mb - ma)
-                for (a, ma), (b, mb) in zip(zip(l2, marks), zip(l2[1:], marks[1:]))
-            ]
-        )
-    return out
-
-
 def miniature_growth() -> dict:
     """The same figures for bench/study_mini's committed d = 96 runs (200 steps, 3 seeds), per
     row, for the comparison."""
@@ -156,7 +127,7 @@ def miniature_growth() -> dict:
         return {}
     info = json.loads(path.read_text())
     return {
-        row: {seed: growth(t) for seed, t in info["trajectories"][row].items()}
+        row: {seed: growth(t, MARKS) for seed, t in info["trajectories"][row].items()}
         for row in ROWS
         if row in info["trajectories"]
     }
@@ -202,7 +173,7 @@ def growth_table(info: dict, row: str) -> list[str]:
 
 def runs_table(info: dict) -> list[str]:
     """Per run: the final loop's L2 at each mark, the last validation's L2 and PPL at K=4."""
-    marks = [str(m) for m in MARKS]
+    marks = study.marks_of(info["growth"])
     lines = [
         "| run | seed | " + " | ".join(f"L2 @ {m}" for m in marks) + " | valid L2 | PPL K=4 |",
         "|---|---|" + "---|" * (len(marks) + 2),
@@ -343,25 +314,17 @@ def plot(info: dict, out: Path) -> None:
     )
 
 
-def rewrite(info: dict, out: Path) -> None:
-    write_report(info, out)
-    plot(info, out)
-
-
-def main() -> None:
-    given = study_mini.command_line("study_at_size", rewrite)
+def main(argv: list[str], out: Path | None) -> None:
+    given = study.start("study_at_size", argv, out, (write_report, plot))
     if given is None:
         return
-    out, work, source, python = given
-    data, vocab = study_mini.prepare(work, source, python)
+    out, work, python, data, vocab = given
     if vocab > 20000:
         sys.exit(f"study_at_size: the tokenizer's {vocab} tokens exceed the preset's 20,000")
     todo = jobs(data, vocab)
-    study_mini.train(work, todo, "study_at_size")
+    study.train(work, todo, "study_at_size")
     measure(work, todo)
-    report = [python, "-m", "megaloop", "report", "runs", "measure"]
-    miniature.run([*report, "--out", str(out.resolve() / "measurements")], cwd=work)
-    miniature.relative_paths(out / "measurements" / "report.md", work)
+    study.measurements_report(python, work, out, "runs", "measure")
     info = summary(work, todo, vocab)
     write_json(out / "study_at_size.json", info)
     write_report(info, out)
@@ -401,7 +364,7 @@ def summary(work: Path, todo: list[Job], vocab: int) -> dict:
         },
         "trajectories": trajectories,
         "growth": {
-            name: {seed: growth(t) for seed, t in by_seed.items()}
+            name: {seed: growth(t, MARKS) for seed, t in by_seed.items()}
             for name, by_seed in trajectories.items()
         },
         "miniature_growth": miniature_growth(),
@@ -417,7 +380,7 @@ def summary(work: Path, todo: list[Job], vocab: int) -> dict:
 
 
 def figures(work: Path, todo: list[Job], trajectories: dict) -> dict:
-    """Per scale, row and seed, what the verdict rules read (bench/verdicts.py)."""
+    """Per scale, row and seed, what the verdict rules read (bench/common/verdicts.py)."""
     out: dict = {}
     for job in todo:
         scale, row = job.name.split("/")
@@ -427,7 +390,3 @@ def figures(work: Path, todo: list[Job], trajectories: dict) -> dict:
             t, measured
         )
     return out
-
-
-if __name__ == "__main__":
-    main()

@@ -4,8 +4,10 @@
                                        + penalty and final-only norm x seed 42, 2,000 steps each;
                                        depth and halt of the checkpoints at MEASURE_AT, diagnose
                                        of the last; rewrites docs/study_mini_long/
-    SMOKE=1 bench/study_mini_long OUT  the same flow at a toy size, into OUT
-    bench/study_mini_long --report [OUT]  rewrites OUT's report and figures from its JSON alone
+    bench/study_mini_long --smoke --out OUT
+                                       the same flow at a toy size, into OUT
+    bench/study_mini_long --report [--out OUT]
+                                       rewrites OUT's report and figures from its JSON alone
 
 The questions (issue 55): does the normalised state keep growing under the constant learning
 rate, and at what local rate; does per-loop RMSNorm become K-invariant (PPL at K = 1 over PPL at
@@ -14,7 +16,7 @@ and Appendix H report; does final-only norm's K = 4 failure at 200 steps persist
 data, tokens, precision and measurement sizes are bench/study_mini's (STUDY_PRECISION as there);
 the steps, the rows and seeds, the batch and validation cadence (LONG) and a checkpoint every
 SAVE_EVERY steps differ. The verdict
-rules are bench/verdicts.py's, fixed before this bench first ran.
+rules are bench/common/verdicts.py's, fixed before this bench first ran.
 
 Environment: as bench/study_mini (STUDY_PRECISION, REPRO_SOURCE, PYTHON); STUDY_WORK defaults to
 runs/study_mini_long.
@@ -27,15 +29,10 @@ import os
 import time
 from pathlib import Path
 
-import miniature
-import study_at_size
-import study_mini
-import verdicts
-import workers
-from study_mini import ROWS_DIR, Job, fmt, spent, trajectory, write_json
+from bench.common import SMOKE, miniature, study, verdicts, workers
+from bench.common.report import fmt, write_json
+from bench.common.study import ROWS_DIR, Job, growth, spent, trajectory
 
-ROOT = Path(__file__).resolve().parent.parent
-SMOKE = study_mini.SMOKE
 ROWS = {
     "per_loop_norm": (42, 101),
     "per_loop_raw": (42, 101),
@@ -65,7 +62,7 @@ MARKS = (1, 2, 4, 6, 8) if SMOKE else (1, 50, 100, 200, 500, 1000, 1500, 2000)
 
 
 def jobs(data: Path, vocab: int) -> list[Job]:
-    given = study_mini.data_overrides(data, vocab)
+    given = study.data_overrides(data, vocab)
     return [
         Job(f"long/{row}", ROWS_DIR / f"{row}.yaml", seed, LONG, given, STEPS, True, SAVE_EVERY)
         for row, seeds in ROWS.items()
@@ -97,8 +94,8 @@ def measure(work: Path, todo: list[Job]) -> None:
             ckpt,
             out,
             valid,
-            study_mini.MEASURE,
-            study_mini.SEQ_LEN,
+            study.MEASURE,
+            study.SEQ_LEN,
             "bf16",
             last,
         )
@@ -142,14 +139,14 @@ def summary(work: Path, todo: list[Job], vocab: int) -> dict:
     taken = spent(work)
     return {
         "smoke": SMOKE,
-        "precision": study_mini.PRECISION,
+        "precision": study.PRECISION,
         "cpus": os.cpu_count(),
         "vocab": vocab,
         "steps": STEPS,
         "rows": {row: list(seeds) for row, seeds in ROWS.items()},
-        "miniature": study_mini.MINIATURE,
+        "miniature": study.MINIATURE,
         "long": list(LONG),
-        "measure": study_mini.MEASURE,
+        "measure": study.MEASURE,
         "measure_at": list(MEASURE_AT),
         "minutes": {
             "training": sum(v for k, v in taken.items() if k.startswith("runs/")) / 60,
@@ -157,7 +154,7 @@ def summary(work: Path, todo: list[Job], vocab: int) -> dict:
         },
         "trajectories": trajectories,
         "growth": {
-            row: {seed: study_at_size.growth(t, MARKS) for seed, t in by_seed.items()}
+            row: {seed: growth(t, MARKS) for seed, t in by_seed.items()}
             for row, by_seed in trajectories.items()
         },
         "depth_use": use,
@@ -170,7 +167,7 @@ def summary(work: Path, todo: list[Job], vocab: int) -> dict:
 
 def growth_lines(info: dict) -> list[str]:
     """Per run: the final loop's L2 at each mark, and its growth per step between marks."""
-    marks = [str(m) for m in MARKS]
+    marks = study.marks_of(info["growth"])
     windows = [f"{a}-{b}" for a, b in zip(marks, marks[1:])]
     norms = ["| row | seed | " + " | ".join(f"L2 @ {m}" for m in marks) + " |"]
     norms.append("|---|---|" + "---|" * len(marks))
@@ -218,7 +215,7 @@ def write_report(info: dict, out: Path) -> None:
         f"{fmt(minutes['measuring'])} min, summed over the two lanes that ran side by side).",
         "**SMOKE run: a toy size, its numbers mean nothing.**" if info["smoke"] else "",
         "",
-        f"bench/study_mini's miniature ({study_mini.PRECISIONS[info['precision']]}), "
+        f"bench/study_mini's miniature ({study.PRECISIONS[info['precision']]}), "
         f"{info['steps']} steps, with these overrides of it: "
         + ", ".join(f"`{o}`" for o in info["long"])
         + "; rows and seeds: "
@@ -299,30 +296,18 @@ def plot(info: dict, out: Path) -> None:
     )
 
 
-def rewrite(info: dict, out: Path) -> None:
-    write_report(info, out)
-    plot(info, out)
-
-
-def main() -> None:
-    given = study_mini.command_line("study_mini_long", rewrite)
+def main(argv: list[str], out: Path | None) -> None:
+    given = study.start("study_mini_long", argv, out, (write_report, plot))
     if given is None:
         return
-    out, work, source, python = given
-    data, vocab = study_mini.prepare(work, source, python)
+    out, work, python, data, vocab = given
     todo = jobs(data, vocab)
-    study_mini.train(work, todo, "study_mini_long")
+    study.train(work, todo, "study_mini_long")
     measure(work, todo)
     finals = [str(checkpoint(work, job, STEPS)[1].relative_to(work)) for job in todo]
-    report = [python, "-m", "megaloop", "report", "runs", *finals]
-    miniature.run([*report, "--out", str(out.resolve() / "measurements")], cwd=work)
-    miniature.relative_paths(out / "measurements" / "report.md", work)
+    study.measurements_report(python, work, out, "runs", *finals)
     write_json(out / "study_mini_long.json", summary(work, todo, vocab))
     info = json.loads((out / "study_mini_long.json").read_text())  # as --report reads it
     write_report(info, out)
     plot(info, out)
     print(f"study_mini_long: report in {out}")
-
-
-if __name__ == "__main__":
-    main()

@@ -4,7 +4,7 @@ counts, the sign test behind a verdict, equal losses where a script promises the
 verdict it prints is the passing one (bf16.py's is also run past a tolerance, to see it fail).
 Timings themselves are never checked, nor a verdict that depends on them: they depend on the
 machine and its load. (bench/gpu.sh has a test of its own; bench/gpu_wheels.sh's is in
-tests/unit/test_bench_scripts.py.)
+tests/unit/bench/test_bench_scripts.py.)
 """
 
 import json
@@ -35,7 +35,7 @@ TORCHRUN_2 = [
 
 
 def run(
-    script: str,
+    name: str,
     *args: str,
     smoke: bool = True,
     launcher=None,
@@ -43,12 +43,13 @@ def run(
     exit_code: int = 0,
     env: dict | None = None,
 ) -> str:
-    """`bench/SCRIPT [--smoke] ARGS` from the repository root, one thread a process, `env` added
-    to the environment; its stdout (it must exit with `exit_code`)."""
+    """`python -m bench NAME [--smoke] ARGS` from the repository root (`launcher` in place of
+    `python`), one thread a process, `env` added to the environment; its stdout (it must exit
+    with `exit_code`)."""
     proc = subprocess.run(
         [
             *(launcher or [sys.executable]),
-            f"bench/{script}",
+            *("-m", "bench", name),
             *(["--smoke"] if smoke else []),
             *args,
         ],
@@ -100,7 +101,7 @@ def quotient_interval(a: float, b: float, decimals_a: int, decimals_b: int) -> t
 
 def sign_test(slower: int, pairs: int) -> float:
     """Two-sided sign-test p of `slower` of `pairs` ratios above 1 (computed here, not
-    imported from bench/overhead.py, so the test checks the script's arithmetic)."""
+    imported from bench/common/alternation.py, so the test checks the script's arithmetic)."""
     tail = sum(math.comb(pairs, i) for i in range(min(slower, pairs - slower) + 1)) / 2**pairs
     return min(1.0, 2 * tail)
 
@@ -112,7 +113,7 @@ def test_overhead_smoke():
     """Both thread counts, every comparison; with one round a ratio is the quotient of the two
     times it prints, the once-a-run parts add up to their total, and the outside view follows
     from that total and the warm steps."""
-    out = run("overhead.py", "--steps", "100")
+    out = run("overhead", "--steps", "100")
     ours, ref = re.search(r"parameters " + NUMBER + " = " + NUMBER, out).groups()
     assert ours == ref
     losses = re.search(r"loss at init (\S+) \(megaloop\) vs (\S+) \(reference\), (\S+) ", out)
@@ -171,7 +172,7 @@ VERDICT = re.compile(
 def test_norm_penalty_smoke():
     """Whether the overhead is resolvable depends on the timings; that each line's verdict
     follows from its own counts does not."""
-    out = run("norm_penalty.py")
+    out = run("norm_penalty")
     rows = table_rows(out)
     assert [r[0] for r in rows] == ["0 (off)", "0.001 (on)"], out
     table_numbers(out)
@@ -207,7 +208,7 @@ def test_bf16_smoke(tmp_path):
     # two processes a side, so that "curves identical" compares two runs of each precision
     written = tmp_path / "bf16.json"
     out = run(
-        "bf16.py",
+        "bf16",
         *("--pairs", "2", "--steps", "3", "--warmup", "1", "--json", str(written)),
         *BF16_SMALL,
         smoke=False,
@@ -240,7 +241,7 @@ def test_bf16_fails_a_step_past_its_tolerance(tmp_path):
     loss at these shapes) prints FAIL and exits 1."""
     written = tmp_path / "bf16.json"
     out = run(
-        "bf16.py",
+        "bf16",
         *("--pairs", "1", "--steps", "3", "--warmup", "1", "--json", str(written)),
         *("--tolerance", "1e-6"),
         *BF16_SMALL,
@@ -259,7 +260,7 @@ def test_bf16_fails_a_step_past_its_tolerance(tmp_path):
 @pytest.mark.one_at_a_time
 def test_attention_smoke():
     out = run(
-        "attention.py",
+        "attention",
         *("--hidden", "32", "--heads", "4", "--layers", "1", "--loops", "2"),
         *("--seq", "16", "--batch", "2", "--repeats", "2"),
         smoke=False,
@@ -276,7 +277,7 @@ def test_attention_smoke():
 
 def test_engines_smoke(tmp_path):
     out = run(
-        "engines.py",
+        "engines",
         "--steps",
         "1",
         *("model.hidden_size=32", "model.num_layers=1", "model.num_loops=2", "data.seq_len=16"),
@@ -310,7 +311,7 @@ def test_mfu_smoke():
     small += ["train.micro_batch_size=2"]
     peak = 0.001  # TFLOP/s: so that the MFU column shows more than 0.0%
     out = run(
-        "mfu.py",
+        "mfu",
         config,
         "--steps",
         "2",
@@ -349,7 +350,7 @@ def test_residual_memory_smoke():
     on dropout, and the ratio column is the quotient of the two cells."""
     d, layers, loops, seq, batch = 64, 2, 4, 32, 2
     out = run(
-        "residual_memory.py",
+        "residual_memory",
         *("--config", "configs/experiments/study/44m/per_loop_norm.yaml"),
         *("--seq", str(seq), "--batch", str(batch)),
         f"model.hidden_size={d}",
@@ -377,7 +378,7 @@ def test_recompute_memory_smoke():
     cell over none, and `megaloop plan` is within 15% (the bound of
     tests/unit/parallel/test_planner.py)."""
     out = run(
-        "recompute_memory.py",
+        "recompute_memory",
         *("--hidden", "64", "--heads", "4", "--layers", "2", "--seq", "128", "--batch", "4"),
         *("--vocab", "256", "--loops", "1,2,4"),
         smoke=False,
@@ -410,8 +411,8 @@ def test_preempt_resume_smoke(tmp_path):
     DeepSpeed's one-process default leaves one): the signal still goes to the worker, not to
     torchrun's agent."""
     out = run(
-        "preempt_resume.py",
-        str(tmp_path),
+        "preempt_resume",
+        *("--out", str(tmp_path)),
         *("--steps", "4", "--at", "2"),
         *("model.hidden_size=32", "model.num_layers=1", "data.seq_len=16"),
         *("train.micro_batch_size=2", "train.global_batch_size=2"),
@@ -470,9 +471,7 @@ def test_prep_throughput_smoke(tmp_path):
         300,
         data / "tokenizers/gpt2/tokenizer.json",
     )
-    out = run(
-        "prep_throughput.py", "--data", str(data), "--out", str(tmp_path / "out"), smoke=False
-    )
+    out = run("prep_throughput", "--data", str(data), "--out", str(tmp_path / "out"), smoke=False)
 
     tok = Tokenizer.from_file(str(tok_path))
     articles = [a for text in wiki.values() for a in split_articles(text)]
@@ -516,7 +515,7 @@ def test_prep_throughput_smoke(tmp_path):
 def test_metrics_log_smoke():
     """One log call's cost at each size, both sides: a table row per size and the growth line
     (which side grows is the benchmark's to report, not this test's)."""
-    out = run("metrics_log.py", "--records", "10,200", "--calls", "3", smoke=False)
+    out = run("metrics_log", "--records", "10,200", "--calls", "3", smoke=False)
     rows = re.findall(
         r"^\| ([\d,]+) \| ([\d,]+) µs \| ([\d,]+) µs \| " + FLOAT + r"x \|$", out, re.M
     )
@@ -527,23 +526,26 @@ def test_metrics_log_smoke():
     assert re.search(r"one call at 200 records / at 10: append " + FLOAT + r"x \(goal <= 2\)", out)
 
 
-@pytest.mark.one_at_a_time  # its commands one after another, one thread each under SMOKE
+@pytest.mark.one_at_a_time  # its commands one after another, one thread each under --smoke
 def test_generate_mini_smoke(tmp_path):
-    """SMOKE=1 bench/generate_mini: its exit-gate model trained and exported at a toy size, then
+    """bench/generate_mini --smoke: its exit-gate model trained and exported at a toy size, then
     every run of `bench generate` at batch 1 and 8 recorded, each with the KV slots its policy
     holds, its speed and CE finite and consistent with its own timings and with fixed K_max."""
-    env = {**os.environ, "SMOKE": "1", "PYTHON": sys.executable, "WANDB_MODE": "disabled"}
+    env = {**os.environ, "PYTHON": sys.executable, "WANDB_MODE": "disabled"}
     script, work, out = str(ROOT / "bench/generate_mini"), tmp_path / "work", tmp_path / "out"
-    # refused before any work: no OUT (SMOKE never writes docs/generation/), no source text
+    # refused before any work: no OUT (--smoke never writes docs/generation/), no source text
     env["GEN_WORK"], env["REPRO_SOURCE"] = str(work), str(tmp_path / "missing")
-    for args, message in (([], "needs an OUT folder"), ([str(out)], "set REPRO_SOURCE")):
-        proc = subprocess.run([script, *args], capture_output=True, text=True, env=env, timeout=60)
-        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    for args, message in (([], "needs an OUT folder"), (["--out", str(out)], "set REPRO_SOURCE")):
+        proc = subprocess.run(
+            [script, "--smoke", *args], capture_output=True, text=True, env=env, timeout=60
+        )
+        assert proc.returncode == 1 and message in proc.stderr, proc.stderr
     assert not work.exists() and not out.exists()
 
     source = miniature_source(tmp_path, seed=5)
     env["REPRO_SOURCE"] = str(source)
-    proc = subprocess.run([script, str(out)], capture_output=True, text=True, env=env, timeout=600)
+    smoke = [script, "--smoke", "--out", str(out)]
+    proc = subprocess.run(smoke, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (work / "source/wiki.valid.raw").resolve() == (source / "wiki.valid.raw").resolve()
     trained = read_metrics(work / "run")["config"]
@@ -598,17 +600,18 @@ def test_generate_mini_smoke(tmp_path):
 
 
 def test_adaptive_depth_smoke(tmp_path):  # two worker lanes, then two pinned processes
-    """SMOKE=1 bench/adaptive_depth: two seeds trained in two stages (exit-weighted, then the
+    """bench/adaptive_depth --smoke: two seeds trained in two stages (exit-weighted, then the
     gate alone from stage 1's checkpoint) and exported, the per-token evidence over each kind of
     token, every run of `bench generate` at batch 1 and 8 over its batches, one verdict per exit
     setting, and the report with its figures."""
     script, work, out = str(ROOT / "bench/adaptive_depth"), tmp_path / "work", tmp_path / "out"
-    env = {**os.environ, "SMOKE": "1", "PYTHON": sys.executable, "WANDB_MODE": "disabled"}
+    env = {**os.environ, "PYTHON": sys.executable, "WANDB_MODE": "disabled"}
     env["ADAPTIVE_WORK"] = str(work)
-    proc = subprocess.run([script], capture_output=True, text=True, env=env, timeout=60)
+    proc = subprocess.run([script, "--smoke"], capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 1 and "needs an OUT folder" in proc.stderr, proc.stderr
     assert not work.exists()
-    proc = subprocess.run([script, str(out)], capture_output=True, text=True, env=env, timeout=900)
+    smoke = [script, "--smoke", "--out", str(out)]
+    proc = subprocess.run(smoke, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for seed in (0, 1):
         one = read_metrics(work / f"seed{seed}/stage1")["config"]
@@ -665,5 +668,6 @@ def test_adaptive_depth_smoke(tmp_path):  # two worker lanes, then two pinned pr
         assert (out / f"frontier_b{b}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # --report redraws the same report from the JSON
     (out / "README.md").unlink()
-    proc = subprocess.run([script, "--report", str(out)], capture_output=True, text=True, env=env)
+    again = [script, "--report", "--out", str(out)]
+    proc = subprocess.run(again, capture_output=True, text=True, env=env)
     assert proc.returncode == 0 and (out / "README.md").read_text() == report

@@ -19,14 +19,13 @@ def test_smoke_run_of_drift_regime_writes_the_report(tmp_path):
     out = tmp_path / "report"
     env = {
         **os.environ,
-        "SMOKE": "1",
         "REPRO_SOURCE": str(source),
         "DRIFT_WORK": str(tmp_path / "work"),
         "DRIFT_BUDGET_MIN": "600",  # every step of the flow, however slow the machine
         "PYTHON": sys.executable,
     }
     proc = subprocess.run(
-        [str(ROOT / "bench/drift_regime"), str(out)],
+        [str(ROOT / "bench/drift_regime"), "--smoke", "--out", str(out)],
         capture_output=True,
         text=True,
         env=env,
@@ -76,7 +75,7 @@ def test_smoke_run_of_drift_regime_writes_the_report(tmp_path):
     }
     # the report reads only what the JSON holds: --report rewrites it the same from the JSON
     (out / "report.md").unlink()
-    rerun = [str(ROOT / "bench/drift_regime"), "--report", str(out)]
+    rerun = [str(ROOT / "bench/drift_regime"), "--report", "--out", str(out)]
     subprocess.run(rerun, check=True, capture_output=True, env=env, timeout=300)
     rewritten = (out / "report.md").read_text()
     assert "Rewritten from drift_regime.json alone" in rewritten
@@ -84,22 +83,21 @@ def test_smoke_run_of_drift_regime_writes_the_report(tmp_path):
 
 
 def test_growth_is_described_by_local_slopes_and_one_pooled_fit_up_to_each_peak():
-    sys.path.insert(0, str(ROOT / "bench"))
-    import drift_regime
+    from bench import drift_regime_report
 
     steps = list(range(100, 1201, 100))
     law = {"eval_steps": steps, "eval_rms": [0.5 * s**1.5 for s in steps]}
-    assert drift_regime.local_slopes(law) == pytest.approx([1.5] * 11)  # a law: one slope
+    assert drift_regime_report.local_slopes(law) == pytest.approx([1.5] * 11)  # a law: one slope
     # seed 1 rises by the same law to its peak at 600 and falls after it: the fall is not fitted
     bent = [r if s <= 600 else law["eval_rms"][5] * 600 / s for s, r in zip(steps, law["eval_rms"])]
-    fit = drift_regime.rising_fit({0: law, 1: {"eval_steps": steps, "eval_rms": bent}})
+    fit = drift_regime_report.rising_fit({0: law, 1: {"eval_steps": steps, "eval_rms": bent}})
     assert fit["b"] == pytest.approx(1.5) and fit["a"] == pytest.approx(0.5)
     assert fit["r2"] == pytest.approx(1)
     assert [s for s, _ in fit["residuals"][1]] == [100, 200, 300, 400, 500, 600]
     assert all(abs(e) < 1e-9 for part in fit["residuals"].values() for _, e in part)
     # a curve that bends on log-log axes leaves residuals of one sign pattern: under, over, under
     curved = {"eval_steps": steps, "eval_rms": [math.exp(-((math.log(s) - 7) ** 2)) for s in steps]}
-    residuals = [e for _, e in drift_regime.rising_fit({0: curved})["residuals"][0]]
+    residuals = [e for _, e in drift_regime_report.rising_fit({0: curved})["residuals"][0]]
     assert residuals[0] < 0 and max(residuals) > 0 and residuals[-1] < 0
     falling = {"eval_steps": steps, "eval_rms": [1000.0 / s for s in steps]}  # no rising part
-    assert drift_regime.rising_fit({0: falling}) is None
+    assert drift_regime_report.rising_fit({0: falling}) is None

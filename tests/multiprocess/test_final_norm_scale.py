@@ -1,5 +1,6 @@
-"""bench/final_norm_scale.py keeps working: its flow (prep, the tied and untied final_norm runs,
-the per-run measurement, the table) at a toy size on generated WikiText-like text."""
+"""`python -m bench final_norm_scale` keeps working: its flow (prep, the tied and untied
+final_norm runs, the per-run measurement, the table) at a toy size on generated WikiText-like
+text."""
 
 import json
 import math
@@ -18,13 +19,13 @@ def test_smoke_run_of_final_norm_scale_writes_its_table(tmp_path):
     out = tmp_path / "out"
     env = {
         **os.environ,
-        "SMOKE": "1",
         "REPRO_SOURCE": str(source),
         "FINAL_NORM_WORK": str(tmp_path / "work"),
         "PYTHON": sys.executable,
     }
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench/final_norm_scale.py"), str(out)],
+        [sys.executable, "-m", "bench", "final_norm_scale", "--smoke", "--out", str(out)],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         env=env,

@@ -1,4 +1,4 @@
-"""bench/gpu.sh, the one call on a lent GPU, run here on the CPU: the SMOKE flow end to end (its
+"""bench/gpu.sh, the one call on a lent GPU, run here on the CPU: the --smoke flow end to end (its
 figures, not only its exit status), a step past its time limit (recorded, the next step still
 runs) and a missing import (named before any benchmark starts). gpu.sh launches torchrun."""
 
@@ -21,10 +21,9 @@ STEPS = ["preempt_resume", "recompute_memory", "mfu_129m", "mfu_1p4b", "fixed_k"
 
 
 def gpu_sh(out: Path, tmp_path: Path, **env) -> subprocess.CompletedProcess:
-    """SMOKE=1 bash bench/gpu.sh OUT with this interpreter and, unless given, no wheels."""
+    """bash bench/gpu.sh --smoke OUT with this interpreter and, unless given, no wheels."""
     env = {
         **os.environ,
-        "SMOKE": "1",
         "PY": sys.executable,
         "WHEELS": str(tmp_path / "no-wheels"),
         "OMP_NUM_THREADS": "1",
@@ -32,7 +31,7 @@ def gpu_sh(out: Path, tmp_path: Path, **env) -> subprocess.CompletedProcess:
         **env,
     }
     return subprocess.run(
-        ["bash", str(ROOT / "bench" / "gpu.sh"), str(out)],
+        ["bash", str(ROOT / "bench" / "gpu.sh"), "--smoke", str(out)],
         env=env,
         capture_output=True,
         text=True,

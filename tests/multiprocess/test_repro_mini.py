@@ -17,14 +17,13 @@ def test_smoke_run_of_repro_mini_writes_the_report(tmp_path):
     out = tmp_path / "report"
     env = {
         **os.environ,
-        "SMOKE": "1",
         "REPRO_SOURCE": str(source),
         "REPRO_WORK": str(tmp_path / "work"),
         "PYTHON": sys.executable,
         "WANDB_MODE": "disabled",
     }
     proc = subprocess.run(
-        [str(ROOT / "bench/repro_mini"), str(out)],
+        [str(ROOT / "bench/repro_mini"), "--smoke", "--out", str(out)],
         capture_output=True,
         text=True,
         env=env,

@@ -56,7 +56,6 @@ def test_smoke_run_of_study_at_size(tmp_path):
     work, out = tmp_path / "work", tmp_path / "out"
     env = {
         **os.environ,
-        "SMOKE": "1",
         "STUDY_PRECISION": "fp32",  # the cheap one on any CPU; the default is the study's bf16
         "REPRO_SOURCE": str(miniature_source(tmp_path, seed=5)),
         "STUDY_WORK": str(work),
@@ -64,7 +63,9 @@ def test_smoke_run_of_study_at_size(tmp_path):
         "WANDB_MODE": "disabled",
     }
     script = str(ROOT / "bench/study_at_size")
-    proc = subprocess.run([script, str(out)], capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run(
+        [script, "--smoke", "--out", str(out)], capture_output=True, text=True, env=env, timeout=900
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     info = json.loads((out / "study_at_size.json").read_text())
     assert info["seeds"] == {"44m": [42, 101], "129m": [42]}
@@ -75,7 +76,7 @@ def test_smoke_run_of_study_at_size(tmp_path):
             for seed in seeds:
                 run = read(work / "runs" / scale / row / f"seed{seed}")
                 # the preset's every key but batch, steps, evaluation cadence, precision, logging
-                # and the data's location (and the toy model under SMOKE), each one listed
+                # and the data's location (and the toy model under --smoke), each one listed
                 listed = {o.split("=")[0] for o in info["overrides"]}
                 assert listed == ALLOWED | SMOKE_MODEL
                 listed |= {"data.path", "data.valid_path", "train.steps", "train.seed", "train.dir"}
@@ -123,5 +124,7 @@ def test_smoke_run_of_study_at_size(tmp_path):
     assert (out / "growth.png").is_file() and (out / "loops.png").is_file()
     assert str(tmp_path) not in (out / "measurements/report.md").read_text()
     (out / "report.md").unlink()
-    again = subprocess.run([script, "--report", str(out)], capture_output=True, text=True, env=env)
+    again = subprocess.run(
+        [script, "--report", "--out", str(out)], capture_output=True, text=True, env=env
+    )
     assert again.returncode == 0 and (out / "report.md").read_text() == report

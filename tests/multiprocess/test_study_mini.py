@@ -17,7 +17,7 @@ from support import ROOT, miniature_source
 
 def bench(name: str, out, env, *flags: str) -> None:
     proc = subprocess.run(
-        [str(ROOT / "bench" / name), *flags, str(out)],
+        [str(ROOT / "bench" / name), "--smoke", *flags, "--out", str(out)],
         capture_output=True,
         text=True,
         env=env,
@@ -27,8 +27,8 @@ def bench(name: str, out, env, *flags: str) -> None:
 
 
 JSON_REL = 1e-5
-"""The benches' JSON keeps 6 significant digits (study_mini.write_json): a value read back is
-within 5e-6 of the one computed, and a ratio of two such within 1e-5."""
+"""The benches' JSON keeps 6 significant digits (bench/common/report.py's write_json): a value
+read back is within 5e-6 of the one computed, and a ratio of two such within 1e-5."""
 
 
 @pytest.mark.multiprocess  # two training processes at a time
@@ -37,7 +37,6 @@ def test_smoke_runs_of_study_mini_and_drift_drivers(tmp_path):
     work = tmp_path / "work"
     env = {
         **os.environ,
-        "SMOKE": "1",
         "REPRO_SOURCE": str(source),
         "STUDY_WORK": str(work),
         "PYTHON": sys.executable,

@@ -15,7 +15,7 @@ from megaloop.train.metrics import read
 from support import ROOT, miniature_source
 
 JSON_REL = 1e-5  # the JSON keeps 6 significant digits (study_mini.write_json)
-MEASURE_AT, STEPS, MARKS = (4, 8), 8, (1, 2, 4, 6, 8)  # the bench's SMOKE sizes
+MEASURE_AT, STEPS, MARKS = (4, 8), 8, (1, 2, 4, 6, 8)  # the bench's --smoke sizes
 
 
 @pytest.mark.multiprocess  # two training processes at a time
@@ -23,7 +23,6 @@ def test_smoke_run_of_study_mini_long(tmp_path):
     work, out = tmp_path / "work", tmp_path / "out"
     env = {
         **os.environ,
-        "SMOKE": "1",
         "STUDY_PRECISION": "fp32",
         "REPRO_SOURCE": str(miniature_source(tmp_path, seed=6)),
         "STUDY_WORK": str(work),
@@ -31,7 +30,9 @@ def test_smoke_run_of_study_mini_long(tmp_path):
         "WANDB_MODE": "disabled",
     }
     script = str(ROOT / "bench/study_mini_long")
-    proc = subprocess.run([script, str(out)], capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run(
+        [script, "--smoke", "--out", str(out)], capture_output=True, text=True, env=env, timeout=900
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     info = json.loads((out / "study_mini_long.json").read_text())
     assert info["rows"] == {
@@ -74,5 +75,7 @@ def test_smoke_run_of_study_mini_long(tmp_path):
         assert (out / name).is_file(), name
     assert str(tmp_path) not in (out / "measurements/report.md").read_text()
     (out / "report.md").unlink()
-    again = subprocess.run([script, "--report", str(out)], capture_output=True, text=True, env=env)
+    again = subprocess.run(
+        [script, "--report", "--out", str(out)], capture_output=True, text=True, env=env
+    )
     assert again.returncode == 0 and (out / "report.md").read_text() == report

@@ -4,15 +4,12 @@ names a file that exists, and no committed doc or config records a build machine
 (where a bench ran, a scratch folder, a checkout)."""
 
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import unquote
 
+from bench.common import miniature  # what the miniature benches share
 from support import ROOT
-
-sys.path.insert(0, str(ROOT / "bench"))
-import miniature  # noqa: E402  (bench/: what the miniature benches share)
 
 DOCS_DIR = ROOT / "docs"
 INDEX = DOCS_DIR / "README.md"

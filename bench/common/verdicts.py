@@ -1,10 +1,10 @@
 """The verdict table across scales: each claim of the study the CPU benches can test, the study's
 figure, each scale's figure per seed, and whether it follows. The rules (RULES) were fixed in
 this file before bench/study_at_size's runs at the study's widths were read, and before the long
-miniature's ran; the 5x bar is study_mini's FACTOR, fixed before its first run.
+miniature's ran; the 5x bar is the study miniature's FACTOR, fixed before its first run.
 
 A scale's `figures` are {row: {seed: run figures}} with a run's figures from `run_figures`: its
-training trajectory (bench/study_mini.trajectory) and its `depth`, `halt` and `diagnose` results.
+training trajectory (study.trajectory) and its `depth`, `halt` and `diagnose` results.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-FACTOR = 5.0
-"""A comparison between two rows counts when it holds by this factor (study_mini.FACTOR)."""
+from bench.common.report import fmt
+from bench.common.study import FACTOR
+
 BUDGET = 1.01
 """The study's halting budget, ρ: a depth whose PPL is within 1% is as good as K = 4."""
 
@@ -249,8 +250,6 @@ def judge(rule: Rule, figures: dict) -> dict:
 
 
 def shown(value) -> str:
-    from study_mini import fmt
-
     if isinstance(value, tuple):
         return f"{max(value[0]):.1e} / {min(value[1]):.1e}"
     return fmt(value)

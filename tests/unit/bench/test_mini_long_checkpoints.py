@@ -1,13 +1,9 @@
 """bench/study_mini_long's runs keep every checkpoint its measurements read: each step of
 MEASURE_AT is a save, and keep_last holds all the saves of a run."""
 
-import sys
 from pathlib import Path
 
-from support import ROOT
-
-sys.path.insert(0, str(ROOT / "bench"))
-import study_mini_long  # noqa: E402
+from bench import study_mini_long
 
 
 def test_every_measured_step_is_a_kept_checkpoint():

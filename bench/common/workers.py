@@ -5,7 +5,7 @@ megatron-core again (about 5 s of CPU here, more than a toy run trains). The two
 once, run one thing at a time with one thread each (two cores, two lanes) and leave nothing
 behind between calls: the world of each run is torn down as `megaloop train` tears it down.
 A run gives the same numbers here as a one-process run, bit for bit
-(tests/unit/test_bench_workers.py).
+(tests/unit/bench/test_bench_workers.py).
 
 The bench hands its workers its own arguments and gets back plain values: nothing read from a
 file crosses the pipe.
@@ -22,6 +22,8 @@ import traceback
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
+
+from bench import common
 
 LANES = 2
 ENV = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
@@ -68,12 +70,16 @@ def _workers() -> ProcessPoolExecutor:
         if _pool is None:
             context = multiprocessing.get_context("spawn")  # no fork of a threaded parent
             context.set_executable(os.environ.get("PYTHON", sys.executable))
-            _pool = ProcessPoolExecutor(LANES, mp_context=context, initializer=_start)
+            _pool = ProcessPoolExecutor(
+                LANES, mp_context=context, initializer=_start, initargs=(common.SMOKE,)
+            )
             atexit.register(_pool.shutdown)
         return _pool
 
 
-def _start() -> None:
+def _start(smoke: bool) -> None:
+    """Before a worker imports a bench: its sizes are read from SMOKE at import, as here."""
+    common.SMOKE = smoke
     os.environ.update(ENV)
     import torch
 

@@ -1,25 +1,23 @@
-"""bench/study_at_size's growth per step, on a norm that grows by a known rate: between two
-marks whose 5-step windows are full, (ln L2(b) - ln L2(a)) / (b - a) is that rate exactly."""
+"""The study benches' growth per step (bench/common/study.py), on a norm that grows by a known
+rate: between two marks whose 5-step windows are full, (ln L2(b) - ln L2(a)) / (b - a) is that
+rate exactly; and bench/study_at_size's precision and verdict table."""
 
 import math
-import sys
 
 import pytest
 
+from bench import study_at_size
+from bench.common import study
 from support import ROOT
 
-sys.path.insert(0, str(ROOT / "bench"))
-import study_at_size  # noqa: E402
 
-
-def test_growth_per_step_is_the_rate_of_an_exponential_norm(monkeypatch):
-    monkeypatch.setattr(study_at_size, "MARKS", (1, 10, 50, 100))
+def test_growth_per_step_is_the_rate_of_an_exponential_norm():
     rate, steps = 0.03, list(range(1, 61))  # 60 steps: mark 100 is past the run
     t = {
         "train_steps": steps,
         "train_l2_loops": [[math.exp(rate * s), 2 * math.exp(rate * s)] for s in steps],
     }
-    g = study_at_size.growth(t)
+    g = study.growth(t, (1, 10, 50, 100))
     assert g["marks"] == [1, 10, 50]
     window = sum(math.exp(rate * s) for s in range(46, 51)) / 5  # steps 46..50
     assert g["l2"][0][2] == pytest.approx(window) and g["l2"][1][2] == pytest.approx(2 * window)
@@ -36,14 +34,12 @@ def test_the_runs_train_in_the_presets_bf16_unless_fp32_is_asked_for(monkeypatch
     monkeypatch.setenv("STUDY_PRECISION", "fp32")
     import importlib
 
-    import study_mini
-
     try:
-        importlib.reload(study_mini)
+        importlib.reload(study)
         assert "train.bf16=false" in importlib.reload(study_at_size).AT_SIZE
     finally:
         monkeypatch.delenv("STUDY_PRECISION")
-        importlib.reload(study_mini)
+        importlib.reload(study)
         importlib.reload(study_at_size)
 
 

@@ -2,7 +2,8 @@
 final_norm_scale) share: the WikiText texts linked into their scratch folder, prepared with
 `megaloop prep`, the model their smoke runs train, the depth, halt and diagnose measurements of
 a trained run, the figure of final-loop norms over training, one panel a run group, and their
-reports' paths written relative to the repository or the scratch folder."""
+reports' paths written relative to the repository or the scratch folder. The REPRO_ settings
+are repro_mini's BPE miniature, which drift_regime, drift_drivers and final_norm_scale reuse."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.common import SMOKE
+
 SMOKE_MODEL = [
     "model.hidden_size=32",
     "model.num_heads=2",
@@ -21,7 +24,18 @@ SMOKE_MODEL = [
     "data.seq_len=32",
     "model.max_seq_len=32",
 ]
-"""The model of the benches' SMOKE=1 runs (the tests'): a few seconds a run."""
+"""The model of the benches' --smoke runs (the tests'): a few seconds a run."""
+REPRO_VOCAB = 300 if SMOKE else 1024
+"""BPE vocabulary trained on the training text (our choice); model.vocab_size in
+configs/experiments/repro_mini/base.yaml."""
+REPRO_SMOKE_SHAPE = [*SMOKE_MODEL, "train.steps=4", "train.log_every=2"]
+REPRO_MEASURE = {
+    "depth": {"loops": [1, 2, 3, 4, 8], "sequences": 8 if SMOKE else 160},
+    "halt": {"calib": 8 if SMOKE else 160, "bench": 8 if SMOKE else 160},
+    "diagnose": {"tokens": 256 if SMOKE else 4096, "rollout": 6 if SMOKE else 30},
+}
+REPRO_SEQ_LEN = 32 if SMOKE else 128
+"""Measurement windows: the models' training context (the study's slice harness used 256)."""
 
 
 def small_multiples(
@@ -65,9 +79,9 @@ def relative_paths(path: Path, base: Path) -> None:
     path.write_text(re.sub(rf"(?<![\w./-]){prefix}", "", path.read_text()))
 
 
-def prepare(bench: str, work: Path, source: Path, python: str, *prep_options: str) -> Path:
-    """WORK/data: the WikiText-103 test text as the training split, the validation text as
-    itself (linked from SOURCE, never copied), through `megaloop prep wikitext103 OPTIONS`."""
+def link_texts(bench: str, work: Path, source: Path) -> Path:
+    """WORK/source: the WikiText-103 test text linked as wiki.train.raw, the validation text as
+    itself (from SOURCE, never copied)."""
     for name in ("wiki.test.raw", "wiki.valid.raw"):
         if not (source / name).is_file():
             sys.exit(
@@ -81,10 +95,26 @@ def prepare(bench: str, work: Path, source: Path, python: str, *prep_options: st
         if path.is_symlink() or path.exists():
             path.unlink()
         path.symlink_to((source / target).resolve())
+    return links
+
+
+def prepare(bench: str, work: Path, source: Path, python: str, *prep_options: str) -> Path:
+    """WORK/data: the linked texts (`link_texts`) through `megaloop prep wikitext103 OPTIONS`."""
+    links = link_texts(bench, work, source)
     data = work / "data"
     prep = [python, "-m", "megaloop", "prep", "wikitext103", "--source", links, *prep_options]
     run([*prep, "--out", data])
     return data
+
+
+def prepare_bpe(work: Path, source: Path, python: str) -> Path:
+    """The linked texts in indexed datasets, with a BPE trained on the training text."""
+    return prepare("repro_mini", work, source, python, "--tokenizer", f"train:{REPRO_VOCAB}")
+
+
+def measure_bpe(run_dir: Path, out: Path, data: Path) -> None:
+    """depth, halt and diagnose of a BPE miniature run at REPRO_MEASURE's sizes."""
+    measure(run_dir, out, data, REPRO_MEASURE, REPRO_SEQ_LEN, "float32")
 
 
 def measure(
@@ -98,7 +128,7 @@ def measure(
 ):
     """`megaloop depth`, `halt` and (unless `diagnose` is false) `diagnose --dtype DTYPE` of a
     run or checkpoint into OUT, in this process (a worker's): `settings` holds each one's sizes
-    (bench/repro_mini.py's MEASURE)."""
+    (REPRO_MEASURE)."""
     from megaloop import _cpu_compat
 
     _cpu_compat.apply()

@@ -1,16 +1,10 @@
 """bench/adaptive_depth's own logic, by hand: which kind each target token of a sum is, and
 the verdict rule (domination, the seeds' range, the repeats' spread)."""
 
-import importlib.util
-
 import numpy as np
 
+from bench import adaptive_depth as bench
 from megaloop.data import synthetic
-from support import ROOT
-
-spec = importlib.util.spec_from_file_location("adaptive_depth", ROOT / "bench/adaptive_depth.py")
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
 
 
 def test_each_target_of_a_sum_gets_its_kind():

@@ -1,6 +1,6 @@
-"""bench/workers.py: a run trained in a worker that already trained another gives the numbers of a
-fresh one-process run, bit for bit (the bench smokes and full runs rely on it), and a
-failure comes back as an exit code or an error naming its log, not as a hung or dead bench."""
+"""bench/common/workers.py: a run trained in a worker that already trained another gives the
+numbers of a fresh one-process run, bit for bit (the bench smokes and full runs rely on it), and
+a failure comes back as an exit code or an error naming its log, not as a hung or dead bench."""
 
 import contextlib
 import os
@@ -9,12 +9,10 @@ import sys
 import pytest
 import torch
 
+from bench.common import workers
 from megaloop.parallel import distributed
 from multiproc import BASE, OBJECTIVES, metrics, train_here
-from support import ROOT, TINY
-
-sys.path.insert(0, str(ROOT / "bench"))
-import workers  # noqa: E402
+from support import TINY
 
 
 @pytest.fixture

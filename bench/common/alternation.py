@@ -4,7 +4,8 @@ falls on both alike; a child prints one RESULT line (`report`), the parent reads
 (`run_child`), pairs them (`alternate`) and summarises the per-pair ratios (`summary`,
 `sign_test`). `time_steps` is a child's step timer.
 
-Used by overhead.py, norm_penalty.py and bf16.py.
+Used by overhead, norm_penalty and bf16, which also share the trainer they time
+(`megaloop_trainer`) and its shape.
 """
 
 import json
@@ -16,6 +17,14 @@ import sys
 import time
 
 import torch
+
+from bench import common
+
+LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 3e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
+SHAPE = dict(hidden=256, heads=4, layers=4, loops=4, seq=256, batch=4, vocab=8192)
+SMOKE_SHAPE = dict(hidden=32, heads=4, layers=2, loops=2, seq=16, batch=2, vocab=256)
+"""The step-time benches' optimizer and model shape (overhead's plain-PyTorch step uses the same
+settings), and the shape of their --smoke runs."""
 
 
 def set_threads(threads=1):
@@ -46,31 +55,34 @@ def report(**result):
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def run_child(script, args, threads=1):
+def run_child(bench, args, threads=1):
+    """`python -m bench BENCH ARGS` (with --smoke under it) with `threads` threads: its RESULT."""
     env = {
         **os.environ,
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
         "WANDB_MODE": "disabled",
         "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(common.ROOT), os.getenv("PYTHONPATH")])),
     }
-    proc = subprocess.run([sys.executable, script, *args], env=env, capture_output=True, text=True)
+    argv = [sys.executable, "-m", "bench", bench, *(["--smoke"] if common.SMOKE else []), *args]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
         sys.exit(
-            f"{os.path.basename(script)} {' '.join(args)} failed "
+            f"{bench} {' '.join(args)} failed "
             f"(exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         )
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-def alternate(script, sides, pairs, args, threads=1):
-    """Run `script --side S ARGS` for each side in turn, `pairs` times (A B A B ...), one
-    process each with `threads` threads; the children's results per side, in order."""
+def alternate(bench, sides, pairs, args, threads=1):
+    """Run `python -m bench BENCH --side S ARGS` for each side in turn, `pairs` times (A B A B
+    ...), one process each with `threads` threads; the children's results per side, in order."""
     results = {side: [] for side in sides}
     for i in range(pairs):
         for side in sides:
-            results[side].append(run_child(script, ["--side", side, *args], threads))
+            results[side].append(run_child(bench, ["--side", side, *args], threads))
             last = results[side][-1]
             cpu = f" ({last['cpu_ms']:.1f} ms CPU)" if "cpu_ms" in last else ""
             print(
@@ -104,5 +116,44 @@ def sign_test(ratios):
     return min(1.0, 2 * tail)
 
 
-def spread(values):
-    return f"{min(values):.1f}..{max(values):.1f}"
+# -- the real trainer, which the step-time benches time ----------------------------------------
+
+
+def megaloop_overrides(shape):
+    return [
+        f"model.hidden_size={shape['hidden']}",
+        f"model.num_heads={shape['heads']}",
+        f"model.num_layers={shape['layers']}",
+        f"model.num_loops={shape['loops']}",
+        f"model.vocab_size={shape['vocab']}",
+        f"model.max_seq_len={shape['seq']}",
+        f"data.seq_len={shape['seq']}",
+        f"train.micro_batch_size={shape['batch']}",
+        f"train.global_batch_size={shape['batch']}",
+        f"optim.lr={LR}",
+        f"optim.beta1={BETAS[0]}",
+        f"optim.beta2={BETAS[1]}",
+        f"optim.eps={EPS}",
+        f"optim.weight_decay={WEIGHT_DECAY}",
+        f"optim.clip_grad={CLIP}",
+        "optim.warmup_steps=0",
+    ]
+
+
+def megaloop_trainer(overrides, steps, run_dir, config=None, eval_batches=1):
+    """The real trainer of `config` + `overrides` on synthetic data, for `steps` steps."""
+    from megaloop import _cpu_compat, experiment
+
+    _cpu_compat.apply()
+    cfg = experiment.load(
+        config,
+        [
+            *overrides,
+            "data.kind=synthetic",
+            f"train.steps={steps}",
+            f"train.dir={run_dir}",
+            "wandb.mode=disabled",
+            f"train.eval_batches={eval_batches}",
+        ],
+    )
+    return experiment.build_trainer(cfg, log=False)

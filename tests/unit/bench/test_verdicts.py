@@ -1,15 +1,11 @@
-"""bench/verdicts.py: each rule's figure per seed and its verdict, on figures written by hand;
-and a run's figures read from its depth, halt and diagnose results."""
+"""bench/common/verdicts.py: each rule's figure per seed and its verdict, on figures written by
+hand; and a run's figures read from its depth, halt and diagnose results."""
 
 import json
-import sys
 
 import pytest
 
-from support import ROOT
-
-sys.path.insert(0, str(ROOT / "bench"))
-import verdicts  # noqa: E402
+from bench.common import verdicts
 
 
 def rule(start: str) -> verdicts.Rule:
