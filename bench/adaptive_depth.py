@@ -43,6 +43,7 @@ from pathlib import Path
 
 from bench.adaptive_depth_report import KINDS, result_lines, setting, write_report
 from bench.common import ROOT, SMOKE, report, workers
+from megaloop.model.modes import EXIT_RULES, KV_POLICIES
 
 CONFIGS = ROOT / "configs/experiments/adaptive_depth"
 SEEDS = (0, 1) if SMOKE else (0, 1, 2)
@@ -64,17 +65,13 @@ EPISODES = {1: 4, 8: 16} if SMOKE else {1: 128, 8: 256}
 """Windows `bench generate` decodes per run at each batch size (batch size x --batches)."""
 EVIDENCE = 32 if SMOKE else 1024
 """Validation windows the per-token evidence reads."""
-THRESHOLDS = {
-    "gate": (0.3, 0.5, 0.7, 0.9),
-    "margin": (0.5, 1.0, 2.0, 4.0),
-    "confidence": (0.5, 0.7, 0.9, 0.97),
-}
-"""bench generate's defaults (settings.DEFAULT_THRESHOLDS), named here for the evidence."""
+THRESHOLDS = {rule: spec.thresholds for rule, spec in EXIT_RULES.items()}
+"""bench generate's defaults (modes.EXIT_RULES), named here for the evidence."""
 CACHED = {"gate": 0.5, "margin": 2.0, "confidence": 0.9}
 """The threshold per rule at which the evidence also decodes through the cache, per KV policy."""
 BENCH = [
     "--kv",
-    "copy,share,recompute",
+    ",".join(KV_POLICIES),
     "--batching",
     "sync,async",
     "--repeats",
@@ -216,7 +213,7 @@ def evidence(export: str, valid: str) -> dict:
                     (out.logits.argmax(-1) == targets).float(),
                 )
     cached = {}
-    for (rule, t), kv in itertools.product(CACHED.items(), ("copy", "share", "recompute")):
+    for (rule, t), kv in itertools.product(CACHED.items(), KV_POLICIES):
         spec = {"exit": rule, "threshold": t, "kv": kv, "batching": "sync", "loops": 4}
         loops, hits = [], []
         for rows in windows.split(64):

@@ -287,10 +287,6 @@ def batch_lines(info: dict, b: int) -> list[str]:
     return lines
 
 
-MARKERS = {"gate": "^", "margin": "s", "confidence": "o"}
-COLOURS = {"copy": "tab:blue", "share": "tab:orange", "recompute": "tab:green"}
-
-
 def plot(info: dict, b: int, path: Path) -> None:
     """Answer accuracy against tokens/s at batch b, means over seeds: fixed K as a line, each
     rule x policy x batching over its thresholds; filled where the setting beats fixed depth."""
@@ -298,6 +294,8 @@ def plot(info: dict, b: int, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from megaloop.evaluation.generate_bench import COLOURS, MARKERS
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     fixed = fixed_rows(info, b)
