@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from megaloop.commands.options import settings_flags
-from megaloop.evaluation.settings import DownstreamSettings
+from megaloop.evaluation.settings import RESAMPLES, DownstreamSettings
 from megaloop.extras import require
 from megaloop.flags import from_flags
 
@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
     cmp = actions.add_parser("compare", help="paired bootstrap CIs between two results folders")
     cmp.add_argument("a", help="results folder of the first model (A), from eval downstream")
     cmp.add_argument("b", help="results folder of the second model (B); the table is B - A")
-    cmp.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples")
+    cmp.add_argument("--resamples", type=int, default=RESAMPLES, help="bootstrap resamples")
     cmp.add_argument("--seed", type=int, default=0, help="seed of the bootstrap's random draws")
     cmp.add_argument(
         "--out",

@@ -7,6 +7,7 @@ import contextlib
 
 from megaloop.commands.options import load_config, with_config
 from megaloop.config import ConfigError
+from megaloop.parallel import planner
 
 BUILDS_MODEL = False
 
@@ -24,17 +25,20 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--tflops",
         type=float,
-        default=989.4,
+        default=planner.PEAK_TFLOPS,
         help="dense bf16 peak TFLOP/s per GPU (default: %(default)s, H100/H200 SXM)",
     )
     p.add_argument(
         "--mfu",
         type=float,
-        default=0.4,
+        default=planner.MFU,
         help="model FLOPs utilization to assume (default: %(default)s, our choice)",
     )
     p.add_argument(
-        "--gpus-per-node", type=int, default=8, help="GPUs per node: TP stays within a node"
+        "--gpus-per-node",
+        type=int,
+        default=planner.GPUS_PER_NODE,
+        help="GPUs per node: TP stays within a node",
     )
     p.add_argument(
         "--search",
@@ -46,7 +50,6 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     cfg = load_config(args)
-    from megaloop.parallel import planner
 
     for flag, value, valid, what in (
         ("--gpus", args.gpus, args.gpus >= 1, "the GPUs of the run, at least 1"),

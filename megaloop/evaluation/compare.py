@@ -22,6 +22,7 @@ import numpy as np
 
 from megaloop.evaluation.downstream import accuracies, choices, normalised, read_samples
 from megaloop.evaluation.exported import EvalError
+from megaloop.evaluation.settings import RESAMPLES
 
 METRICS = {"gold NLL / char": "lower", "margin / char": "higher", "p(gold)": "higher"}
 
@@ -39,7 +40,7 @@ def per_example(sample: dict) -> dict[str, float]:
 
 
 def paired_bootstrap(
-    diffs: np.ndarray, resamples: int = 10_000, seed: int = 0, chunk: int = 500
+    diffs: np.ndarray, resamples: int = RESAMPLES, seed: int = 0, chunk: int = 500
 ) -> tuple[float, float, float]:
     """Mean of `diffs` and the 2.5/97.5 percentiles of its mean over resamples of the pairs."""
     rng = np.random.default_rng(seed)
@@ -51,7 +52,7 @@ def paired_bootstrap(
     return float(diffs.mean()), float(low), float(high)
 
 
-def compare(a: Path, b: Path, resamples: int = 10_000, seed: int = 0) -> dict:
+def compare(a: Path, b: Path, resamples: int = RESAMPLES, seed: int = 0) -> dict:
     samples_a, samples_b = read_samples(a), read_samples(b)
     tasks = sorted(set(samples_a) & set(samples_b))
     if not tasks:

@@ -39,6 +39,8 @@ MODEL_KINDS = "a run directory, a checkpoint folder or a `megaloop export` folde
 """What MODEL may name, for every command that reads a model (its help, its errors)."""
 
 SPLITS = ("validation", "default")
+RESAMPLES = 10_000
+"""`eval compare`'s bootstrap resamples by default."""
 
 
 def positive(why: str, **values: int | None) -> None:

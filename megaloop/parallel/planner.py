@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from megaloop.config import ConfigError
 from megaloop.parallel.cost import (
+    PEAK_BF16_TFLOPS,
     activation_bytes,
     flops_per_token,
     loss_exits,
@@ -354,14 +355,21 @@ def _why(cfg, p: Plan, gpu_mem_gib: float | None, fixed: bool) -> str:
     return "; ".join(parts)
 
 
+GPUS_PER_NODE = 8
+PEAK_TFLOPS = PEAK_BF16_TFLOPS["H200"]
+"""`megaloop plan`'s default peak: an H100/H200 SXM's dense bf16."""
+MFU = 0.4
+"""The model FLOPs utilization `megaloop plan` assumes by default (our choice)."""
+
+
 def propose(
     cfg,
     gpus: int,
     gpu_mem_gib: float | None,
-    gpus_per_node: int = 8,
+    gpus_per_node: int = GPUS_PER_NODE,
     fixed: bool = False,
-    tflops: float = 989.4,
-    mfu: float = 0.4,
+    tflops: float = PEAK_TFLOPS,
+    mfu: float = MFU,
 ) -> Proposal:
     """What `megaloop plan` prints and `megaloop slurm submit` launches (one choice for both):
     the smallest model-parallel degree whose memory fits (Megatron's advice: model parallelism
