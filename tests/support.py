@@ -22,6 +22,13 @@ def env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 
 
+def bench_env(**variables) -> dict:
+    """The environment of a bench's smoke run: this Python (PYTHON), no W&B, and the bench's own
+    `variables` (its scratch folder, the source texts), as text."""
+    given = {name: str(value) for name, value in variables.items()}
+    return {**os.environ, "PYTHON": sys.executable, "WANDB_MODE": "disabled", **given}
+
+
 def megaloop(
     *args,
     extra_env: dict | None = None,

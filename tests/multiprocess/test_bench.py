@@ -18,7 +18,7 @@ from collections import Counter
 import pytest
 
 from megaloop.train.metrics import read as read_metrics
-from support import ROOT, article, miniature_source, web_documents, wikitext
+from support import ROOT, article, bench_env, miniature_source, web_documents, wikitext
 
 pytestmark = pytest.mark.multiprocess
 
@@ -531,7 +531,7 @@ def test_generate_mini_smoke(tmp_path):
     """bench/generate_mini --smoke: its exit-gate model trained and exported at a toy size, then
     every run of `bench generate` at batch 1 and 8 recorded, each with the KV slots its policy
     holds, its speed and CE finite and consistent with its own timings and with fixed K_max."""
-    env = {**os.environ, "PYTHON": sys.executable, "WANDB_MODE": "disabled"}
+    env = bench_env()
     script, work, out = str(ROOT / "bench/generate_mini"), tmp_path / "work", tmp_path / "out"
     # refused before any work: no OUT (--smoke never writes docs/generation/), no source text
     env["GEN_WORK"], env["REPRO_SOURCE"] = str(work), str(tmp_path / "missing")
@@ -605,7 +605,7 @@ def test_adaptive_depth_smoke(tmp_path):  # two worker lanes, then two pinned pr
     token, every run of `bench generate` at batch 1 and 8 over its batches, one verdict per exit
     setting, and the report with its figures."""
     script, work, out = str(ROOT / "bench/adaptive_depth"), tmp_path / "work", tmp_path / "out"
-    env = {**os.environ, "PYTHON": sys.executable, "WANDB_MODE": "disabled"}
+    env = bench_env()
     env["ADAPTIVE_WORK"] = str(work)
     proc = subprocess.run([script, "--smoke"], capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 1 and "needs an OUT folder" in proc.stderr, proc.stderr

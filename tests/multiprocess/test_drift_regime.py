@@ -4,26 +4,22 @@ run, the measurements, the extra cells, the report) at a toy size on generated W
 
 import json
 import math
-import os
 import subprocess
-import sys
 
 import pytest
 
-from support import ROOT, miniature_source
+from support import ROOT, bench_env, miniature_source
 
 
 @pytest.mark.multiprocess  # two training processes at a time
 def test_smoke_run_of_drift_regime_writes_the_report(tmp_path):
     source = miniature_source(tmp_path, seed=5)
     out = tmp_path / "report"
-    env = {
-        **os.environ,
-        "REPRO_SOURCE": str(source),
-        "DRIFT_WORK": str(tmp_path / "work"),
-        "DRIFT_BUDGET_MIN": "600",  # every step of the flow, however slow the machine
-        "PYTHON": sys.executable,
-    }
+    env = bench_env(
+        REPRO_SOURCE=source,
+        DRIFT_WORK=tmp_path / "work",
+        DRIFT_BUDGET_MIN="600",  # every step of the flow, however slow the machine
+    )
     proc = subprocess.run(
         [str(ROOT / "bench/drift_regime"), "--smoke", "--out", str(out)],
         capture_output=True,

@@ -4,25 +4,19 @@ text."""
 
 import json
 import math
-import os
 import subprocess
 import sys
 
 import pytest
 
-from support import ROOT, miniature_source
+from support import ROOT, bench_env, miniature_source
 
 
 @pytest.mark.multiprocess  # two training processes at a time
 def test_smoke_run_of_final_norm_scale_writes_its_table(tmp_path):
     source = miniature_source(tmp_path, seed=11)
     out = tmp_path / "out"
-    env = {
-        **os.environ,
-        "REPRO_SOURCE": str(source),
-        "FINAL_NORM_WORK": str(tmp_path / "work"),
-        "PYTHON": sys.executable,
-    }
+    env = bench_env(REPRO_SOURCE=source, FINAL_NORM_WORK=tmp_path / "work")
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "final_norm_scale", "--smoke", "--out", str(out)],
         cwd=ROOT,

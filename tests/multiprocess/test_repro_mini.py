@@ -2,26 +2,18 @@
 toy size on generated WikiText-like text (the full run takes ~30 minutes and is not run here)."""
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 
-from support import ROOT, miniature_source
+from support import ROOT, bench_env, miniature_source
 
 
 @pytest.mark.multiprocess  # two training processes at a time
 def test_smoke_run_of_repro_mini_writes_the_report(tmp_path):
     source = miniature_source(tmp_path, seed=3)
     out = tmp_path / "report"
-    env = {
-        **os.environ,
-        "REPRO_SOURCE": str(source),
-        "REPRO_WORK": str(tmp_path / "work"),
-        "PYTHON": sys.executable,
-        "WANDB_MODE": "disabled",
-    }
+    env = bench_env(REPRO_SOURCE=source, REPRO_WORK=tmp_path / "work")
     proc = subprocess.run(
         [str(ROOT / "bench/repro_mini"), "--smoke", "--out", str(out)],
         capture_output=True,

@@ -5,15 +5,13 @@ and the figures it reports are recomputed here from the runs' own records."""
 
 import json
 import math
-import os
 import subprocess
-import sys
 
 import pytest
 
 from megaloop import experiment
 from megaloop.train.metrics import read
-from support import ROOT, miniature_source
+from support import ROOT, bench_env, miniature_source
 
 JSON_REL = 1e-5  # the JSON keeps 6 significant digits (study_mini.write_json)
 ALLOWED = {
@@ -54,14 +52,11 @@ def flatten(d: dict, prefix: str = "") -> dict:
 @pytest.mark.multiprocess  # two training processes at a time
 def test_smoke_run_of_study_at_size(tmp_path):
     work, out = tmp_path / "work", tmp_path / "out"
-    env = {
-        **os.environ,
-        "STUDY_PRECISION": "fp32",  # the cheap one on any CPU; the default is the study's bf16
-        "REPRO_SOURCE": str(miniature_source(tmp_path, seed=5)),
-        "STUDY_WORK": str(work),
-        "PYTHON": sys.executable,
-        "WANDB_MODE": "disabled",
-    }
+    env = bench_env(
+        STUDY_PRECISION="fp32",  # the cheap one on any CPU; the default is the study's bf16
+        REPRO_SOURCE=miniature_source(tmp_path, seed=5),
+        STUDY_WORK=work,
+    )
     script = str(ROOT / "bench/study_at_size")
     proc = subprocess.run(
         [script, "--smoke", "--out", str(out)], capture_output=True, text=True, env=env, timeout=900

@@ -5,14 +5,12 @@ here); the reported norms are the runs' own."""
 
 import json
 import math
-import os
 import subprocess
-import sys
 
 import pytest
 
 from megaloop.train.metrics import read
-from support import ROOT, miniature_source
+from support import ROOT, bench_env, miniature_source
 
 
 def bench(name: str, out, env, *flags: str) -> None:
@@ -35,13 +33,7 @@ read back is within 5e-6 of the one computed, and a ratio of two such within 1e-
 def test_smoke_runs_of_study_mini_and_drift_drivers(tmp_path):
     source = miniature_source(tmp_path, seed=4)
     work = tmp_path / "work"
-    env = {
-        **os.environ,
-        "REPRO_SOURCE": str(source),
-        "STUDY_WORK": str(work),
-        "PYTHON": sys.executable,
-        "WANDB_MODE": "disabled",
-    }
+    env = bench_env(REPRO_SOURCE=source, STUDY_WORK=work)
     study = tmp_path / "study"
     bench("study_mini", study, env)
     info = json.loads((study / "study_mini.json").read_text())

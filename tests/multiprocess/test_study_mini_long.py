@@ -5,14 +5,12 @@ and growth it reports are recomputed here from the runs' and measurements' own r
 
 import json
 import math
-import os
 import subprocess
-import sys
 
 import pytest
 
 from megaloop.train.metrics import read
-from support import ROOT, miniature_source
+from support import ROOT, bench_env, miniature_source
 
 JSON_REL = 1e-5  # the JSON keeps 6 significant digits (study_mini.write_json)
 MEASURE_AT, STEPS, MARKS = (4, 8), 8, (1, 2, 4, 6, 8)  # the bench's --smoke sizes
@@ -21,14 +19,9 @@ MEASURE_AT, STEPS, MARKS = (4, 8), 8, (1, 2, 4, 6, 8)  # the bench's --smoke siz
 @pytest.mark.multiprocess  # two training processes at a time
 def test_smoke_run_of_study_mini_long(tmp_path):
     work, out = tmp_path / "work", tmp_path / "out"
-    env = {
-        **os.environ,
-        "STUDY_PRECISION": "fp32",
-        "REPRO_SOURCE": str(miniature_source(tmp_path, seed=6)),
-        "STUDY_WORK": str(work),
-        "PYTHON": sys.executable,
-        "WANDB_MODE": "disabled",
-    }
+    env = bench_env(
+        STUDY_PRECISION="fp32", REPRO_SOURCE=miniature_source(tmp_path, seed=6), STUDY_WORK=work
+    )
     script = str(ROOT / "bench/study_mini_long")
     proc = subprocess.run(
         [script, "--smoke", "--out", str(out)], capture_output=True, text=True, env=env, timeout=900

@@ -223,20 +223,25 @@ def test_a_prompt_may_exit_early_too(model, policy):
         assert cache.loop_applications == int(out.exit_loops.sum())
 
 
+def generate_padded(model, batch, mask, cache):
+    """Six greedy tokens of the left-padded `batch` (pads: id 0), through `cache`."""
+    return model.generate(
+        batch,
+        attention_mask=mask,
+        max_new_tokens=6,
+        do_sample=False,
+        pad_token_id=0,
+        past_key_values=cache,
+    )
+
+
 def test_left_padded_rows_exit_as_each_row_alone(model):
     """Padding is masked in the gathered attention as in the full-depth path."""
     long, short, batch, mask = left_padded()
     fields = dict(early_exit="gate", exit_threshold=model.middle["gate"])
     with configured(model, **fields), torch.no_grad():
         cache = LoopCache("copy")
-        out = model.generate(
-            batch,
-            attention_mask=mask,
-            max_new_tokens=6,
-            do_sample=False,
-            pad_token_id=0,
-            past_key_values=cache,
-        )
+        out = generate_padded(model, batch, mask, cache)
     for row, prompt, pad in ((0, long, 0), (1, short, 4)):
         alone_cache = LoopCache("copy")
         alone = greedy(model, prompt, 6, alone_cache, **fields)[0]
@@ -285,14 +290,7 @@ def test_a_prompts_last_token_runs_one_rule_alone_or_batched(model, policy):
     fields = dict(early_exit="margin", exit_threshold=model.middle["margin"])
     with configured(model, **fields), torch.no_grad():
         cache = LoopCache(policy)
-        out = model.generate(
-            batch,
-            attention_mask=mask,
-            max_new_tokens=6,
-            do_sample=False,
-            pad_token_id=0,
-            past_key_values=cache,
-        )
+        out = generate_padded(model, batch, mask, cache)
         decoded = None
         if policy != "recompute":
             decoded = model.decode_async(batch, 6, attention_mask=mask, kv_policy=policy)
