@@ -31,7 +31,9 @@ class Flag:
     """How a settings field is spelled on the command line, where its type does not say."""
 
     name: str | None = None
-    """The flag, where it is not the field's name (`--loops` for k_max); `model` is positional."""
+    """The flag, where it is not the field's name (`--loops` for k_max)."""
+    positional: bool = False
+    """A positional argument (MODEL), not a flag."""
     parse: Callable[[str], Any] | None = None
     """Text → value, for a value argparse's types do not parse (a comma list): applied when the
     settings are built, so its error is the settings' own, naming the flag."""
@@ -70,7 +72,9 @@ def flag_of(field: dataclasses.Field) -> Flag:
 
 
 def flag_name(field: dataclasses.Field) -> str:
-    return flag_of(field).name or option(field.name)
+    """How the field is given: its flag, or its name where it is positional."""
+    flag = flag_of(field)
+    return field.name if flag.positional else flag.name or option(field.name)
 
 
 @functools.cache
@@ -122,15 +126,14 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> argparse.ArgumentPa
             if flag.group not in groups:
                 groups[flag.group] = parser.add_mutually_exclusive_group(required=True)
             target = groups[flag.group]
-        name = flag_name(field)
-        if flag.name is not None and name.startswith("-"):
-            kwargs["metavar"] = name.lstrip("-").replace("-", "_").upper()
-        if name.startswith("-"):
-            kwargs["required"] = flag.required or field.default is dataclasses.MISSING
-            target.add_argument(name, **kwargs)
-        else:
+        if flag.positional:
             del kwargs["dest"]
             target.add_argument(field.name, **kwargs)
+            continue
+        if flag.name is not None:
+            kwargs["metavar"] = flag.name.lstrip("-").replace("-", "_").upper()
+        kwargs["required"] = flag.required or field.default is dataclasses.MISSING
+        target.add_argument(flag_name(field), **kwargs)
     return parser
 
 

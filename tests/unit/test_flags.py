@@ -63,7 +63,7 @@ def test_every_option_is_a_settings_field_with_its_default_and_choices(path):
     for field in fields:
         action, flag = actions[field.name], flag_of(field)
         name = flag_name(field)
-        assert (action.option_strings or [action.dest])[0] == (name if "-" in name else field.name)
+        assert (action.option_strings or [action.dest])[0] == name
         assert action.default in (shown(field), False if action.nargs == 0 else shown(field))
         if flag.choices is not None:
             assert list(action.choices) == list(flag.choices)
