@@ -327,6 +327,7 @@ def main(argv: list[str], out: Path | None) -> None:
     study.measurements_report(python, work, out, "runs", "measure")
     info = summary(work, todo, vocab)
     write_json(out / "study_at_size.json", info)
+    info = json.loads((out / "study_at_size.json").read_text())  # as --report reads it
     write_report(info, out)
     plot(info, out)
     print(f"study_at_size: report in {out}")

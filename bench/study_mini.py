@@ -37,6 +37,7 @@ runs/study_mini); PYTHON, the interpreter with megaloop installed (default: this
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -387,7 +388,7 @@ def plot(info: dict, out: Path) -> None:
 
     def growth(row):
         def draw(ax):
-            for seed, t in sorted(trajectories[row].items()):
+            for seed, t in sorted(trajectories[row].items(), key=lambda item: int(item[0])):
                 ax.plot(t["train_steps"], t["train_l2"], lw=0.8, label=f"seed {seed}")
                 ax.plot(t["eval_steps"], t["eval_l2"], "k.", ms=3)
 
@@ -458,6 +459,7 @@ def main(argv: list[str], out: Path | None) -> None:
         },
     }
     write_json(out / "study_mini.json", info)
+    info = json.loads((out / "study_mini.json").read_text())  # as --report reads it
     write_report(info, out)
-    plot({"trajectories": trajectories}, out)  # seeds as numbers, as it always drew them
+    plot(info, out)
     print(f"study_mini: {info['minutes']}; report in {out}")
