@@ -169,7 +169,7 @@ def test_rows_at_one_loop_read_their_slots_in_place(model, policy):
 
 def test_recompute_and_bad_arguments_are_refused(model):
     with configured(model, early_exit="gate", exit_threshold=model.middle["gate"]):
-        with pytest.raises(ValueError, match="runs `copy` or `share`"):
+        with pytest.raises(ValueError, match="runs copy, share; decode recompute with generate"):
             model.decode_async(prompts(2), 4, kv_policy="recompute")
         with pytest.raises(ValueError, match="give new_tokens"):
             model.decode_async(prompts(2))
