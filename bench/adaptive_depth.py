@@ -370,8 +370,6 @@ def verdicts(runs: dict[int, list[dict]]) -> list[dict]:
 
 def main(argv: list[str], out: Path | None) -> None:
     out = report.command("adaptive_depth", argv, out, (write_report,))
-    if out is None:
-        return
     default = "runs/adaptive_depth_smoke" if SMOKE else "runs/adaptive_depth"
     work = Path(os.environ.get("ADAPTIVE_WORK", ROOT / default)).resolve()
     python = os.environ.get("PYTHON", sys.executable)

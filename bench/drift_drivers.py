@@ -202,8 +202,8 @@ def write_report(info: dict, out: Path) -> None:
         "# What drives the drift in the study's setup",
         "",
         f"Written by `bench/drift_drivers` ({'SMOKE' if info['smoke'] else 'full run'}). Per-loop "
-        f"CE, norm and raw readouts, seeds {', '.join(map(str, SEEDS))}, {info['steps']} steps "
-        "at bench/study_mini's miniature, each cell a change of the study's setup "
+        f"CE, norm and raw readouts, seeds {', '.join(map(str, info['seeds']))}, {info['steps']} "
+        "steps at bench/study_mini's miniature, each cell a change of the study's setup "
         "(configs/experiments/study/44m/). Final-loop L2 (mean per-token L2 norm) on the "
         f"validation windows at step {info['steps']}, per seed; a cell **drifts** when norm / raw "
         f">= {FACTOR:g} in every seed.",
@@ -260,6 +260,10 @@ def write_report(info: dict, out: Path) -> None:
     (out / "report.md").write_text("\n".join(lines))
 
 
+def by_seed(item: tuple[str, dict]) -> int:
+    return int(item[0])
+
+
 def grid_neighbours() -> dict[str, list[float]]:
     """docs/drift_regime's norm/raw ratios at wd0.1-tied, lr 3e-3 and 1e-2."""
     path = ROOT / "docs/drift_regime/drift_regime.json"
@@ -273,12 +277,15 @@ def grid_neighbours() -> dict[str, list[float]]:
     return out
 
 
-def plot(runs: dict, rows: list[dict], out: Path) -> None:
+def plot(info: dict, out: Path) -> None:
+    """ratios.png: each cell's norm/raw ratios; growth.png: every run's final-loop L2 per step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = info["cells"]
+    runs = {cell: info["trajectories"][cell] for cell in CELLS if cell in info["trajectories"]}
     fig, ax = plt.subplots(figsize=(8, 3.4))
     names = [r["cell"] for r in rows]
     for i, row in enumerate(rows):
@@ -298,14 +305,13 @@ def plot(runs: dict, rows: list[dict], out: Path) -> None:
     def growth(cell):
         def draw(ax):
             for readout, style in zip(READOUTS, ("-", ":")):
-                for seed, t in sorted(runs[cell].get(readout, {}).items()):
+                for seed, t in sorted(runs[cell].get(readout, {}).items(), key=by_seed):
                     ax.plot(t["train_steps"], t["train_l2"], style, lw=0.8, color=f"C{seed}")
 
         return draw
 
-    cells = [c for c in runs if c in CELLS]
     miniature.small_multiples(
-        {cell: growth(cell) for cell in cells},
+        {cell: growth(cell) for cell in runs},
         "final-loop L2 (training batch)",
         "norm readout solid, raw dotted; colour: seed",
         out / "growth.png",
@@ -313,7 +319,7 @@ def plot(runs: dict, rows: list[dict], out: Path) -> None:
 
 
 def main(argv: list[str], out: Path | None) -> None:
-    out = report.command("drift_drivers", argv, out)
+    out = report.command("drift_drivers", argv, out, (write_report, plot))
     work = Path(os.environ.get("STUDY_WORK", ROOT / "runs/study_mini")).resolve()
     source = Path(os.environ.get("REPRO_SOURCE", ROOT.parent / "shared/data/wikitext-103"))
     python = os.environ.get("PYTHON", sys.executable)
@@ -354,6 +360,7 @@ def main(argv: list[str], out: Path | None) -> None:
         },
     }
     write_json(out / "drift_drivers.json", info)
+    info = json.loads((out / "drift_drivers.json").read_text())  # as --report reads it
     write_report(info, out)
-    plot(runs, rows, out)
+    plot(info, out)
     print(f"drift_drivers: {info['minutes']} minutes; report in {out}")

@@ -445,8 +445,6 @@ def rewrite(info: dict, out: Path) -> None:
 
 def main(argv: list[str], out: Path | None) -> None:
     out = report.command("drift_regime", argv, out, (rewrite,))
-    if out is None:
-        return
     work = Path(os.environ.get("DRIFT_WORK", ROOT / "runs/drift_regime")).resolve()
     source = Path(os.environ.get("REPRO_SOURCE", ROOT.parent / "shared/data/wikitext-103"))
     python = os.environ.get("PYTHON", sys.executable)

@@ -315,10 +315,7 @@ def plot(info: dict, out: Path) -> None:
 
 
 def main(argv: list[str], out: Path | None) -> None:
-    given = study.start("study_at_size", argv, out, (write_report, plot))
-    if given is None:
-        return
-    out, work, python, data, vocab = given
+    out, work, python, data, vocab = study.start("study_at_size", argv, out, (write_report, plot))
     if vocab > 20000:
         sys.exit(f"study_at_size: the tokenizer's {vocab} tokens exceed the preset's 20,000")
     todo = jobs(data, vocab)

@@ -405,10 +405,7 @@ def plot(info: dict, out: Path) -> None:
 
 def main(argv: list[str], out: Path | None) -> None:
     clock = {"start": time.time()}
-    given = study.start("study_mini", argv, out, (write_report, plot))
-    if given is None:
-        return
-    out, work, python, data, vocab = given
+    out, work, python, data, vocab = study.start("study_mini", argv, out, (write_report, plot))
     clock["prepared"] = time.time()
     given = data_overrides(data, vocab)
     jobs = [

@@ -297,10 +297,7 @@ def plot(info: dict, out: Path) -> None:
 
 
 def main(argv: list[str], out: Path | None) -> None:
-    given = study.start("study_mini_long", argv, out, (write_report, plot))
-    if given is None:
-        return
-    out, work, python, data, vocab = given
+    out, work, python, data, vocab = study.start("study_mini_long", argv, out, (write_report, plot))
     todo = jobs(data, vocab)
     study.train(work, todo, "study_mini_long")
     measure(work, todo)

@@ -22,11 +22,12 @@ def command(
     rewrite: tuple[Callable[[dict, Path], None], ...] = (),
     docs: str | None = None,
     make: bool = True,
-) -> Path | None:
+) -> Path:
     """The command line of a bench that writes docs/`docs` (default docs/BENCH): OUT, made
     unless `make` is false, for a run. With `rewrite`, `--report` instead calls each of them on
-    OUT/BENCH.json and OUT, rewriting the report and figures from the JSON alone (nothing is
-    trained or measured), and gives None. A smoke run must be given OUT: it never writes docs/."""
+    OUT/BENCH.json and OUT, rewriting the report and figures from the JSON alone, and ends the
+    process there (nothing is trained or measured). A smoke run must be given OUT: it never
+    writes docs/."""
     p = argparse.ArgumentParser(description=f"python -m bench {bench} [--smoke] [--out DIR]")
     if rewrite:
         p.add_argument("--report", action="store_true", help="rewrite the report from its JSON")
@@ -39,7 +40,7 @@ def command(
         for write in rewrite:
             write(info, out)
         print(f"{bench}: report and figures rewritten from {out / f'{bench}.json'}")
-        return None
+        raise SystemExit(0)
     if make:
         out.mkdir(parents=True, exist_ok=True)
     return out

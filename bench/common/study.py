@@ -249,12 +249,10 @@ def measurements_report(python: str, work: Path, out: Path, *inputs: str) -> Non
 
 
 def start(bench: str, argv: list[str], out: Path | None, rewrite):
-    """`BENCH --report` rewrites OUT's report from its JSON (`report.command`) and gives None;
+    """`BENCH --report` rewrites OUT's report from its JSON (`report.command`) and ends there;
     otherwise the study's data prepared (`prepare`) in the scratch folder STUDY_WORK from the
     texts in REPRO_SOURCE, and (OUT, STUDY_WORK, the PYTHON to run, the data, its vocabulary)."""
     out = report.command(bench, argv, out, rewrite)
-    if out is None:
-        return None
     work = Path(os.environ.get("STUDY_WORK", ROOT / "runs" / bench)).resolve()
     source = Path(os.environ.get("REPRO_SOURCE", ROOT.parent / "shared/data/wikitext-103"))
     python = os.environ.get("PYTHON", sys.executable)
