@@ -310,12 +310,9 @@ def plot(info: dict, out: Path) -> None:
 
         return draw
 
-    miniature.small_multiples(
-        {cell: growth(cell) for cell in runs},
-        "final-loop L2 (training batch)",
-        "norm readout solid, raw dotted; colour: seed",
-        out / "growth.png",
-    )
+    panels = {cell: growth(cell) for cell in runs}
+    title = "norm readout solid, raw dotted; colour: seed"
+    miniature.small_multiples(panels, "final-loop L2 (training batch)", title, out / "growth.png")
 
 
 def main(argv: list[str], out: Path | None) -> None:
