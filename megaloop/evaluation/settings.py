@@ -85,8 +85,7 @@ def parse_thresholds(text: str) -> tuple[float, ...]:
 class Measurement:
     """What every measurement of a model over a slice of held-out tokens shares."""
 
-    model: Path = setting(positional=True)
-    """a run directory, a checkpoint folder or a `megaloop export` folder"""
+    model: Path = setting(positional=True, help=MODEL_KINDS)
     data: Path
     """held-out tokens: a text file, a .npy of ids, an indexed split PREFIX (PREFIX.bin/.idx) or
     webdataset shards"""
@@ -440,8 +439,7 @@ class GenerateBenchSettings(Measurement):
 class DownstreamSettings:
     """`megaloop eval downstream`: lm-eval multiple-choice tasks on a model at K loops."""
 
-    model: Path = setting(positional=True)
-    """a run directory, a checkpoint folder or a `megaloop export` folder"""
+    model: Path = setting(positional=True, help=MODEL_KINDS)
     loops: int
     """K, the loops every token runs (K_max under --exit)"""
     tasks: tuple[str, ...] | None = setting(
@@ -509,9 +507,9 @@ between the command line and the model."""
 class GenerateSettings:
     """`megaloop generate`: text from a model, each new token stopping at its exit loop."""
 
-    model: Path = setting(positional=True)
-    """a run directory, a checkpoint folder or a `megaloop export` folder (Ouro's weights:
-    `megaloop import ouro` then `export`)"""
+    model: Path = setting(
+        positional=True, help=f"{MODEL_KINDS} (Ouro's weights: `megaloop import ouro` then export)"
+    )
     prompt: str | None = setting(None, group="prompt")
     """the text to continue (printed as it is generated)"""
     prompts: Path | None = setting(None, group="prompt")
