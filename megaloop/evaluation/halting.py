@@ -94,6 +94,7 @@ def cached_pass(
     """Per-unit scores [units, K-1] and per-unit summed CE [units, K] from one K_max pass
     (units: sequences or tokens, by the rule's ExitRuleSpec.halts)."""
     scores, ce, spec = [], [], EXIT_RULES[rule]
+    per_sequence = spec.halts == "sequence"
     with torch.no_grad():
         for batch in harness.batches(slice_, batch_size, "calibration pass"):
             batch = batch.to(device)
@@ -103,7 +104,6 @@ def cached_pass(
                 logits = model.readout(h, k, k_max)
                 token_ce = harness.token_ce(logits, targets).double()
                 score = unit_scores(spec, token_scores(model, spec, survival, h, logits))
-                per_sequence = spec.halts == "sequence"
                 loop_ce.append(token_ce.sum(1) if per_sequence else token_ce.flatten())
                 loop_score.append(score.double().flatten())
             ce.append(torch.stack(loop_ce, 1).cpu().numpy())
@@ -183,7 +183,8 @@ class DynamicBatch:
 
     def sequences_halt(self, h: torch.Tensor, k: int) -> torch.Tensor:
         logits = self.model.readout(h, k, self.k_max)
-        score = token_scores(self.model, self.rule, self.survival, h, logits).mean(-1)
+        scores = token_scores(self.model, self.rule, self.survival, h, logits)
+        score = unit_scores(self.rule, scores)
         halt = reaches(score, self.threshold, k == self.k_max)
         if halt.any():
             ce = harness.token_ce(logits[halt], self.targets[self.rows[halt]])

@@ -47,6 +47,7 @@ def test_report_rewrites_from_the_json_and_runs_nothing(name, tmp_path):
     out = tmp_path / name
     shutil.copytree(ROOT / "docs" / name, out)
     env_work = {f"{key}_WORK": tmp_path / "work" for key in ("STUDY", "DRIFT", "ADAPTIVE")}
+    env_work["REPRO_SOURCE"] = tmp_path / "missing"  # a bench that went on fails at once
     proc = subprocess.run(
         [sys.executable, "-m", "bench", name, "--report", "--out", str(out)],
         cwd=ROOT,
