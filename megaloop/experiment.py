@@ -78,6 +78,7 @@ class ExperimentConfig(Config):
             f"objective.kind={kind} trains {part}* of a trained model (a second stage): set "
             "train.init_from to the first stage's checkpoint",
         )
+        self.check_sampled_exits()
         check(
             self.data.seq_len <= self.model.max_seq_len,
             "data.seq_len",
@@ -126,6 +127,24 @@ class ExperimentConfig(Config):
         # DP=1 rules out no DP allows, so a contradiction fails here, naming the key, not when
         # the ranks have started (the world's own checks stay in build_trainer).
         data_parallel_size(self, self.parallel.tp * self.parallel.pp)
+
+    def check_sampled_exits(self) -> None:
+        """Exit-aware training (objective.exit_kv) where its keys can be held from loop to loop."""
+        exits = self.objective.exit_kv != "none"
+        check(
+            not exits or (self.parallel.pp == 1 and self.train.recompute == "none"),
+            "objective.exit_kv",
+            self.objective.exit_kv,
+            "exits sampled in the training forward hold each layer's keys and values from loop "
+            "to loop, in one process's layers and once per forward: set parallel.pp=1 and "
+            "train.recompute=none (a recomputed layer would read them again)",
+        )
+        check(
+            not exits or self.model.num_loops > 1,
+            "objective.exit_kv",
+            self.objective.exit_kv,
+            "a model of one loop has no early exit: set model.num_loops >= 2 or exit_kv=none",
+        )
 
 
 def load(path, overrides=()) -> ExperimentConfig:

@@ -150,6 +150,11 @@ def tiny_export(seed: int = 0, gate_scale: float = 0.3, **model):
     overriding them) with its norms and damping moved off their initial constants, exported in
     memory to transformers, its exit gate (if any) drawn at `gate_scale` so that tokens exit at
     different loops."""
+    return tiny_pair(seed, gate_scale, **model)[1]
+
+
+def tiny_pair(seed: int = 0, gate_scale: float = 0.3, **model):
+    """(trainer, export) of tiny_export: the trainer model in eval mode, and its export."""
     import torch
 
     from conftest import build
@@ -176,7 +181,7 @@ def tiny_export(seed: int = 0, gate_scale: float = 0.3, **model):
                 gate_scale * torch.randn(hf.exit_gate.weight.shape, generator=g)
             )
             hf.exit_gate.bias.zero_()
-    return hf
+    return trainer, hf
 
 
 def write_export(hf, folder: Path) -> Path:

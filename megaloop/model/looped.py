@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from megatron.core import tensor_parallel
@@ -37,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from megaloop.model import semantics
 from megaloop.model.config import ModelConfig, Recompute
 from megaloop.model.readout import Readout
+from megaloop.model.sampled_exits import SampledExits, draw
 from megaloop.model.specs import layer_spec, tp_group
 
 POSITION_EMBEDDINGS = {"rope": "rope", "learned": "learned_absolute"}
@@ -72,6 +74,7 @@ class LoopedLM(LanguageModule):
         layer_ids: range | None = None,
         vp_stage=None,
         recompute: Recompute = "none",
+        exit_rate: float = 0.0,
     ):
         super().__init__(config=config)
         self.cfg = cfg
@@ -79,6 +82,8 @@ class LoopedLM(LanguageModule):
         """Activations recomputed in backward: `full` each layer's, `loop` each application of
         this module's layers (one loop, or under PP this stage's share of a lap) keeping only
         its input; `selective` (core attention) is megatron-core's, set in `config`."""
+        self.exit_rate = exit_rate  # a training forward's early exits (sampled_exits)
+        self.exits: SampledExits | None = None
         self.model_type = ModelType.encoder_or_decoder
         self.pre_process = pre_process
         self.post_process = post_process
@@ -111,6 +116,7 @@ class LoopedLM(LanguageModule):
             build_module(spec, config=config, layer_number=i + 1, vp_stage=vp_stage)
             for i in range(len(self.layer_ids))
         )
+        self.hook_exited_keys()
         # H_k re-enters the stack where the embedding does; exits are read where W_out lives.
         if pre_process:
             self.recurrence = semantics.Recurrence(
@@ -179,6 +185,20 @@ class LoopedLM(LanguageModule):
     def _layer(layer, h: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
         return layer(h, attention_mask=None, rotary_pos_emb=rope)[0]
 
+    def hook_exited_keys(self) -> None:
+        """Every layer's core attention reads `exited_keys` of its keys and values."""
+        for i, layer in enumerate(self.layers):
+            attention = layer.self_attention.core_attention
+            attention.register_forward_pre_hook(partial(self.exited_keys, i))
+
+    def exited_keys(self, layer: int, core_attention, args: tuple):
+        """Core attention's (query, key, value, ...) with the exited tokens' keys and values,
+        during a forward with exits."""
+        if self.exits is None:
+            return None
+        query, key, value, *rest = args
+        return (query, *self.exits.keys_values(layer, key, value), *rest)
+
     def logits(
         self, h: torch.Tensor, loop: int, last: int, normed: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -195,20 +215,31 @@ class LoopedLM(LanguageModule):
         num_loops: int | None = None,
         clamp: bool = False,
         keep_logits: bool = False,
+        exit_loops: torch.Tensor | None = None,
     ) -> LoopOutput:
         """tokens, labels: [b, s]. `num_loops` overrides K; `clamp` holds every token's RMS at
         its loop-1 value (inference-time recurrent-scale clamp); `keep_logits` keeps every
-        exit's logits beside its CE (for objectives of the logits themselves)."""
+        exit's logits beside its CE (for objectives of the logits themselves); `exit_loops`
+        [b, s], each token's exit under `copy` (sampled_exits), drawn in training when the
+        model has an exit rate."""
         rope = self.rotary(tokens.shape[1])
         out = LoopOutput(labels=labels)
         held = semantics.Clamp() if clamp else None
         h, last = tokens, num_loops or self.cfg.num_loops
-        for k in range(1, last + 1):
-            h = self.stack(self.enter(h, k), rope)
-            if held is not None:
-                h = held(h)
-            out.hidden.append(h)
-            h = self.exit(out, h, k, last, labels, keep_logits)
+        if exit_loops is None and self.training and self.exit_rate > 0 and last > 1:
+            exit_loops = draw(tokens, last, self.exit_rate)
+        self.exits = None if exit_loops is None else SampledExits(exit_loops)
+        try:
+            for k in range(1, last + 1):
+                if self.exits is not None:
+                    self.exits.loop = k
+                h = self.stack(self.enter(h, k), rope)
+                if held is not None:
+                    h = held(h)
+                out.hidden.append(h)
+                h = self.exit(out, h, k, last, labels, keep_logits)
+        finally:
+            self.exits = None
         return out
 
     def enter(self, x: torch.Tensor, loop: int) -> torch.Tensor:
@@ -299,6 +330,7 @@ def build_model(
     layer_ids: range | None = None,
     vp_stage: int | None = None,
     trains: Callable[[str], bool] | None = None,
+    exit_rate: float = 0.0,
     **transformer_overrides,
 ) -> LoopedLM:
     """The one way a LoopedLM is made: the whole model on one device, or (given the stage's
@@ -307,7 +339,8 @@ def build_model(
     (megaloop.model.init); `seed=None` leaves it for weights loaded next. It is built on the
     current default device: `with torch.device("cuda"): build_model(...)` for a GPU. `trains`
     (parameter name → whether it learns) freezes the others before an engine wraps the model,
-    so neither gradient buffers nor optimizer state are made for them."""
+    so neither gradient buffers nor optimizer state are made for them. `exit_rate`: the tokens
+    a training forward exits early (sampled_exits)."""
     from megaloop.model.init import init_weights
     from megaloop.model.specs import recompute_config, transformer_config
 
@@ -320,6 +353,7 @@ def build_model(
         layer_ids=layer_ids,
         vp_stage=vp_stage,
         recompute=recompute,
+        exit_rate=exit_rate,
     )
     if seed is not None:
         init_weights(model, seed)

@@ -86,6 +86,13 @@ class ObjectiveConfig(Config):
     """s of gate_gain: how sharply the target turns from exit to continue around γ (Ouro's 50)."""
     norm_penalty: float = 0.0
     """λ: weight of the hidden-norm penalty (1/K)·Σ_k E‖H_k‖²_rms; 0 turns it off."""
+    exit_kv: Literal["none", "copy"] = "none"
+    """Exit-aware training (megaloop/model/sampled_exits.py): `copy` exits tokens at sampled
+    loops in the training forward, later tokens' deeper loops attending to the keys and values
+    the `copy` KV policy gives them at decode time; `none` trains every token at full depth."""
+    exit_rate: float = 0.0
+    """With exit_kv=copy: the fraction of tokens a training forward exits early, each at a loop
+    uniform in 1..K−1 (the rest run K)."""
 
     def validate(self, prefix: str = "") -> None:
         check(self.entropy_beta >= 0, prefix + "entropy_beta", self.entropy_beta, "must be >= 0")
@@ -100,6 +107,14 @@ class ObjectiveConfig(Config):
         check(self.gate_min_gain >= 0, prefix + "gate_min_gain", self.gate_min_gain, "must be >= 0")
         check(
             self.gate_sharpness > 0, prefix + "gate_sharpness", self.gate_sharpness, "must be > 0"
+        )
+        check(0 <= self.exit_rate <= 1, prefix + "exit_rate", self.exit_rate, "must be in [0, 1]")
+        check(
+            (self.exit_kv == "none") == (self.exit_rate == 0),
+            prefix + "exit_rate",
+            self.exit_rate,
+            f"with exit_kv={self.exit_kv}: set exit_kv=copy and exit_rate in (0, 1] for "
+            "exit-aware training, or exit_kv=none and exit_rate=0",
         )
 
     @property

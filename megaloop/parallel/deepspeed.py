@@ -116,6 +116,7 @@ class DeepSpeedEngine:
                 cfg.train.seed,
                 recompute=cfg.train.recompute,
                 trains=cfg.objective.trains,
+                exit_rate=cfg.objective.exit_rate,
                 tensor_model_parallel_size=cfg.parallel.tp,
             )
         self.config = self.module.config

@@ -76,6 +76,7 @@ class MegatronEngine:
                 cfg.train.seed,
                 recompute=cfg.train.recompute,
                 trains=cfg.objective.trains,
+                exit_rate=cfg.objective.exit_rate,
                 pre_process=self.pp_rank == 0,
                 post_process=self.pp_rank == par.pp - 1,
                 layer_ids=range(self.pp_rank * per_rank, (self.pp_rank + 1) * per_rank),

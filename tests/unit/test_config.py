@@ -288,6 +288,17 @@ BAD = [
     (["model.embedding_init_std=0"], ["model.embedding_init_std", "> 0"]),
     (["optim.schedule=linear"], ["optim.schedule", "cosine, constant"]),
     (["optim.decay=none"], ["optim.decay", "matrices, all"]),
+    (["objective.exit_kv=share"], ["objective.exit_kv", "none, copy"]),
+    (["objective.exit_rate=0.5"], ["objective.exit_rate", "exit_kv=copy"]),
+    (["objective.exit_kv=copy", "objective.exit_rate=2"], ["objective.exit_rate", "[0, 1]"]),
+    (
+        ["objective.exit_kv=copy", "objective.exit_rate=0.5", "parallel.pp=2"],
+        ["objective.exit_kv", "parallel.pp=1"],
+    ),
+    (
+        ["objective.exit_kv=copy", "objective.exit_rate=0.5", "train.recompute=loop"],
+        ["objective.exit_kv", "train.recompute=none"],
+    ),
 ]
 
 

@@ -362,3 +362,29 @@ def test_train_names_its_run_directory_first_and_last_and_labels_its_result(tmp_
         "hidden_rms": final["hidden_rms"],
         "valid_windows": final["valid_windows"],
     }
+
+
+def test_exit_aware_training_draws_exits_in_the_engines_forward(tmp_path):
+    """objective.exit_kv=copy reaches the engine's model: step 1 (learning rate 0) logs loop 1's
+    CE as a plain run does (every token runs loop 1 on its own keys) and every deeper loop's
+    otherwise, as some tokens have exited before it."""
+    ce = {}
+    for name, exits in (
+        ("plain", []),
+        ("exits", ["objective.exit_kv=copy", "objective.exit_rate=0.5"]),
+    ):
+        cfg = experiment.load(
+            TINY,
+            [
+                f"train.dir={tmp_path / name}",
+                "train.steps=1",
+                "train.log_every=1",
+                "data.seq_len=32",
+                "wandb.mode=disabled",
+                *exits,
+            ],
+        )
+        experiment.build_trainer(cfg).fit()
+        ce[name] = read_metrics(tmp_path / name)["steps"][0]["ce"]
+    assert ce["exits"][0] == pytest.approx(ce["plain"][0], rel=1e-6), ce
+    assert all(abs(a - b) > 1e-4 for a, b in zip(ce["exits"][1:], ce["plain"][1:])), ce
