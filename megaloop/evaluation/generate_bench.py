@@ -17,11 +17,14 @@ slows a decode; every repeat's seconds are kept), after an untimed warm-up per b
 over the same positions in every run.
 
 The per-token fixed cost (embedding, readout, cache bookkeeping, Python) is stated by a least-
-squares fit over the fixed-K runs of each batch size: seconds per token t(K) = f + c·K. An
-exiting run's predicted speed-up over fixed K_max is then (f + c·K_max) / (f + c·mean loops);
-the gate's per-loop λ and the margin's per-loop readout are not in the prediction, so they show
-in the ratio measured / predicted. Each run records the KV slots its cache held per layer
-(`kv_slots_per_layer`, counted on the cache: K, or 1 under `share`).
+squares fit over the fixed-K runs of each batch size: seconds per token t(K) = f + c·K. An exiting
+run's predicted speed-up over fixed K_max is then (f + c·K_max) / (f + c·m), m the applications of
+the stack per decoded step it made (`step_max_loops`: a synchronous batch runs its deepest token's
+loops, the depth-asynchronous decoder its steps per token): the work the run chose, at fixed K's
+price. What the exiting path itself costs (the rule's per-loop λ or readout, the masks, recompute's
+catch-up rows) is not in it, so it shows in the ratio measured / predicted. `loops_speedup`, K_max
+/ mean exit loops, is the speed-up a token's own exits allow. Each run records the KV slots its
+cache held per layer (`kv_slots_per_layer`, counted on the cache: K, or 1 under `share`).
 """
 
 from __future__ import annotations
@@ -256,11 +259,12 @@ def fixed_cost(records: list[dict], k_max: int) -> dict:
 
 def compare(records: list[dict], fit: dict, k_max: int) -> None:
     """Each run of one batch size against that batch's fixed K_max: measured and predicted
-    speed-up, their ratio, and the CE difference."""
+    speed-up (the stack applications it made, at fixed K's price), their ratio, and the CE
+    difference."""
     base = next(r for r in records if r["exit"] == "fixed" and r["loops"] == k_max)
     f, c = fit["fixed_s_per_token"], fit["loop_s_per_token"]
     for r in records:
-        predicted = (f + c * k_max) / (f + c * r["mean_loops"])
+        predicted = (f + c * k_max) / (f + c * r["step_max_loops"])
         measured = r["tokens_per_s"] / base["tokens_per_s"]
         r.update(
             speedup=measured,

@@ -45,7 +45,11 @@ class LoopCache(Cache):
     as many per layer as the KV policy keeps (modes.KV_POLICIES), and what the exiting forward
     counts: each new token's exit loop and loops run (`exit_loops`, `loops_run`: one [b, s] per
     forward) and every application of the stack to a token (`loop_applications`, recompute's
-    catch-up included). `recompute` also keeps every token's latest hidden state (`tokens`)."""
+    catch-up included). `recompute` also keeps every token's latest hidden state (`tokens`).
+
+    The slots are views of one preallocated tensor `kv` [slots, b, 2, kv_heads, capacity,
+    head_dim] (`keys[i]`, `values[i]`: kv[i, :, 0], kv[i, :, 1]), so that what spans slots (a
+    copy into every deeper loop, a decoder's gather of each row's slot) is one operation."""
 
     is_compileable = False
 
@@ -57,6 +61,7 @@ class LoopCache(Cache):
         self.num_loops: int | None = None
         self.num_layers = 0
         self.length = 0
+        self.kv: torch.Tensor | None = None
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.tokens: Tokens | None = None
@@ -78,29 +83,40 @@ class LoopCache(Cache):
         if self.num_loops is None:
             self.num_loops, self.num_layers = num_loops, layers
             slots = self.policy.loop_slots(num_loops) * layers
-            self.keys = [like.clone() for _ in range(slots)]
-            self.values = [like.clone() for _ in range(slots)]
+            b, heads, _, head_dim = like.shape
+            self.set_kv(like.new_zeros(slots, b, 2, heads, 0, head_dim))
         elif num_loops != self.num_loops:
             raise ValueError(
                 f"num_loops={num_loops}: this cache holds K={self.num_loops}; start a new cache "
                 "to change K"
             )
         self.length += s
-        b, heads, capacity, head_dim = self.keys[0].shape
-        if self.length > capacity:
-            room = self.keys[0].new_zeros(b, heads, max(capacity, self.length - capacity), head_dim)
-            self.keys = [torch.cat([t, room], 2) for t in self.keys]
-            self.values = [torch.cat([t, room], 2) for t in self.values]
+        if self.length > self.capacity:
+            self.reserve(max(2 * self.capacity, self.length))
 
-    def copy_down(self, k: int, rows: torch.Tensor, positions: torch.Tensor) -> None:
-        """`copy`: loop k's keys and values of the tokens at (rows, positions) into every deeper
-        loop's slots, which later tokens attend to at those loops."""
-        L = self.num_layers
-        for store in (self.keys, self.values):
-            for layer in range(L):
-                exit_entry = store[(k - 1) * L + layer][rows, :, positions]
-                for deeper in store[k * L + layer :: L]:  # this layer's slots of loops k+1..K
-                    deeper[rows, :, positions] = exit_entry
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[4]
+
+    def reserve(self, room: int) -> None:
+        """Capacity for `room` positions in every slot, allocated now (a decoder that knows how
+        many tokens it will feed copies the slots once, not as they fill)."""
+        if room > self.capacity:
+            kv = self.kv.new_zeros(*self.kv.shape[:4], room, self.kv.shape[5])
+            kv[:, :, :, :, : self.capacity] = self.kv
+            self.set_kv(kv)
+
+    def set_kv(self, kv: torch.Tensor) -> None:
+        self.kv = kv
+        self.keys, self.values = (list(kv[:, :, i].unbind(0)) for i in (0, 1))
+
+    def copy_deeper(self, k: int, s: int) -> None:
+        """`copy`, after a forward whose every new token (the last s positions) exited by loop
+        k < K: loop k's slots of those positions, each token's exit loop's keys and values by
+        then, into every deeper loop's slots, in one copy."""
+        by_loop = self.kv.unflatten(0, (self.num_loops, self.num_layers))
+        new = slice(self.length - s, self.length)
+        by_loop[k:, :, :, :, :, new] = by_loop[k - 1 : k, :, :, :, :, new]
 
     @property
     def batch_size(self) -> int:
@@ -124,8 +140,7 @@ class LoopCache(Cache):
         self.select_rows(lambda t: t.repeat_interleave(repeats, 0))
 
     def select_rows(self, select) -> None:
-        self.keys = [select(t) for t in self.keys]
-        self.values = [select(t) for t in self.values]
+        self.set_kv(select(self.kv.transpose(0, 1)).transpose(0, 1).contiguous())
         if self.tokens is not None:
             self.tokens = Tokens(*map(select, self.tokens.tensors()), self.tokens.offset)
 
@@ -237,23 +252,126 @@ def exiting(
     K: int,
     prefill_exit: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits [b, s, V] and exit loops [b, s] of the new tokens: at loop k only the tokens
-    still running (and, under `recompute`, the earlier ones their attention needs at k) are
-    gathered and run; a token stops at its rule's exit. A prompt runs at full depth unless
-    `prefill_exit`, its logits still its rule's exit loop's: a forward of more than one token,
-    or the first forward of a cache whatever its length, so that a one-token prompt alone runs
-    as it does left-padded in a batch. Only a decoded token (one, after cached ones) exits."""
-    b, s = input_ids.shape
+    """Logits [b, s, V] and exit loops [b, s] of the new tokens; a token stops at its rule's
+    exit. A prompt runs at full depth unless `prefill_exit`, its logits still its rule's exit
+    loop's: a forward of more than one token, or the first forward of a cache whatever its
+    length, so that a one-token prompt alone runs as it does left-padded in a batch. Only a
+    decoded token (one, after cached ones) exits. `recompute` gathers the tokens a loop runs
+    (`resumed`); the other policies run the batch in lockstep (`lockstep`)."""
+    s = input_ids.shape[1]
     c = model.config
     tokens = fresh_tokens(model, input_ids, positions, cache, K)
-    offset = cache.get_seq_length() - s
-    exits_early = prefill_exit or (s == 1 and offset > 0)
+    exits_early = prefill_exit or (s == 1 and cache.get_seq_length() > s)
     rope = model.rotary(tokens.positions)
     loops = Loops(model, K, c.early_exit, c.exit_threshold, c.clamp)
-    running = torch.ones_like(input_ids, dtype=torch.bool)
+    if cache.policy.resumes:
+        logits, exit_loops, loops_run = resumed(
+            loops, tokens, rope, cache, key_mask, exits_early, s
+        )
+    else:
+        logits, exit_loops = lockstep(loops, tokens, rope, cache, key_mask, exits_early)
+        loops_run = exit_loops if exits_early else torch.full_like(exit_loops, K)
+        cache.loop_applications += int(loops_run.sum())
+    cache.exit_loops.append(exit_loops)
+    cache.loops_run.append(loops_run)
+    return logits, exit_loops
+
+
+def lockstep(
+    loops: Loops,
+    tokens: Tokens,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    cache: LoopCache,
+    key_mask: torch.Tensor | None,
+    exits_early: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and exit loops of a forward whose tokens resume nothing (`copy`, `share`): every
+    row runs each loop until all its new tokens have exited, an exited token's hidden state and
+    keys and values held by masks (HeldSlots) instead of gathering the running ones, so a loop
+    costs the fixed-K forward's plus a `where` a tensor, one host sync decides whether any token
+    runs on, and the exit's readout is computed once, at the end, unless the rule read it."""
+    model, K = loops.model, loops.num_loops
+    b, s = tokens.depth.shape
+    mask = None if key_mask is None else allowed_keys(key_mask, s, cache.length, key_mask.device)
+    open_ = torch.ones_like(tokens.depth, dtype=torch.bool)
+    exit_loops = torch.zeros_like(tokens.depth)
+    kept = {}  # the exits' logits where the rule reads them, else their hidden states
+    slots = HeldSlots(cache, s)
+
+    def run() -> bool:
+        k = loops.loop
+        h = model.step(tokens.hidden, loops, rope, slots, mask)
+        if slots.running is not None:
+            h = torch.where(slots.running[..., None], h, tokens.hidden)
+        tokens.hidden = h
+        stop, read = loops.stop(tokens.hidden)
+        newly = open_ & stop
+        exit_loops.masked_fill_(newly, k)
+        name, value = ("logits", read) if read is not None else ("hidden", tokens.hidden)
+        kept[name] = value if k == 1 else torch.where(newly[..., None], value, kept[name])
+        open_.logical_and_(~stop)
+        if not exits_early:
+            return True
+        if open_.numel() == 1:
+            return bool(open_)
+        more, every = torch.stack((open_.any(), open_.all())).tolist()
+        slots.running = None if every else open_
+        return more
+
+    if loops.clamp:
+        loops.reference = tokens.reference
+    each_loop(loops, run)
+    if exits_early and cache.policy.copies_down and loops.loop < K:
+        cache.copy_deeper(loops.loop, s)
+    if "logits" in kept:
+        return kept["logits"], exit_loops
+    return model.readout(kept["hidden"], exit_loops, K), exit_loops
+
+
+class HeldSlots:
+    """A lockstep forward's view of a LoopCache: `update` writes the new positions' keys and
+    values in the loop's slot and returns the slot whole, as Cache.update does; a token no
+    longer `running` [b, s] (None: all are; set each loop) writes what its KV policy leaves
+    there instead, the previous loop's under `copy` (by induction its exit loop's), its own last
+    under `share`. The slots' views are taken once a forward, not at every layer."""
+
+    def __init__(self, cache: LoopCache, s: int):
+        end = cache.length
+        self.cache, self.running = cache, None
+        self.whole = [t[:, :, :end] for t in (*cache.keys, *cache.values)]
+        self.new = [t[:, :, end - s : end] for t in (*cache.keys, *cache.values)]
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, index: int):
+        cache, slot = self.cache, self.cache.slot(index)
+        slots = len(cache.keys)
+        for i, new in ((slot, k), (slots + slot, v)):
+            if self.running is not None:
+                held = self.new[i - cache.num_layers if cache.policy.copies_down else i]
+                new = torch.where(self.running[:, None, :, None], new, held)
+            self.new[i].copy_(new)
+        return self.whole[slot], self.whole[slots + slot]
+
+
+def resumed(
+    loops: Loops,
+    tokens: Tokens,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    cache: LoopCache,
+    key_mask: torch.Tensor | None,
+    exits_early: bool,
+    s: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits, exit loops and loops run of a `recompute` forward's s new tokens: at loop k only
+    the new tokens still running, and the earlier ones their attention needs at k (at loop
+    k − 1), are gathered and run."""
+    b, model = tokens.depth.shape[0], loops.model
+    running = torch.ones(b, s, dtype=torch.bool, device=tokens.depth.device)
     open_ = running.clone()
-    logits = tokens.hidden.new_zeros(b, s, c.vocab_size)
-    exit_loops, loops_run = torch.zeros_like(input_ids), torch.zeros_like(input_ids)
+    logits = tokens.hidden.new_zeros(b, s, model.config.vocab_size)
+    exit_loops, loops_run = (
+        torch.zeros_like(running, dtype=torch.long),
+        torch.zeros_like(running, dtype=torch.long),
+    )
 
     def run() -> bool:
         nonlocal running
@@ -265,14 +383,10 @@ def exiting(
         open_[rows[stop], cols[stop]] = False
         if exits_early:
             running = open_.clone()
-            if cache.policy.copies_down and k < K and bool(stop.any()):
-                cache.copy_down(k, rows[stop], offset + cols[stop])
         return bool(running.any())
 
     each_loop(loops, run)
-    cache.exit_loops.append(exit_loops)
-    cache.loops_run.append(loops_run)
-    return logits, exit_loops
+    return logits, exit_loops, loops_run
 
 
 def fresh_tokens(model, input_ids, positions, cache: LoopCache, K: int) -> Tokens:
@@ -455,11 +569,10 @@ class DepthAsyncDecoder:
     token's cache position (less its left padding: its rope position) and the tokens it has fed;
     `loops` (semantics.Loops) holds the loop each runs next, its gate survival and clamp reference
     (reset when it starts a token) and applies the loop's rules to each. The keys and values are the
-    prefilled LoopCache's, restacked as one [slots, b, 2, kv_heads, T, head_dim] with room for every
-    fed token: a row's keys and values of one slot are one block (`blocks`, read whole), each head's
-    positions contiguous as attention reads them; `by_position` views the same memory by (block,
-    position), where a step writes. The cache's own slot lists view it too, so the cache is whole
-    afterwards. `copy` and `share` only: `recompute` would resume earlier tokens of a row at a loop
+    prefilled LoopCache's one tensor (LoopCache.kv), given room for every fed token: a row's keys
+    and values of one slot are one block (`blocks`, read whole), each head's positions contiguous
+    as attention reads them; `by_position` views the same memory by (block, position), where a
+    step writes. `copy` and `share` only: `recompute` would resume earlier tokens of a row at a loop
     that row's attention needs, which a row-synchronous step does."""
 
     def __init__(
@@ -474,9 +587,8 @@ class DepthAsyncDecoder:
         self.check(cache.kv_policy, attention_mask)
         self.model, self.cache, self.feeds = model, cache, feeds
         self.K, self.L = cache.num_loops, cache.num_layers
-        room = cache.length + feeds
-        self.kv = restack(cache.keys, cache.values, room)
-        cache.keys, cache.values = (list(self.kv[:, :, i].unbind(0)) for i in (0, 1))
+        cache.reserve(cache.length + feeds)
+        self.kv, room = cache.kv, cache.capacity
         self.blocks = self.kv.flatten(0, 1)
         self.by_position = self.blocks.permute(0, 3, 1, 2, 4)  # [blocks, room, 2, heads, d_head]
         # where a layer gathers its rows' slots, the same memory at every layer and step: a new
@@ -650,14 +762,3 @@ class RowSlots:
         else:
             kv = torch.index_select(self.blocks, 0, self.read[layer], out=self.gathered)
         return kv[:, 0], kv[:, 1]
-
-
-def restack(keys: list[torch.Tensor], values: list[torch.Tensor], room: int) -> torch.Tensor:
-    """A LoopCache's per-slot keys and values [b, kv_heads, ≥T, head_dim] as one
-    [slots, b, 2, kv_heads, room, head_dim] tensor, the first T positions theirs."""
-    b, heads, _, head_dim = keys[0].shape
-    stacked = keys[0].new_zeros(len(keys), b, 2, heads, room, head_dim)
-    for i, pair in enumerate(zip(keys, values)):
-        for j, slot in enumerate(pair):
-            stacked[i, :, j, :, : min(room, slot.shape[2])] = slot[:, :, :room]
-    return stacked

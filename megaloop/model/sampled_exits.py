@@ -2,7 +2,7 @@
 what the decode-time KV policy hands them (objective.exit_kv, objective.exit_rate).
 
 Under `copy` a token that exits at loop e leaves its loop-e keys and values in every deeper
-loop's slots (decoding.LoopCache.copy_down), so a later token at loop j > e attends to them, not
+loop's slots (decoding.HeldSlots), so a later token at loop j > e attends to them, not
 to the keys and values of a loop the exited token never ran. A plain training forward runs every
 token K loops, so a model trained on it has never attended to an exited token: the training
 forward here draws each token's exit loop e_t and, at loop j, layer l, gives every query the

@@ -66,6 +66,10 @@ def test_every_run_is_recorded_with_the_issues_keys_and_the_figure(bench):
     assert [f["batch_size"] for f in result["fixed_cost"]] == list(BATCHES)
     for fit in result["fixed_cost"]:  # its values are timings: only their presence is tested
         assert all(np.isfinite(fit[key]) for key in ("fixed_s_per_token", "loop_s_per_token"))
+        f, c = fit["fixed_s_per_token"], fit["loop_s_per_token"]
+        for r in runs_of(result, batch_size=fit["batch_size"]):  # the work it made, at K's price
+            predicted = (f + c * k_max) / (f + c * r["step_max_loops"])
+            assert r["predicted_speedup"] == pytest.approx(predicted), r
     mixed = runs_of(result, exit="gate", threshold=0.5) + runs_of(result, exit="margin")
     assert any(1 < r["mean_loops"] < k_max for r in mixed)  # the thresholds do exit early
     md = (root / "out/generate.md").read_text()

@@ -26,13 +26,13 @@ def ce(logits, tokens) -> float:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).item()
 
 
-def decode(model, policy: str, decoder: str, rule: str = "gate"):
+def decode(model, policy: str, decoder: str, rule: str = "gate", rows=slice(None)):
     """Greedy decoding of NEW tokens after prompts(BATCH, PROMPT), at the rule's middle threshold,
     by the synchronous decoder (generate: one token a forward, loop k run by the rows still
     open) or the depth-asynchronous one (each row at its own loop): the LoopCache and the exit
     loops [BATCH, NEW - 1] of the tokens fed after the prompt (the last new token is not fed),
-    which sit at cache positions PROMPT, PROMPT + 1, ..."""
-    prompt = prompts(BATCH, PROMPT)
+    which sit at cache positions PROMPT, PROMPT + 1, ... (`rows`: of those prompts)."""
+    prompt = prompts(BATCH, PROMPT)[rows]
     fields = dict(early_exit=rule, exit_threshold=model.middle[rule])
     if decoder == "sync":
         cache = LoopCache(policy)
@@ -106,14 +106,27 @@ def test_counted_loop_applications_are_the_sum_of_exits(model, rule, policy):
 @pytest.mark.parametrize("rule", ["gate", "margin"])
 def test_a_token_runs_no_loop_after_its_exit(model, rule, policy, decoder):
     """Counted where the stack is entered, not by the cache: the prompt runs at full depth
-    (PROMPT·K a row) and each fed token its exit loop's loops, no more: BATCH·PROMPT·K + Σ exit
-    loops, where running every loop would be BATCH·(PROMPT + NEW - 1)·K."""
+    (PROMPT·K a row). Depth-asynchronously each fed token runs its exit loop's loops, no more:
+    BATCH·PROMPT·K + Σ exit loops, where running every loop would be BATCH·(PROMPT + NEW - 1)·K.
+    Synchronously a row alone does the same, and a batch runs in lockstep every row through its
+    deepest token's loops at each step (masked: the exited ones' results are held). The cache
+    counts each token's own loops."""
     K = model.config.num_loops
     with stack_inputs(model) as counted:
         cache, exits = decode(model, policy, decoder, rule)
     assert int((exits < K).sum()) >= exits.numel() // 4, exits  # early exits do happen
-    assert counted[0] == BATCH * PROMPT * K + int(exits.sum())
-    assert cache.loop_applications == counted[0]
+    assert cache.loop_applications == BATCH * PROMPT * K + int(exits.sum())
+    if decoder == "async":
+        assert counted[0] == cache.loop_applications
+        return
+    assert counted[0] == BATCH * PROMPT * K + BATCH * int(exits.max(0).values.sum())
+    alone = []
+    for row in range(3):
+        with stack_inputs(model) as counted:
+            cache, exits = decode(model, policy, decoder, rule, rows=slice(row, row + 1))
+        assert counted[0] == PROMPT * K + int(exits.sum())
+        alone.append(exits)
+    assert bool((torch.cat(alone) < K).any())  # alone, a row does stop early
 
 
 @pytest.mark.parametrize("decoder", ["sync", "async"])
