@@ -1,31 +1,40 @@
 """Adaptive depth against fixed depth on a task where depth matters (bench/adaptive_depth).
 
-    bench/adaptive_depth               3 seeds: train (two stages), export, per-token CE by loop,
-                                       `bench generate` at batch 1 and 8; rewrites
-                                       docs/adaptive_depth/ (README.md, adaptive_depth.json, PNGs)
+    bench/adaptive_depth               every model of VARIANTS, 3 seeds each: train (two stages),
+                                       export, per-token CE by loop, `bench generate` at batch 1
+                                       and 8, the exit path's profile; rewrites docs/adaptive_depth/
+                                       (README.md, adaptive_depth.json, a folder per model)
     bench/adaptive_depth --smoke --out OUT
                                        the same flow at a toy size, into OUT
     bench/adaptive_depth --report [--out OUT]
-                                       rewrites OUT's README.md and PNGs from its JSON
+                                       rewrites OUT's READMEs and PNGs from its JSON
 
 1. The task: the built-in `addition` corpus at 4 digits (megaloop/data/synthetic.py), one sum a
    window: `0473+0968=01441` and a newline. An answer digit needs its column's carry, which the
    next column decides unless its digits sum to 9 (then the carry runs on through the columns
    below); the operand digits are random, so no loop helps them, and the format is fixed.
-2. The model, in two stages per seed (configs/experiments/adaptive_depth/): stage 1 the
-   exit-weighted objective with an entropy bonus, stage 2 the exit gate alone trained on whether
-   the next loop still lowers a token's CE (Ouro's two stages); then `megaloop export`.
+2. The models (VARIANTS), each in two stages per seed (configs/experiments/adaptive_depth/, the
+   variant's overrides on both): stage 1 the exit-weighted objective with an entropy bonus, stage
+   2 the exit gate alone trained on whether the next loop still lowers a token's CE (Ouro's two
+   stages); then `megaloop export`. One layer a loop trained as before (the reference for what
+   exit-aware training changes: evidence only), the same with exit-aware training under `copy`
+   (objective.exit_kv, sampled_exits.py), and four layers a loop with it.
 3. Per-token evidence: each loop's CE and accuracy on validation windows, by what the next token
-   is (KINDS), and where each exit rule stops each kind (the no-cache reference of early exit).
+   is (KINDS), and where each exit rule stops each kind (the no-cache reference of early exit),
+   and through the cache under each KV policy.
 4. The frontier: `megaloop bench generate --task addition` on each seed's export, one thread
    pinned to one core: every fixed K from 1 to 4 and every exit rule (the learned gate, the top-1
    margin, the top-1 probability) over its thresholds, under every KV policy (`copy`, `share`,
    `recompute`), sync and async, over EPISODES[b] windows at batch size b.
-5. The verdict (VERDICT below, fixed before the run).
+5. The profile (seed 0 of each benchmarked model): fixed K against the exiting path at a
+   threshold no token reaches, under every policy and batching, so both run K loops and the
+   difference is what the exit path itself costs a loop.
+6. The verdict (VERDICT below, fixed before the run), per model.
 
 Environment: ADAPTIVE_WORK, the scratch folder (default runs/adaptive_depth, or
-runs/adaptive_depth_smoke under --smoke; finished runs are kept, so a rerun resumes); PYTHON, the
-interpreter with megaloop installed (default: this one).
+runs/adaptive_depth_smoke under --smoke; finished runs are kept, and a stopped run resumes from
+its last checkpoint, so a rerun resumes); PYTHON, the interpreter with megaloop installed
+(default: this one).
 """
 
 from __future__ import annotations
@@ -39,11 +48,12 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from bench.adaptive_depth_report import KINDS, result_lines, setting, write_report
+from bench.adaptive_depth_report import KINDS, result_lines, setting, variant_info, write_report
 from bench.common import ROOT, SMOKE, report, workers
-from megaloop.model.modes import EXIT_RULES, KV_POLICIES
+from megaloop.model.modes import EXIT_RULES, KV_POLICIES, asynchronous_policies
 
 CONFIGS = ROOT / "configs/experiments/adaptive_depth"
 SEEDS = (0, 1) if SMOKE else (0, 1, 2)
@@ -52,7 +62,10 @@ TASK, DIGITS, SEQ_LEN, PROMPT = "addition", 4, 16, 6
 """One sum a window (16 tokens and the next sum's first digit as the last target); the first 6
 tokens, the first operand and '+', are the prompt, prefilled at full depth."""
 STEPS = (4, 2) if SMOKE else (3000, 400)
-"""Stage 1 and stage 2 optimizer steps."""
+"""Stage 1 and stage 2 optimizer steps of a one-layer model."""
+DEEP_STEPS = (4, 2) if SMOKE else (2000, 400)
+"""Of the four-layer model (our choice: a step costs about three of the one-layer model's, and
+the bench must end within 3 hours on 2 cores)."""
 SMOKE_MODEL = [
     "model.hidden_size=32",
     "model.num_heads=2",
@@ -61,6 +74,38 @@ SMOKE_MODEL = [
     "train.log_every=2",
     "train.eval_batches=2",
 ]
+SAVE_EVERY = 500
+"""A stopped bench's training resumes from its last checkpoint (megaloop train resumes)."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A model the bench trains: its title, its overrides of both stages' configs, its steps,
+    and whether `bench generate` and the profile run on it (else the evidence only)."""
+
+    title: str
+    overrides: tuple[str, ...]
+    steps: tuple[int, int]
+    bench: bool
+
+
+EXITS = ("objective.exit_kv=copy", "objective.exit_rate=0.5")
+"""Exit-aware training under `copy` (our choice of rate: half the tokens exit early, each at a
+loop uniform in 1..K−1); stage 2 trains the gate under the same sampled exits."""
+VARIANTS = {
+    "one_layer": Variant("one layer a loop, trained at full depth", (), STEPS, bench=False),
+    "one_layer_exits": Variant("one layer a loop, exit-aware training", EXITS, STEPS, bench=True),
+    "four_layers_exits": Variant(
+        "four layers a loop, exit-aware training",
+        # our choice: in probes, stage 1's 3e-3 kept a four-layer loop at its starting CE for
+        # 400 steps (5-digit sums); at 1e-3 (4-digit sums) its CE fell from step 50 on
+        (*EXITS, "model.num_layers=4", "optim.lr=1.0e-3", "optim.min_lr=1.0e-4"),
+        DEEP_STEPS,
+        bench=True,
+    ),
+}
+"""The models, in the report's order; they train in the reverse one (the longest first, so the
+two lanes end together)."""
 EPISODES = {1: 4, 8: 16} if SMOKE else {1: 128, 8: 256}
 """Windows `bench generate` decodes per run at each batch size (batch size x --batches)."""
 EVIDENCE = 32 if SMOKE else 1024
@@ -89,58 +134,67 @@ VERDICT = (
 )
 
 
-def run_dir(work: Path, seed: int, stage: int) -> Path:
-    return work / f"seed{seed}" / f"stage{stage}"
+def run_dir(work: Path, variant: str, seed: int, stage: int) -> Path:
+    return work / variant / f"seed{seed}" / f"stage{stage}"
 
 
-def checkpoint(work: Path, seed: int, stage: int) -> Path:
-    return run_dir(work, seed, stage) / "checkpoints" / f"step_{STEPS[stage - 1]:07d}"
+def checkpoint(work: Path, variant: str, seed: int, stage: int) -> Path:
+    steps = VARIANTS[variant].steps[stage - 1]
+    return run_dir(work, variant, seed, stage) / "checkpoints" / f"step_{steps:07d}"
+
+
+def export_dir(work: Path, variant: str, seed: int) -> Path:
+    return work / variant / f"seed{seed}" / "hf"
 
 
 def train(work: Path) -> None:
-    """Both stages of every seed not trained yet, and their exports, two seeds at a time."""
+    """Both stages of every model and seed not trained yet, and their exports, two at a time."""
     from megaloop.train.metrics import finished
 
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
 
-    def one(seed: int) -> None:
-        for stage, steps in zip((1, 2), STEPS):
-            folder = run_dir(work, seed, stage)
+    def one(job: tuple[str, int]) -> None:
+        variant, seed = job
+        v = VARIANTS[variant]
+        for stage, steps in zip((1, 2), v.steps):
+            folder = run_dir(work, variant, seed, stage)
             if finished(folder, steps):
                 continue
-            start = [f"train.init_from={checkpoint(work, seed, 1)}"] if stage == 2 else []
+            start = [f"train.init_from={checkpoint(work, variant, seed, 1)}"] if stage == 2 else []
             argv = [
                 "train",
                 CONFIGS / f"stage{stage}.yaml",
                 *(SMOKE_MODEL if SMOKE else []),
+                *v.overrides,
                 *start,
                 f"train.steps={steps}",
-                f"train.save_every={steps}",
+                f"train.save_every={min(steps, SAVE_EVERY)}",
                 f"train.seed={seed}",
                 f"train.dir={folder}",
             ]
             began = time.time()
-            if workers.megaloop(argv, logs / f"seed{seed}-stage{stage}.log") != 0:
-                sys.exit(f"adaptive_depth: seed {seed} stage {stage} failed; see {logs}")
-            print(f"trained seed {seed} stage {stage} in {time.time() - began:.0f} s", flush=True)
-        export = work / f"seed{seed}" / "hf"
+            log = logs / f"{variant}-seed{seed}-stage{stage}.log"
+            if workers.megaloop(argv, log) != 0:
+                sys.exit(f"adaptive_depth: {variant} seed {seed} stage {stage} failed; see {log}")
+            print(f"trained {variant} seed {seed} stage {stage} in {time.time() - began:.0f} s")
+        export = export_dir(work, variant, seed)
         if not (export / "config.json").is_file():
             shutil.rmtree(export, ignore_errors=True)
-            argv = ["export", run_dir(work, seed, 2), "--out", export]
-            if workers.megaloop(argv, logs / f"seed{seed}-export.log") != 0:
-                sys.exit(f"adaptive_depth: exporting seed {seed} failed; see {logs}")
+            argv = ["export", run_dir(work, variant, seed, 2), "--out", export]
+            if workers.megaloop(argv, logs / f"{variant}-seed{seed}-export.log") != 0:
+                sys.exit(f"adaptive_depth: exporting {variant} seed {seed} failed; see {logs}")
 
-    workers.each(one, SEEDS)
+    workers.each(one, [(variant, seed) for variant in reversed(VARIANTS) for seed in SEEDS])
 
 
-def train_minutes(work: Path) -> dict[str, list[float]]:
+def train_minutes(work: Path, variant: str) -> dict[str, list[float]]:
     """Each seed's two stages' training minutes, read from the runs' logs (the last `elapsed`
-    each printed), so that a resumed bench still reports what training took."""
+    each printed), so that a resumed bench still reports what training took (its last part)."""
     minutes = {}
     for seed in SEEDS:
         for stage in (1, 2):
-            log = (work / "logs" / f"seed{seed}-stage{stage}.log").read_text()
+            log = (work / "logs" / f"{variant}-seed{seed}-stage{stage}.log").read_text()
             h, m, s = re.findall(r"elapsed (\d+):(\d\d):(\d\d)", log)[-1]
             minutes.setdefault(str(seed), []).append(round(int(h) * 60 + int(m) + int(s) / 60, 1))
     return minutes
@@ -247,57 +301,60 @@ def evidence(export: str, valid: str) -> dict:
     return result
 
 
-def bench(work: Path, seeds, valid: Path, python: str) -> dict[int, list[dict]]:
-    """`megaloop bench generate` on each seed's export at each batch size, two at a time, each
-    pinned to a core of its own (timings): the seeds' runs."""
+def pinned(cores: queue.Queue, cmd: list, log: Path) -> int:
+    """`cmd` on a core of its own (taken from `cores` and given back), one thread, its output
+    into `log`: its exit code."""
+    core = cores.get()
+    try:
+        pin = ["taskset", "-c", str(core)] if shutil.which("taskset") else []
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+        with open(log, "w") as f:
+            return subprocess.run(
+                [str(c) for c in [*pin, *cmd]], env=env, stdout=f, stderr=f
+            ).returncode
+    finally:
+        cores.put(core)
+
+
+def lane_cores() -> queue.Queue:
     cores = queue.Queue()
     for core in range(min(workers.LANES, os.cpu_count() or 1)):
         cores.put(core)
+    return cores
+
+
+def bench(work: Path, variant: str, valid: Path, python: str) -> dict[int, list[dict]]:
+    """`megaloop bench generate` on each seed's export of `variant` at each batch size, two at a
+    time, each pinned to a core of its own (timings): the seeds' runs."""
+    cores = lane_cores()
 
     def one(job: tuple[int, int]) -> list[dict]:
         seed, b = job
-        out = work / f"seed{seed}" / f"generate_b{b}"
+        out = work / variant / f"seed{seed}" / f"generate_b{b}"
         if not (out / "generate.json").is_file():
-            core = cores.get()
-            try:
-                pin = ["taskset", "-c", str(core)] if shutil.which("taskset") else []
-                cmd = [
-                    *pin,
-                    python,
-                    "-m",
-                    "megaloop",
-                    "bench",
-                    "generate",
-                    work / f"seed{seed}" / "hf",
-                    "--data",
-                    valid,
-                    "--seq-len",
-                    SEQ_LEN,
-                    "--prompt-tokens",
-                    PROMPT,
-                    "--task",
-                    TASK,
-                    "--batch-size",
-                    b,
-                    "--batches",
-                    EPISODES[b] // b,
-                    *BENCH,
-                    "--out",
-                    out,
-                ]
-                env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-                log = work / "logs" / f"seed{seed}-generate_b{b}.log"
-                with open(log, "w") as f:
-                    proc = subprocess.run([str(c) for c in cmd], env=env, stdout=f, stderr=f)
-                if proc.returncode != 0:
-                    sys.exit(f"adaptive_depth: bench generate on seed {seed} failed; see {log}")
-            finally:
-                cores.put(core)
-            print(f"benchmarked seed {seed} at batch {b}", flush=True)
+            cmd = [
+                python,
+                "-m",
+                "megaloop",
+                "bench",
+                "generate",
+                export_dir(work, variant, seed),
+                *("--data", valid, "--seq-len", SEQ_LEN, "--prompt-tokens", PROMPT),
+                *("--task", TASK, "--batch-size", b, "--batches", EPISODES[b] // b),
+                *BENCH,
+                "--out",
+                out,
+            ]
+            log = work / "logs" / f"{variant}-seed{seed}-generate_b{b}.log"
+            if pinned(cores, cmd, log) != 0:
+                sys.exit(
+                    f"adaptive_depth: bench generate on {variant} seed {seed} failed; see {log}"
+                )
+            print(f"benchmarked {variant} seed {seed} at batch {b}", flush=True)
         return json.loads((out / "generate.json").read_text())["runs"]
 
-    jobs = [(seed, b) for seed in seeds for b in EPISODES]
-    runs = dict.fromkeys(seeds, ())
+    jobs = [(seed, b) for seed in SEEDS for b in EPISODES]
+    runs = dict.fromkeys(SEEDS, ())
     for (seed, _), got in zip(jobs, workers.each(one, jobs)):
         runs[seed] = [*runs[seed], *got]
     return runs
@@ -368,6 +425,76 @@ def verdicts(runs: dict[int, list[dict]]) -> list[dict]:
     return rows
 
 
+NEVER = 1.01
+"""A gate threshold no token reaches (the cumulative exit probability is at most 1)."""
+PROFILE_REPEATS = 1 if SMOKE else 5
+
+
+def profile(export: str, valid: str, core: int) -> dict:
+    """Per batch size, seconds per decoded token (the fastest of PROFILE_REPEATS, in rounds, one
+    thread on `core`): fixed K = 1..K and their fit t(K) = f + c·K, and the exiting path under
+    each KV policy and batching at a threshold no token reaches, so that it runs K loops too:
+    its excess over fixed K, a loop, is what the exit path itself costs (the rule, the masks,
+    the cache's bookkeeping)."""
+    import numpy as np
+    import torch
+
+    from megaloop.evaluation import harness
+    from megaloop.evaluation.generate_bench import decode_batch
+
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    opened = harness.open_model(Path(export))
+    model, K = opened.model, opened.model.config.num_loops
+    windows = harness.windows(opened.encode(Path(valid).read_text()), SEQ_LEN, max(EPISODES))
+    result = {}
+    for b in EPISODES:
+        fixed = {f"fixed K={k}": {"exit": "fixed", "kv": None, "loops": k} for k in range(1, K + 1)}
+        exiting = {
+            f"{kv} {batching}": {"exit": "gate", "threshold": NEVER, "kv": kv, "loops": K}
+            | {"batching": batching}
+            for kv in KV_POLICIES
+            for batching in ("sync", "async")
+            if batching == "sync" or (b > 1 and kv in asynchronous_policies())
+        }
+        specs = {
+            n: {"threshold": None, "batching": "sync"} | s for n, s in (fixed | exiting).items()
+        }
+        best = dict.fromkeys(specs, float("inf"))
+        for spec in specs.values():  # warm-up
+            decode_batch(model, windows[:b], PROMPT, spec, lambda: None)
+        for _ in range(PROFILE_REPEATS):
+            for name, spec in specs.items():
+                seconds = decode_batch(model, windows[:b], PROMPT, spec, lambda: None)[0]
+                best[name] = min(best[name], seconds / (b * (SEQ_LEN - PROMPT)))
+        c, f = np.polyfit(np.arange(1, K + 1), [best[name] for name in fixed], 1)
+        result[str(b)] = {
+            "fixed_s_per_token": float(f),
+            "loop_s_per_token": float(c),
+            "s_per_token": best,
+            "exit_path_s_per_loop": {n: (best[n] - best[f"fixed K={K}"]) / K for n in exiting},
+        }
+    return result
+
+
+def profiles(work: Path, variants: list[str], valid: Path) -> dict[str, dict]:
+    """The profile of each variant's seed 0, two at a time, each on a core of its own."""
+    cores = lane_cores()
+
+    def one(variant: str) -> dict:
+        path = work / variant / "profile.json"
+        if not path.is_file():
+            core = cores.get()
+            try:
+                found = workers.call(profile, str(export_dir(work, variant, 0)), str(valid), core)
+            finally:
+                cores.put(core)
+            path.write_text(json.dumps(found, indent=1))
+        return json.loads(path.read_text())
+
+    return dict(zip(variants, workers.each(one, variants)))
+
+
 def main(argv: list[str], out: Path | None) -> None:
     out = report.command("adaptive_depth", argv, out, (write_report,))
     default = "runs/adaptive_depth_smoke" if SMOKE else "runs/adaptive_depth"
@@ -378,12 +505,16 @@ def main(argv: list[str], out: Path | None) -> None:
     train(work)
     clock["trained"] = time.time()
     valid = validation_text(work)
+    jobs = [(variant, seed) for variant in VARIANTS for seed in SEEDS]
     found = workers.each(
-        lambda seed: workers.call(evidence, str(work / f"seed{seed}" / "hf"), str(valid)), SEEDS
+        lambda job: workers.call(evidence, str(export_dir(work, *job)), str(valid)), jobs
     )
     clock["measured"] = time.time()
-    runs = bench(work, SEEDS, valid, python)
+    benched = [name for name, v in VARIANTS.items() if v.bench]
+    runs = {variant: bench(work, variant, valid, python) for variant in benched}
     clock["benchmarked"] = time.time()
+    profiled = profiles(work, benched, valid)
+    clock["profiled"] = time.time()
     info = {
         "smoke": SMOKE,
         "task": TASK,
@@ -391,22 +522,39 @@ def main(argv: list[str], out: Path | None) -> None:
         "seq_len": SEQ_LEN,
         "prompt_tokens": PROMPT,
         "seeds": list(SEEDS),
-        "steps": list(STEPS),
         "episodes": {str(b): n for b, n in EPISODES.items()},
         "evidence_windows": EVIDENCE,
         "bench": BENCH,
         "verdict_rule": VERDICT,
         "cpus": os.cpu_count(),
-        "train_minutes": train_minutes(work),
         "minutes": {
             f"{a}_to_{b}": round((clock[b] - clock[a]) / 60, 1)
             for a, b in zip(clock, list(clock)[1:])
         },
-        "evidence": {str(seed): e for seed, e in zip(SEEDS, found)},
-        "runs": {str(seed): r for seed, r in runs.items()},
-        "verdicts": verdicts(runs),
+        "variants": {
+            name: {
+                "title": v.title,
+                "overrides": list(v.overrides),
+                "steps": list(v.steps),
+                "train_minutes": train_minutes(work, name),
+                "evidence": {
+                    str(seed): e for (variant, seed), e in zip(jobs, found) if variant == name
+                },
+                **(
+                    {
+                        "runs": {str(seed): r for seed, r in runs[name].items()},
+                        "verdicts": verdicts(runs[name]),
+                        "profile": profiled[name],
+                    }
+                    if v.bench
+                    else {}
+                ),
+            }
+            for name, v in VARIANTS.items()
+        },
     }
     (out / "adaptive_depth.json").write_text(json.dumps(info, indent=1) + "\n")
     write_report(info, out)
-    print("\n".join(result_lines(info)))
+    for name in benched:
+        print(name, *result_lines(variant_info(info, name)), sep="\n")
     print(f"adaptive_depth: {info['minutes']} minutes; report in {out}")

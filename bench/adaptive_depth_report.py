@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench.common import report
+
 KINDS = (
     "operand digit",
     "format (+ = newline)",
@@ -134,20 +136,34 @@ def why_lines(info: dict) -> list[str]:
                 f"predicts {(intercept + slope * k) / (intercept + slope * applied):.2f}x fixed "
                 f"K={k}'s tokens/s for that "
                 f"work; it decodes at {mean(v['tokens_per_s']) / mean(top['tokens_per_s']):.2f}x. "
-                "The exiting path's own cost per loop (the exit rule, the cache's per-row "
-                "bookkeeping) outweighs a loop of this one-layer d=128 stack."
+                + (
+                    "The exiting path's own cost per loop (the exit rule, the cache's per-row "
+                    "bookkeeping) outweighs a loop of this one-layer d=128 stack."
+                    if "stack" not in info
+                    else "The rest is the exiting path's own cost (the exit rule, the cache's "
+                    f"bookkeeping, the catch-up rows) beside a loop of this {info['stack']} "
+                    "stack: the profile in the top README measures it a loop."
+                )
             )
         saving = [v for v in rows if v["kv"] != "recompute" and mean(v["mean_loops"]) <= k - 1]
-        if saving:
+        if saving and k > 1:
             v = max(saving, key=lambda v: mean(v["answer_accuracy"]))
+            kept = mean(v["answer_accuracy"]) >= mean(fixed[k - 1]["answer_accuracy"]) - MATCH
             lines.append(
-                f"- Batch {b}: under `copy` and `share`, no setting that saves a loop a token "
-                f"keeps the answers: the most accurate, {label(v)} at "
-                f"{mean(v['mean_loops']):.2f} loops, reaches {mean(v['answer_accuracy']):.3f}, "
-                f"against fixed K={k - 1}'s {mean(fixed[k - 1]['answer_accuracy']):.3f} at "
+                f"- Batch {b}: under `copy` and `share`, "
+                + ("a" if kept else "no")
+                + " setting that saves a loop a token keeps the answers: the most accurate, "
+                f"{label(v)} at {mean(v['mean_loops']):.2f} loops, reaches "
+                f"{mean(v['answer_accuracy']):.3f}, against fixed K={k - 1}'s "
+                f"{mean(fixed[k - 1]['answer_accuracy']):.3f} at "
                 f"{mean(v['tokens_per_s']) / mean(fixed[k - 1]['tokens_per_s']):.2f}x its "
-                "tokens/s. The per-kind table below shows where: the answers, whose deeper "
-                "loops read the exited tokens' keys and values."
+                "tokens/s. The per-kind table below shows "
+                + (
+                    "each kind's accuracy through the cache."
+                    if kept
+                    else "where: the answers, whose deeper loops read the exited tokens' keys "
+                    "and values."
+                )
             )
     return lines
 
@@ -168,9 +184,53 @@ def exit_table(per_kind: dict, kinds: list[str], section: str, first: str, intro
 
 
 def write_report(info: dict, out: Path) -> None:
-    """OUT/README.md: the verdict first, then the per-token evidence and the frontier tables."""
+    """OUT/README.md: the result per model first, what exit-aware training changes, the exit
+    path's profile and its measured against predicted speed-up; each benchmarked model's own
+    report in OUT/MODEL/. A report of one model (the runs before issue 57) as it was."""
+    if "variants" not in info:
+        return model_report(info, out)
+    lines = ["# Adaptive depth against fixed depth: 4-digit addition", ""]
+    if info["smoke"]:
+        lines += ["**SMOKE run: a toy size, its numbers mean nothing.**", ""]
+    benched = [name for name, v in info["variants"].items() if "verdicts" in v]
+    lines += ["## Result", ""]
+    for name in benched:
+        sub = variant_info(info, name)
+        lines += [f"**{sub['title']}** ([{name}/]({name}/README.md)):", "", *result_lines(sub), ""]
+    lines += [f"The rule, fixed before the run: {info['verdict_rule']}", ""]
+    lines += comparison_lines(info) + profile_lines(info, benched) + ratio_lines(info, benched)
+    reference = [name for name in info["variants"] if name not in benched]
+    for name in reference:
+        sub = variant_info(info, name)
+        lines += [f"## {sub['title']}: the reference model's evidence", ""]
+        lines += [line.replace("## ", "### ", 1) for line in evidence_lines(sub)] + [""]
+    lines += [
+        "Training, minutes per seed (stage 1, stage 2; one thread each, two runs at a time): "
+        + "; ".join(f"{n}: {v['train_minutes']}" for n, v in info["variants"].items())
+        + f". Then the evidence, the benchmark and the profile: {info['minutes']}.",
+        "",
+    ]
+    (out / "README.md").write_text("\n".join(lines))
+    for name in benched:
+        (out / name).mkdir(exist_ok=True)
+        model_report(variant_info(info, name), out / name)
+
+
+def variant_info(info: dict, name: str) -> dict:
+    """One model's figures with the run's shared ones, as a report of one model reads them."""
+    shared = {k: v for k, v in info.items() if k != "variants"}
+    v = info["variants"][name]
+    stack = "four-layer" if "model.num_layers=4" in v["overrides"] else "one-layer"
+    exit_aware = any(o.startswith("objective.exit_kv=") for o in v["overrides"])
+    return shared | v | {"stack": f"{stack} d=128", "exit_aware": exit_aware}
+
+
+def model_report(info: dict, out: Path) -> None:
+    """OUT/README.md of one model: the verdict first, then the per-token evidence and the
+    frontier tables."""
     sizes = sorted({v["batch_size"] for v in info["verdicts"]})
-    lines = ["# Adaptive depth against fixed depth: 4-digit addition, one layer a loop", ""]
+    title = info.get("title", "one layer a loop")
+    lines = [f"# Adaptive depth against fixed depth: 4-digit addition, {title}", ""]
     if info["smoke"]:
         lines += ["**SMOKE run: a toy size, its numbers mean nothing.**", ""]
     lines += [
@@ -252,8 +312,14 @@ def evidence_lines(info: dict) -> list[str]:
         "The same through the cache (teacher-forced, sync, the tokens after the prompt): each "
         "policy at one threshold per rule, mean exit loop (and accuracy). Under `copy` a later "
         "token's deeper loops read an exited token's keys and values of its exit loop, and "
-        "under `share` every loop reads each earlier token's last computed loop: states this "
-        "model never attended to in training. `recompute` runs the exited tokens' missing "
+        "under `share` every loop reads each earlier token's last computed loop: "
+        + (
+            "`copy`'s are what this model's training forward gave it (exit-aware training), "
+            "`share`'s are not. "
+            if info.get("exit_aware")
+            else "states this model never attended to in training. "
+        )
+        + "`recompute` runs the exited tokens' missing "
         "loops instead, so it decodes as the no-cache reference above.",
     )
 
@@ -337,3 +403,106 @@ def plot(info: dict, b: int, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def comparison_lines(info: dict) -> list[str]:
+    """Per token kind, accuracy through the cache of the model trained at full depth against
+    the same stack trained exit-aware, each policy at one threshold per rule."""
+    subs = [variant_info(info, name) for name in info["variants"]]
+    lines = []
+    for ref in (s for s in subs if not s["exit_aware"]):
+        for sub in (s for s in subs if s["exit_aware"] and s["stack"] == ref["stack"]):
+            seeds = [*ref["evidence"].values(), *sub["evidence"].values()]
+            kinds = [k for k in KINDS if all("cached" in e.get(k, {}) for e in seeds)]
+            runs = list(seeds[0][kinds[0]]["cached"]) if kinds else []
+            lines += [
+                f"## What exit-aware training changes: {ref['title']} against {sub['title']}",
+                "",
+                "Answer accuracy through the cache (teacher-forced, sync) by what the next token "
+                "is, mean over the seeds: trained at full depth → trained exit-aware (mean exit "
+                "loop in brackets, the same order).",
+                "",
+                *report.table(
+                    ["rule, policy", *kinds],
+                    [[run, *(transition(ref, sub, kind, run) for kind in kinds)] for run in runs],
+                ),
+                "",
+            ]
+    return lines
+
+
+def transition(ref: dict, sub: dict, kind: str, run: str) -> str:
+    def of(info: dict, key: str) -> float:
+        return mean([e[kind]["cached"][run][key] for e in info["evidence"].values()])
+
+    return (
+        f"{of(ref, 'accuracy'):.3f} → {of(sub, 'accuracy'):.3f} "
+        f"({of(ref, 'mean_exit_loop'):.2f} → {of(sub, 'mean_exit_loop'):.2f})"
+    )
+
+
+def profile_lines(info: dict, benched: list[str]) -> list[str]:
+    """Where a decoded token's time goes (seed 0 of each benchmarked model): fixed K's fit
+    t(K) = f + c·K, and the exiting path at a threshold no token reaches (K loops as well),
+    its excess over fixed K a loop against c."""
+    rows = []
+    for name in benched:
+        for b, p in info["variants"][name]["profile"].items():
+            f, c = p["fixed_s_per_token"], p["loop_s_per_token"]
+            K = sum(n.startswith("fixed") for n in p["s_per_token"])
+            fixed = p["s_per_token"][f"fixed K={K}"]
+            rows.append([name, b, f"fixed K={K}", f"{fixed * 1e3:.3f}", f"{f * 1e3:.3f}"])
+            rows[-1] += [f"{c * 1e3:.3f}", "", ""]
+            for run, extra in p["exit_path_s_per_loop"].items():
+                ms = p["s_per_token"][run] * 1e3
+                rows.append([name, b, run, f"{ms:.3f}", "", "", f"{extra * 1e3:.3f}"])
+                rows[-1].append(f"{extra / c:.2f}")
+    if not rows:
+        return []
+    return [
+        "## Where a decoded token's time goes",
+        "",
+        "Seed 0 of each model, one thread, the fastest of its repeats: fixed K's cost per "
+        "decoded token and its fit t(K) = f + c·K (f the embedding, readout and cache, c a "
+        "loop), and the exiting path under each policy and batching at a threshold no token "
+        "reaches, so that it runs the K loops too: its excess over fixed K, a loop, is what "
+        "the exit path itself costs (the rule's λ, the masks, the cache's bookkeeping).",
+        "",
+        *report.table(
+            ["model", "batch", "run", "ms a token", "f, ms", "c, ms a loop"]
+            + ["exit path, ms a loop", "÷ c"],
+            rows,
+        ),
+        "",
+    ]
+
+
+def ratio_lines(info: dict, benched: list[str]) -> list[str]:
+    """Per model, batch size, policy and batching: the exiting runs' measured ÷ predicted
+    speed-up (the prediction: the stack applications each made, at fixed K's price)."""
+    rows = []
+    for name in benched:
+        groups: dict[tuple, list[float]] = {}
+        for seed_runs in info["variants"][name]["runs"].values():
+            for r in seed_runs:
+                if r["exit"] != "fixed":
+                    key = (r["batch_size"], r["kv"], r["batching"])
+                    groups.setdefault(key, []).append(r["ratio"])
+        for (b, kv, batching), ratios in sorted(groups.items()):
+            middle = sorted(ratios)[len(ratios) // 2]
+            rows.append([name, str(b), kv, batching, f"{middle:.2f}"])
+            rows[-1] += [f"{min(ratios):.2f}", f"{max(ratios):.2f}", str(len(ratios))]
+    if not rows:
+        return []
+    return [
+        "## Measured against predicted",
+        "",
+        "Each exiting run's speed-up over fixed K_max, measured ÷ predicted from the stack "
+        "applications it made at fixed K's price (`bench generate`): 1 is an exit path that "
+        "costs nothing beyond its loops.",
+        "",
+        *report.table(
+            ["model", "batch", "policy", "batching", "median", "lowest", "highest", "runs"], rows
+        ),
+        "",
+    ]

@@ -7,6 +7,7 @@ machine and its load. (bench/gpu.sh has a test of its own; bench/gpu_wheels.sh's
 tests/unit/bench/test_bench_scripts.py.)
 """
 
+import itertools
 import json
 import math
 import os
@@ -600,10 +601,12 @@ def test_generate_mini_smoke(tmp_path):
 
 
 def test_adaptive_depth_smoke(tmp_path):  # two worker lanes, then two pinned processes
-    """bench/adaptive_depth --smoke: two seeds trained in two stages (exit-weighted, then the
-    gate alone from stage 1's checkpoint) and exported, the per-token evidence over each kind of
-    token, every run of `bench generate` at batch 1 and 8 over its batches, one verdict per exit
-    setting, and the report with its figures."""
+    """bench/adaptive_depth --smoke: three models (one layer a loop trained at full depth and
+    exit-aware, four layers exit-aware), two seeds each, trained in two stages (exit-weighted,
+    then the gate alone from stage 1's checkpoint, the model's overrides on both) and exported,
+    the per-token evidence over each kind of token, every run of `bench generate` at batch 1
+    and 8 over its batches on the exit-aware models, their profile, one verdict per exit
+    setting, and the reports with their figures."""
     script, work, out = str(ROOT / "bench/adaptive_depth"), tmp_path / "work", tmp_path / "out"
     env = bench_env()
     env["ADAPTIVE_WORK"] = str(work)
@@ -611,28 +614,34 @@ def test_adaptive_depth_smoke(tmp_path):  # two worker lanes, then two pinned pr
     assert proc.returncode == 1 and "needs an OUT folder" in proc.stderr, proc.stderr
     assert not work.exists()
     smoke = [script, "--smoke", "--out", str(out)]
-    proc = subprocess.run(smoke, capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run(smoke, capture_output=True, text=True, env=env, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for seed in (0, 1):
-        one = read_metrics(work / f"seed{seed}/stage1")["config"]
-        two = read_metrics(work / f"seed{seed}/stage2")["config"]
+    layers = {"one_layer": 1, "one_layer_exits": 1, "four_layers_exits": 4}
+    for (variant, n), seed in itertools.product(layers.items(), (0, 1)):
+        one = read_metrics(work / variant / f"seed{seed}/stage1")["config"]
+        two = read_metrics(work / variant / f"seed{seed}/stage2")["config"]
         assert one["objective"]["kind"] == "exit_weighted" and one["data"]["task"] == "addition"
         assert two["objective"]["kind"] == "gate_gain" and one["model"]["hidden_size"] == 32
+        assert one["model"]["num_layers"] == two["model"]["num_layers"] == n
+        rate = 0.0 if variant == "one_layer" else 0.5
+        assert one["objective"]["exit_rate"] == two["objective"]["exit_rate"] == rate
         assert two["train"]["init_from"] == str(
-            work / f"seed{seed}/stage1/checkpoints/step_0000004"
+            work / variant / f"seed{seed}/stage1/checkpoints/step_0000004"
         )
         assert (one["train"]["seed"], two["train"]["seed"]) == (seed, seed)
-        assert json.loads((work / f"seed{seed}/hf/config.json").read_text())["exit_gate"]
+        hf = json.loads((work / variant / f"seed{seed}/hf/config.json").read_text())
+        assert hf["exit_gate"] and hf["num_hidden_layers"] == n
 
     info = json.loads((out / "adaptive_depth.json").read_text())
     assert info["smoke"] and info["seeds"] == [0, 1] and info["episodes"] == {"1": 4, "8": 16}
+    assert list(info["variants"]) == list(layers)
     always = {
         "operand digit",
         "format (+ = newline)",
         "answer, units digit",
         "answer, carry from the next column",
     }
-    for found in info["evidence"].values():
+    for found in (e for v in info["variants"].values() for e in v["evidence"].values()):
         assert always <= set(found) <= always | {"answer, carry through a 9-sum column"}
         assert found["operand digit"]["tokens"] == 8 * info["evidence_windows"]
         assert found["answer, units digit"]["tokens"] == info["evidence_windows"]
@@ -644,30 +653,49 @@ def test_adaptive_depth_smoke(tmp_path):  # two worker lanes, then two pinned pr
             assert 1 <= kind["gate_mean_exit_loop"] <= 4
             assert len(kind["rules"]) == 12  # three rules, four thresholds each
             assert all(1 <= r["mean_exit_loop"] <= 4 for r in kind["rules"].values())
-    for runs in info["runs"].values():
-        for b, batches in ((1, 4), (8, 2)):
-            at_b = [r for r in runs if r["batch_size"] == b]
-            assert {r["batches"] for r in at_b} == {batches}
-            assert sorted(r["loops"] for r in at_b if r["exit"] == "fixed") == [1, 2, 3, 4]
-            exiting = [r for r in at_b if r["exit"] != "fixed"]
-            assert len(exiting) == 3 * 2 * (5 if b > 1 else 3)  # 2 thresholds; async: copy, share
-            for r in at_b:
-                assert 0 <= r["answer_accuracy"] <= 1 and math.isfinite(r["answer_ce"])
-                decoded = b * batches * (16 - 6)
-                assert r["tokens_per_s"] == pytest.approx(decoded / min(r["seconds"]))
-    assert len(info["verdicts"]) == 3 * 2 * (3 + 5)
-    for v in info["verdicts"]:
-        assert len(v["answer_accuracy"]) == 2 and isinstance(v["beats_fixed_depth"], bool)
-        assert v["beats_fixed_depth"] == (v["undominated"] and (v["by_accuracy"] or v["by_speed"]))
+    assert "runs" not in info["variants"]["one_layer"]  # the reference: evidence only
+    for name in ("one_layer_exits", "four_layers_exits"):
+        variant = info["variants"][name]
+        for runs in variant["runs"].values():
+            for b, batches in ((1, 4), (8, 2)):
+                at_b = [r for r in runs if r["batch_size"] == b]
+                assert {r["batches"] for r in at_b} == {batches}
+                assert sorted(r["loops"] for r in at_b if r["exit"] == "fixed") == [1, 2, 3, 4]
+                exiting = [r for r in at_b if r["exit"] != "fixed"]
+                assert len(exiting) == 3 * 2 * (5 if b > 1 else 3)  # async: copy, share
+                for r in at_b:
+                    assert 0 <= r["answer_accuracy"] <= 1 and math.isfinite(r["answer_ce"])
+                    decoded = b * batches * (16 - 6)
+                    assert r["tokens_per_s"] == pytest.approx(decoded / min(r["seconds"]))
+        assert len(variant["verdicts"]) == 3 * 2 * (3 + 5)
+        for v in variant["verdicts"]:
+            assert len(v["answer_accuracy"]) == 2 and isinstance(v["beats_fixed_depth"], bool)
+            assert v["beats_fixed_depth"] == (
+                v["undominated"] and (v["by_accuracy"] or v["by_speed"])
+            )
+        for b, p in variant["profile"].items():
+            runs = {"copy sync", "share sync", "recompute sync"}
+            runs |= {"copy async", "share async"} if b == "8" else set()
+            assert set(p["exit_path_s_per_loop"]) == runs
+            assert len(p["s_per_token"]) == 4 + len(runs)
+        sub = (out / name / "README.md").read_text()
+        assert sub.startswith(
+            f"# Adaptive depth against fixed depth: 4-digit addition, {variant['title']}"
+        )
+        assert sub.count("\n| fixed K=") == 8 and "\n| gate 0.5 copy | " in sub
+        for b in (1, 8):
+            assert (out / name / f"frontier_b{b}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = (out / "README.md").read_text()
-    assert report.startswith("# Adaptive depth against fixed depth")
-    assert "**SMOKE run" in report and "- **Batch 1: " in report and "- **Batch 8: " in report
-    assert report.count("\n| fixed K=") == 8 and "\n| gate 0.5 | " in report
-    assert "\n| gate 0.5 copy | " in report and "\n| confidence 0.9 recompute | " in report
-    for b in (1, 8):
-        assert (out / f"frontier_b{b}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # --report redraws the same report from the JSON
+    assert report.startswith("# Adaptive depth against fixed depth: 4-digit addition\n")
+    assert "**SMOKE run" in report and report.count("- **Batch 1: ") == 2
+    assert "## What exit-aware training changes" in report and "\n| gate 0.5 copy | " in report
+    assert report.count("\n| four_layers_exits | 8 | copy | async | ") == 1
+    assert report.count("\n| one_layer_exits | 1 | recompute sync | ") == 1
+    # --report redraws the same reports from the JSON
+    sub = (out / "four_layers_exits/README.md").read_text()
     (out / "README.md").unlink()
+    (out / "four_layers_exits/README.md").unlink()
     again = [script, "--report", "--out", str(out)]
     proc = subprocess.run(again, capture_output=True, text=True, env=env)
     assert proc.returncode == 0 and (out / "README.md").read_text() == report
+    assert (out / "four_layers_exits/README.md").read_text() == sub
