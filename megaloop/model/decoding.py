@@ -202,14 +202,13 @@ class ActiveSlots:
 
 
 def gather_index(work: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The rows with work [r], each one's working positions first [r, n] (n: the most any row
-    has) and which of those are real [r, n], from `work` [b, P] booleans: the gather that runs a
-    loop on the active rows only."""
-    rows = work.any(1).nonzero().squeeze(1)
-    of_rows = work[rows]
-    n = int(of_rows.sum(1).max()) if len(rows) else 0
-    idx = torch.argsort((~of_rows).to(torch.int8), dim=1, stable=True)[:, :n]
-    return rows, idx, of_rows.gather(1, idx)
+    """Every row [b], its working positions first [b, n] (n: the most any row has) and which of
+    those are real [b, n], from `work` [b, P] booleans: the gather that runs a loop on the
+    positions that need it. A row without work runs a masked position rather than leaving the
+    batch: gathering the rows would copy their slots' keys and values at every layer."""
+    n = int(work.sum(1).max())
+    idx = torch.argsort((~work).to(torch.int8), dim=1, stable=True)[:, :n]
+    return torch.arange(len(work), device=work.device), idx, work.gather(1, idx)
 
 
 def loop_cache(cache: Cache | None, kv_policy: str | None, default: str) -> LoopCache:
