@@ -82,3 +82,54 @@ def test_the_verdict_needs_every_seed_and_more_than_the_spreads():
     seeds[1] = placed([run(1, 100, 0.52), run(2, 60, 0.69), run(2, 55, 0.69, **gate)])
     (row,) = bench.verdicts(seeds)
     assert not row["undominated"] and not row["beats_fixed_depth"]
+
+
+def variants_info():
+    """A run's JSON in miniature: the reference model (evidence only) and an exit-aware one with
+    its runs and profile, figures chosen by hand."""
+    cached = lambda acc, loops: {"gate 0.5 copy": {"accuracy": acc, "mean_exit_loop": loops}}  # noqa: E731
+    kind = "answer, units digit"
+    exits = [
+        run(4, 100, 0.9, ratio=r, exit="gate", threshold=0.5, kv="copy", batch_size=8)
+        for r in (0.8, 0.95, 0.9)
+    ]
+    profile = {
+        "8": {
+            "fixed_s_per_token": 1e-4,
+            "loop_s_per_token": 2e-4,
+            "s_per_token": {"fixed K=1": 3e-4, "fixed K=2": 5e-4, "copy sync": 1.3e-3},
+            "exit_path_s_per_loop": {"copy sync": 1e-4},
+        }
+    }
+    return {
+        "verdict_rule": "the rule",
+        "smoke": False,
+        "variants": {
+            "one_layer": {
+                "title": "plain",
+                "overrides": [],
+                "evidence": {"0": {kind: {"cached": cached(0.5, 2.0)}}},
+            },
+            "one_layer_exits": {
+                "title": "exits",
+                "overrides": ["objective.exit_kv=copy"],
+                "evidence": {"0": {kind: {"cached": cached(0.75, 2.5)}}},
+                "runs": {"0": [run(4, 100, 0.9, batch_size=8), *exits]},
+                "profile": profile,
+            },
+        },
+    }
+
+
+def test_the_top_report_publishes_the_comparison_profile_and_ratios_as_measured():
+    from bench import adaptive_depth_report as report
+
+    info = variants_info()
+    comparison = "\n".join(report.comparison_lines(info))
+    assert "| gate 0.5 copy | 0.500 → 0.750 (2.00 → 2.50) |" in comparison
+    profile = report.profile_lines(info, ["one_layer_exits"])
+    # fixed K=2 at 0.5 ms a token, f 0.1 ms and c 0.2 ms; the exit path 0.1 ms a loop, 0.5 c
+    assert "| one_layer_exits | 8 | fixed K=2 | 0.500 | 0.100 | 0.200 |  |  |" in profile
+    assert "| one_layer_exits | 8 | copy sync | 1.300 |  |  | 0.100 | 0.50 |" in profile
+    ratios = report.ratio_lines(info, ["one_layer_exits"])
+    assert "| one_layer_exits | 8 | copy | sync | 0.90 | 0.80 | 0.95 | 3 |" in ratios
