@@ -335,23 +335,30 @@ class HeldSlots:
     values in the loop's slot and returns the slot whole, as Cache.update does; a token no
     longer `running` [b, s] (None: all are; set each loop) writes what its KV policy leaves
     there instead, the previous loop's under `copy` (by induction its exit loop's), its own last
-    under `share`. The slots' views are taken once a forward, not at every layer."""
+    under `share`. A slot's views are taken once a forward, when a loop first reaches it."""
 
     def __init__(self, cache: LoopCache, s: int):
-        end = cache.length
-        self.cache, self.running = cache, None
-        self.whole = [t[:, :, :end] for t in (*cache.keys, *cache.values)]
-        self.new = [t[:, :, end - s : end] for t in (*cache.keys, *cache.values)]
+        self.cache, self.s, self.running = cache, s, None
+        self.views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def view(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot i's keys (i < slots) or values (slot i − slots) whole, and at the new positions."""
+        if i not in self.views:
+            cache, slots = self.cache, len(self.cache.keys)
+            t = cache.keys[i] if i < slots else cache.values[i - slots]
+            self.views[i] = (t[:, :, : cache.length], t[:, :, cache.length - self.s : cache.length])
+        return self.views[i]
 
     def update(self, k: torch.Tensor, v: torch.Tensor, index: int):
         cache, slot = self.cache, self.cache.slot(index)
         slots = len(cache.keys)
         for i, new in ((slot, k), (slots + slot, v)):
+            fresh = self.view(i)[1]
             if self.running is not None:
-                held = self.new[i - cache.num_layers if cache.policy.copies_down else i]
+                held = self.view(i - cache.num_layers)[1] if cache.policy.copies_down else fresh
                 new = torch.where(self.running[:, None, :, None], new, held)
-            self.new[i].copy_(new)
-        return self.whole[slot], self.whole[slots + slot]
+            fresh.copy_(new)
+        return self.view(slot)[0], self.view(slots + slot)[0]
 
 
 def resumed(
