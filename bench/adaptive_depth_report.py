@@ -211,6 +211,8 @@ def write_report(info: dict, out: Path) -> None:
         "",
     ]
     (out / "README.md").write_text("\n".join(lines))
+    for stale in out.glob("frontier_b*.png"):  # a one-model report's, now each model's folder's
+        stale.unlink()
     for name in benched:
         (out / name).mkdir(exist_ok=True)
         model_report(variant_info(info, name), out / name)
