@@ -103,6 +103,8 @@ SKIP = {
     "megaloop report runs/study/44m --out reports/study-44m": "the study's runs (bench/study_mini reports its miniature)",
     "python tests/mutants/run.py": "minutes of test runs over every mutant; not a CI step (docs/testing.md)",
     "megaloop prep wikitext103 --source data/wikitext103_cpu_source --tokenizer words:20000 --layout stream --out data/wikitext103_cpu": "the real WikiText-103 text beside the repository (bench/study_mini runs this prep; tests/multiprocess/test_study_mini.py its smoke, on generated text)",
+    "megaloop train configs/experiments/adaptive_depth/stage1.yaml objective.exit_kv=copy objective.exit_rate=0.5 train.dir=runs/exits/stage1": "3,000 steps of exit-aware training (bench/adaptive_depth trains it; tests/unit/train/test_trainer.py takes steps of it)",
+    "megaloop train configs/experiments/adaptive_depth/stage2.yaml objective.exit_kv=copy objective.exit_rate=0.5 train.init_from=runs/exits/stage1/checkpoints/step_0003000 train.dir=runs/exits/stage2": "reads the run above (bench/adaptive_depth trains both stages; its smoke test a few steps of each)",
     "megaloop train configs/experiments/study/44m/per_loop_norm.yaml train.bf16=false data.path=data/wikitext103_cpu/train data.valid_path=data/wikitext103_cpu/valid model.vocab_size=17457 model.hidden_size=96 model.num_heads=4 model.num_layers=2 model.max_seq_len=128 data.seq_len=128 data.stride=64 data.epochs=null train.steps=200 train.micro_batch_size=16 train.global_batch_size=16 train.eval_every=50 train.eval_batches=16 wandb.mode=disabled": "reads the prep above: 10 minutes on 2 cores (bench/study_mini trains this shape; its smoke test a few steps of it)",
 }
 
@@ -149,7 +151,8 @@ def test_prepared_data_is_what_the_configs_after_it_read():
         elif words[:2] in (["megaloop", "sweep"], ["megaloop", "train"]) and prepared:
             for pattern in (w for w in words[2:] if w.startswith("configs/")):
                 for config in expand(pattern):
-                    data = experiment.load(ROOT / config).data
+                    overrides = [w for w in words[2:] if "=" in w and not w.startswith("-")]
+                    data = experiment.load(ROOT / config, overrides).data
                     path = getattr(data, "path", None)
                     if data.kind in ("indexed", "webdataset") and path in prepared:
                         assert prepared[path] == data.seq_len, (config, path)
