@@ -377,10 +377,8 @@ def resumed(
     running = torch.ones(b, s, dtype=torch.bool, device=tokens.depth.device)
     open_ = running.clone()
     logits = tokens.hidden.new_zeros(b, s, model.config.vocab_size)
-    exit_loops, loops_run = (
-        torch.zeros_like(running, dtype=torch.long),
-        torch.zeros_like(running, dtype=torch.long),
-    )
+    exit_loops = torch.zeros_like(running, dtype=torch.long)
+    loops_run = torch.zeros_like(exit_loops)
 
     def run() -> bool:
         nonlocal running
