@@ -222,9 +222,10 @@ def variant_info(info: dict, name: str) -> dict:
     """One model's figures with the run's shared ones, as a report of one model reads them."""
     shared = {k: v for k, v in info.items() if k != "variants"}
     v = info["variants"][name]
-    stack = "four-layer" if "model.num_layers=4" in v["overrides"] else "one-layer"
-    exit_aware = any(o.startswith("objective.exit_kv=") for o in v["overrides"])
-    return shared | v | {"stack": f"{stack} d=128", "exit_aware": exit_aware}
+    given = dict(o.split("=", 1) for o in v["overrides"])
+    layers = given.get("model.num_layers", "1")
+    exit_aware = given.get("objective.exit_kv", "none") != "none"
+    return shared | v | {"stack": f"{layers}-layer d=128", "exit_aware": exit_aware}
 
 
 def model_report(info: dict, out: Path) -> None:
