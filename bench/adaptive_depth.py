@@ -179,13 +179,22 @@ def train(work: Path) -> None:
                 sys.exit(f"adaptive_depth: {variant} seed {seed} stage {stage} failed; see {log}")
             print(f"trained {variant} seed {seed} stage {stage} in {time.time() - began:.0f} s")
         export = export_dir(work, variant, seed)
-        if not (export / "config.json").is_file():
+        if not exported(export):
             shutil.rmtree(export, ignore_errors=True)
             argv = ["export", run_dir(work, variant, seed, 2), "--out", export]
             if workers.megaloop(argv, logs / f"{variant}-seed{seed}-export.log") != 0:
                 sys.exit(f"adaptive_depth: exporting {variant} seed {seed} failed; see {logs}")
 
     workers.each(one, [(variant, seed) for variant in reversed(VARIANTS) for seed in SEEDS])
+
+
+def exported(export: Path) -> bool:
+    """Whether `export` is a finished export of this megaloop's code (a bench resumed after a
+    code change exports again, rather than stopping at the evidence on the stale code)."""
+    from megaloop.export import code_problem
+
+    config = export / "config.json"
+    return config.is_file() and code_problem(export, json.loads(config.read_text())) is None
 
 
 def train_minutes(work: Path, variant: str) -> dict[str, list[float]]:

@@ -1,5 +1,8 @@
 """bench/adaptive_depth's own logic, by hand: which kind each target token of a sum is, and
-the verdict rule (domination, the seeds' range, the repeats' spread)."""
+the verdict rule (domination, the seeds' range, the repeats' spread), and which exports a resumed
+bench keeps."""
+
+import json
 
 import numpy as np
 
@@ -21,6 +24,18 @@ def test_each_target_of_a_sum_gets_its_kind():
         fmt,
         operand,
     ]
+
+
+def test_a_resumed_bench_keeps_only_exports_of_this_code(tmp_path):
+    from support import tiny_export, write_export
+
+    export = write_export(tiny_export(), tmp_path / "hf")
+    assert bench.exported(export)
+    config = json.loads((export / "config.json").read_text())
+    config["megaloop_code"]["decoding.py"] = "0" * 64  # exported before decoding.py changed
+    (export / "config.json").write_text(json.dumps(config))
+    assert not bench.exported(export)
+    assert not bench.exported(tmp_path / "never_exported")
 
 
 def test_validation_sums_fill_one_window_each():
