@@ -562,7 +562,8 @@ def main(argv: list[str], out: Path | None) -> None:
             for name, v in VARIANTS.items()
         },
     }
-    (out / "adaptive_depth.json").write_text(json.dumps(info, indent=1) + "\n")
+    # compact: three models' runs, each repeat's seconds kept, stay under 1 MB
+    (out / "adaptive_depth.json").write_text(json.dumps(info, separators=(",", ":")) + "\n")
     write_report(info, out)
     for name in benched:
         print(name, *result_lines(variant_info(info, name)), sep="\n")
